@@ -1,0 +1,1 @@
+//! TCP relaying for Kubernetes networking (under construction).

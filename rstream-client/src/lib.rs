@@ -1,0 +1,1 @@
+//! The rstream tunnel protocol (under construction).

@@ -1,0 +1,153 @@
+//! `cargo xtask test`: every check CI runs, in order, with a summary at the end.
+
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use anyhow::bail;
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// Extra arguments passed to `cargo test` (e.g. a test name filter).
+    #[arg(last = true)]
+    test_args: Vec<String>,
+}
+
+/// Extra environment variables of one step.
+type Env<'a> = Vec<(&'a str, &'a str)>;
+
+struct Step {
+    name: &'static str,
+    duration: Duration,
+    ok: bool,
+}
+
+pub fn run(args: &Args) -> anyhow::Result<()> {
+    let root = crate::workspace_root();
+    let mut steps: Vec<Step> = Vec::new();
+
+    let started = Instant::now();
+    let assets = crate::envtest::ensure(&crate::envtest::Args::default());
+    steps.push(Step {
+        name: "envtest binaries",
+        duration: started.elapsed(),
+        ok: assets.is_ok(),
+    });
+    let assets = assets?;
+
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
+    let mut test_cmd = vec!["test", "--workspace", "--all-features", "--no-fail-fast"];
+    if !args.test_args.is_empty() {
+        test_cmd.push("--");
+        test_cmd.extend(args.test_args.iter().map(String::as_str));
+    }
+    let plan: Vec<(&'static str, Vec<&str>, Env<'_>)> = vec![
+        (
+            "cargo fmt --check",
+            vec!["fmt", "--all", "--", "--check"],
+            vec![],
+        ),
+        (
+            "cargo clippy -D warnings",
+            vec![
+                "clippy",
+                "--workspace",
+                "--all-targets",
+                "--all-features",
+                "--",
+                "-D",
+                "warnings",
+            ],
+            vec![],
+        ),
+        ("cargo test", test_cmd, vec![]),
+        (
+            "cargo doc -D warnings",
+            vec!["doc", "--workspace", "--no-deps", "--all-features"],
+            vec![("RUSTDOCFLAGS", "-D warnings")],
+        ),
+    ];
+    let mut failed = false;
+    let mut totals = TestTotals::default();
+    for (name, cmd_args, envs) in plan {
+        eprintln!("\n==> {name}");
+        let started = Instant::now();
+        let mut cmd = Command::new(&cargo);
+        cmd.current_dir(&root)
+            .args(&cmd_args)
+            .envs(envs)
+            .env("KUBEBUILDER_ASSETS", &assets);
+        let status = if cmd_args.first() == Some(&"test") {
+            run_counting(&mut cmd, &mut totals)?
+        } else {
+            cmd.status()?
+        };
+        steps.push(Step {
+            name,
+            duration: started.elapsed(),
+            ok: status.success(),
+        });
+        failed |= !status.success();
+    }
+
+    eprintln!("\n==> summary");
+    for step in &steps {
+        eprintln!(
+            "{:>4}  {:<28} {:>8.1?}",
+            if step.ok { "ok" } else { "FAIL" },
+            step.name,
+            step.duration
+        );
+    }
+    eprintln!(
+        "cargo test: {} test binaries, {} ignored",
+        totals.binaries, totals.ignored
+    );
+    // The closing line CI reads: every test of every test binary, summed.
+    println!("tests: {} passed, {} failed", totals.passed, totals.failed);
+    if failed {
+        bail!("some checks failed");
+    }
+    Ok(())
+}
+
+#[derive(Default)]
+struct TestTotals {
+    binaries: u64,
+    passed: u64,
+    failed: u64,
+    ignored: u64,
+}
+
+/// Runs `cargo test`, echoing its output while summing its `test result:` lines.
+fn run_counting(
+    cmd: &mut Command,
+    totals: &mut TestTotals,
+) -> anyhow::Result<std::process::ExitStatus> {
+    use std::io::{BufRead as _, BufReader};
+    let mut child = cmd.stdout(std::process::Stdio::piped()).spawn()?;
+    if let Some(stdout) = child.stdout.take() {
+        for line in BufReader::new(stdout).lines() {
+            let line = line?;
+            println!("{line}");
+            if let Some(result) = line.strip_prefix("test result: ") {
+                totals.binaries += 1;
+                for part in result.split(';') {
+                    let mut words = part.split_whitespace().rev();
+                    let (Some(label), Some(count)) = (words.next(), words.next()) else {
+                        continue;
+                    };
+                    let Ok(count) = count.parse::<u64>() else {
+                        continue;
+                    };
+                    match label {
+                        "passed" => totals.passed += count,
+                        "failed" => totals.failed += count,
+                        "ignored" => totals.ignored += count,
+                        _ => {}
+                    }
+                }
+            }
+        }
+    }
+    Ok(child.wait()?)
+}
