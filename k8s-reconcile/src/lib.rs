@@ -1,16 +1,85 @@
 //! A reconciler framework on kube-rs, and a real test control plane.
 //!
+//! Each controller of this project is only its own logic: it implements [`Reconciler`], and this
+//! crate wires it to `kube::runtime` with owned and watched kinds, per-object backoff, resync,
+//! concurrency limits, leader election, finalizers, metrics, health and Events. Children are
+//! written by server-side apply with a fixed field manager and no write at all in a steady state.
+//!
 //! # Layout
 //!
+//! * [`controller`]: the [`Reconciler`] trait, [`ControllerBuilder`] and the per-reconcile
+//!   [`Context`].
+//! * [`apply`]: [`Applier`], server-side apply that skips unchanged objects; owner references;
+//!   pruning by label.
+//! * [`conditions`]: status conditions whose `lastTransitionTime` moves only on a flip.
+//! * [`endpointslice`]: EndpointSlices (one per IP family) and skip-mirror Endpoints for a Service.
+//! * [`deployment`]: config-hash annotations that roll pods; availability as a condition.
+//! * [`leader`]: Lease-based leader election with client-go's semantics.
+//! * [`metrics`]: Prometheus metrics of reconciles and leadership.
+//! * [`ops`]: `/healthz`, `/readyz`, `/metrics` and shutdown on SIGTERM.
 //! * [`testing`] (feature `testing`): a real kube-apiserver + etcd for integration tests, with
 //!   clients for any identity and kubeconfig files for child processes.
 //!
 //! # Feature flags
 //!
 //! * `testing`: the [`testing`] module; pulls in `rcgen` and `tempfile`.
+//!
+//! # Example
+//!
+//! A controller that keeps a ConfigMap next to every Secret it watches:
+//!
+//! ```no_run
+//! use std::sync::Arc;
+//! use k8s_openapi::api::core::v1::{ConfigMap, Secret};
+//! use k8s_reconcile::{Action, Context, ControllerBuilder, Reconciler};
+//! use kube::ResourceExt as _;
+//!
+//! struct Mirror;
+//!
+//! impl Reconciler for Mirror {
+//!     type Resource = Secret;
+//!     type Error = k8s_reconcile::Error;
+//!
+//!     async fn reconcile(&self, secret: Arc<Secret>, ctx: &Context) -> Result<Action, Self::Error> {
+//!         let mut cm = ConfigMap::default();
+//!         cm.metadata.name = Some(format!("{}-keys", secret.name_any()));
+//!         cm.metadata.namespace = secret.namespace();
+//!         cm.metadata.owner_references = k8s_reconcile::apply::controller_owner_ref(secret.as_ref())
+//!             .map(|r| vec![r]);
+//!         let keys = secret.data.iter().flatten().map(|(k, _)| (k.clone(), String::new()));
+//!         cm.data = Some(keys.collect());
+//!         ctx.applier().apply(&cm).await?;
+//!         Ok(Action::Done)
+//!     }
+//! }
+//!
+//! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+//! let client = kube::Client::try_default().await?;
+//! let shutdown = k8s_reconcile::ops::shutdown_on_signals()?;
+//! ControllerBuilder::new(client.clone(), "secret-mirror", Mirror)
+//!     .owns(kube::Api::<ConfigMap>::all(client), Default::default())
+//!     .run(shutdown)
+//!     .await?;
+//! # Ok(()) }
+//! ```
 #![deny(missing_docs)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
+#![cfg_attr(test, allow(clippy::unwrap_used, clippy::expect_used))]
+
+pub mod apply;
+pub mod conditions;
+pub mod controller;
+pub mod deployment;
+pub mod endpointslice;
+mod error;
+pub mod leader;
+pub mod metrics;
+pub mod ops;
 
 #[cfg(feature = "testing")]
 #[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
 pub mod testing;
+
+pub use apply::{Applied, Applier};
+pub use controller::{Action, Context, ControllerBuilder, Reconciler};
+pub use error::Error;

@@ -213,6 +213,83 @@ impl std::fmt::Debug for ControlPlane {
     }
 }
 
+const AUDIT_POLICY: &str = r#"apiVersion: audit.k8s.io/v1
+kind: Policy
+omitStages: ["RequestReceived"]
+rules:
+- level: Metadata
+"#;
+
+/// One request as the API server's audit log recorded it.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+#[non_exhaustive]
+pub struct AuditEvent {
+    /// `get`, `list`, `watch`, `create`, `update`, `patch`, `delete`, ...
+    pub verb: String,
+    /// The request path and query.
+    #[serde(rename = "requestURI")]
+    pub request_uri: String,
+    /// Who made it.
+    pub user: AuditUser,
+    /// The object, when the request names one.
+    #[serde(default)]
+    pub object_ref: Option<AuditObjectRef>,
+    /// The response code.
+    #[serde(default)]
+    pub response_status: Option<AuditStatus>,
+    /// The client's User-Agent.
+    #[serde(default)]
+    pub user_agent: Option<String>,
+}
+
+impl AuditEvent {
+    /// Whether the verb changes state (`create`, `update`, `patch`, `delete`, `deletecollection`).
+    pub fn is_write(&self) -> bool {
+        matches!(
+            self.verb.as_str(),
+            "create" | "update" | "patch" | "delete" | "deletecollection"
+        )
+    }
+}
+
+/// The user of an [`AuditEvent`].
+#[derive(Debug, Clone, PartialEq, Eq, serde::Deserialize)]
+#[non_exhaustive]
+pub struct AuditUser {
+    /// The user name, e.g. `system:serviceaccount:ns:name`.
+    #[serde(default)]
+    pub username: String,
+}
+
+/// The object of an [`AuditEvent`].
+#[derive(Debug, Clone, PartialEq, Eq, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+#[non_exhaustive]
+pub struct AuditObjectRef {
+    /// The resource (plural), e.g. `endpointslices`.
+    #[serde(default)]
+    pub resource: String,
+    /// The namespace.
+    #[serde(default)]
+    pub namespace: Option<String>,
+    /// The name.
+    #[serde(default)]
+    pub name: Option<String>,
+    /// The subresource, e.g. `status`.
+    #[serde(default)]
+    pub subresource: Option<String>,
+}
+
+/// The response status of an [`AuditEvent`].
+#[derive(Debug, Clone, PartialEq, Eq, serde::Deserialize)]
+#[non_exhaustive]
+pub struct AuditStatus {
+    /// The HTTP status code.
+    #[serde(default)]
+    pub code: u16,
+}
+
 static SHARED: tokio::sync::OnceCell<ControlPlane> = tokio::sync::OnceCell::const_new();
 
 impl ControlPlane {
@@ -257,6 +334,9 @@ impl ControlPlane {
         let client_ca = write("client-ca.crt", &pki.client_ca)?;
         let sa_pub = write("sa.pub", &pki.sa_public_key)?;
         let sa_key = write("sa.key", &pki.sa_private_key)?;
+        // Every request is audited (metadata only), so tests can count what a component wrote.
+        let audit_policy = write("audit-policy.yaml", AUDIT_POLICY)?;
+        let audit_log = dir.join("audit.log");
 
         let etcd_port = free_port()?;
         let etcd_peer_port = free_port()?;
@@ -294,6 +374,11 @@ impl ControlPlane {
             format!("--service-account-issuer={server}/"),
             format!("--service-account-key-file={}", sa_pub.display()),
             format!("--service-account-signing-key-file={}", sa_key.display()),
+            format!("--audit-policy-file={}", audit_policy.display()),
+            format!("--audit-log-path={}", audit_log.display()),
+            "--audit-log-format=json".to_owned(),
+            "--audit-log-mode=blocking".to_owned(),
+            "--audit-log-maxsize=0".to_owned(),
         ];
         apiserver_args.extend(options.apiserver_args.iter().cloned());
         let apiserver = match ServerProcess::spawn(
@@ -400,6 +485,58 @@ impl ControlPlane {
     /// The directory holding certificates, logs, kubeconfigs and etcd's data.
     pub fn dir(&self) -> &Path {
         &self.dir
+    }
+
+    /// Every request the API server has handled so far, from its audit log (oldest first).
+    pub fn audit_events(&self) -> Result<Vec<AuditEvent>, TestingError> {
+        let path = self.dir.join("audit.log");
+        let text = std::fs::read_to_string(&path).map_err(|source| TestingError::Io {
+            context: format!("reading {}", path.display()),
+            source,
+        })?;
+        Ok(text
+            .lines()
+            .filter_map(|line| serde_json::from_str(line).ok())
+            .collect())
+    }
+
+    /// The state-changing requests made by `username` so far.
+    ///
+    /// The API server logs a request after answering it, so this first waits until a marker request
+    /// made now appears in the log: every request answered before the call is then logged too.
+    pub async fn writes_by(&self, username: &str) -> Result<Vec<AuditEvent>, TestingError> {
+        self.audit_barrier().await?;
+        Ok(self
+            .audit_events()?
+            .into_iter()
+            .filter(|e| e.user.username == username && e.is_write())
+            .collect())
+    }
+
+    async fn audit_barrier(&self) -> Result<(), TestingError> {
+        let n = self.namespaces.fetch_add(1, Ordering::Relaxed);
+        let marker = format!("audit-barrier-{n}");
+        let api: Api<ServiceAccount> = Api::namespaced(self.client().await?, "default");
+        // A 404 is fine: the request is logged all the same.
+        let _ = api.get_opt(&marker).await;
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            let logged = self.audit_events()?.iter().any(|e| {
+                e.object_ref
+                    .as_ref()
+                    .is_some_and(|o| o.name.as_deref() == Some(marker.as_str()))
+            });
+            if logged {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                return Err(TestingError::Timeout(
+                    Duration::from_secs(5),
+                    "the audit log to catch up".to_owned(),
+                ));
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
     }
 
     /// The process ids of etcd and kube-apiserver, in start order.

@@ -1,0 +1,276 @@
+//! Owned objects by server-side apply, with no write when nothing changed.
+//!
+//! [`Applier::apply`] sends the desired object as a server-side apply patch with one fixed field
+//! manager (forcing ownership of the fields it sets). Before writing it reads the live object and
+//! skips the write when both
+//!
+//! * the live object carries the [`APPLIED_HASH_ANNOTATION`] of exactly this desired object (so a
+//!   field we stopped setting, which apply would remove, still triggers a write), and
+//! * every field of the desired object has the same value in the live object (so an edit by anyone
+//!   else is repaired).
+//!
+//! A steady state therefore costs reads only. Desired objects should use the server's canonical
+//! forms (e.g. `100m`, not `0.1`, for quantities); a value the server rewrites would otherwise be
+//! re-applied on every pass.
+
+use std::collections::BTreeSet;
+use std::fmt::Debug;
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams};
+use kube::core::NamespaceScope;
+use kube::{Client, Resource, ResourceExt as _};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use serde_json::Value;
+use sha2::{Digest as _, Sha256};
+
+use crate::Error;
+
+/// Annotation holding the hash of the last applied desired object.
+pub const APPLIED_HASH_ANNOTATION: &str = "kube-netkit.io/applied-hash";
+
+/// The result of [`Applier::apply`].
+#[derive(Debug, Clone)]
+pub enum Applied<K> {
+    /// The live object already matched; nothing was written.
+    Unchanged(K),
+    /// The object was created or patched; this is the server's answer.
+    Written(K),
+}
+
+impl<K> Applied<K> {
+    /// The object as the server has it.
+    pub fn into_inner(self) -> K {
+        match self {
+            Self::Unchanged(k) | Self::Written(k) => k,
+        }
+    }
+
+    /// Whether a write call was made.
+    pub fn written(&self) -> bool {
+        matches!(self, Self::Written(_))
+    }
+}
+
+/// Applies objects with one field manager; see the [module docs](self).
+#[derive(Clone)]
+pub struct Applier {
+    client: Client,
+    field_manager: String,
+}
+
+impl Debug for Applier {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Applier")
+            .field("field_manager", &self.field_manager)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Applier {
+    /// An applier writing as `field_manager`.
+    pub fn new(client: Client, field_manager: impl Into<String>) -> Self {
+        Self {
+            client,
+            field_manager: field_manager.into(),
+        }
+    }
+
+    /// The field manager name.
+    pub fn field_manager(&self) -> &str {
+        &self.field_manager
+    }
+
+    /// The client used.
+    pub fn client(&self) -> &Client {
+        &self.client
+    }
+
+    /// Applies `desired` unless the live object already matches it.
+    ///
+    /// `desired` must be a namespaced object with a name and a namespace.
+    pub async fn apply<K>(&self, desired: &K) -> Result<Applied<K>, Error>
+    where
+        K: Resource<DynamicType = ()> + Clone + Serialize + DeserializeOwned + Debug,
+        K::Scope: NamespaceScope,
+    {
+        let name =
+            desired.meta().name.clone().ok_or_else(|| {
+                Error::InvalidObject(format!("a {} without a name", K::kind(&())))
+            })?;
+        let namespace = desired.meta().namespace.clone().ok_or_else(|| {
+            Error::InvalidObject(format!("{} {name} has no namespace", K::kind(&())))
+        })?;
+        let api = self.api_for::<K>(&namespace);
+        let mut value = serde_json::to_value(desired).map_err(Error::Serialize)?;
+        let hash = content_hash(&value);
+        set_annotation(&mut value, APPLIED_HASH_ANNOTATION, &hash)?;
+
+        if let Some(live) = api.get_opt(&name).await.map_err(Error::Kube)? {
+            let recorded = live.annotations().get(APPLIED_HASH_ANNOTATION);
+            let live_value = serde_json::to_value(&live).map_err(Error::Serialize)?;
+            if recorded == Some(&hash) && is_subset(&value, &live_value) {
+                return Ok(Applied::Unchanged(live));
+            }
+        }
+        let params = PatchParams::apply(&self.field_manager).force();
+        let written = api
+            .patch(&name, &params, &Patch::Apply(&value))
+            .await
+            .map_err(Error::Kube)?;
+        Ok(Applied::Written(written))
+    }
+
+    /// Deletes every object matching `label_selector` in `namespace` whose name is not in `keep`;
+    /// returns how many were deleted.
+    pub async fn prune<K>(
+        &self,
+        namespace: &str,
+        label_selector: &str,
+        keep: &BTreeSet<String>,
+    ) -> Result<usize, Error>
+    where
+        K: Resource<DynamicType = ()> + Clone + DeserializeOwned + Debug,
+        K::Scope: NamespaceScope,
+    {
+        let api = self.api_for::<K>(namespace);
+        let list = api
+            .list_metadata(&ListParams::default().labels(label_selector))
+            .await
+            .map_err(Error::Kube)?;
+        let mut deleted = 0;
+        for item in list.items {
+            let name = item.name_any();
+            if keep.contains(&name) {
+                continue;
+            }
+            match api.delete(&name, &DeleteParams::background()).await {
+                Ok(_) => deleted += 1,
+                // Someone else deleted it first: the goal is reached.
+                Err(kube::Error::Api(status)) if status.code == 404 => {}
+                Err(err) => return Err(Error::Kube(err)),
+            }
+        }
+        Ok(deleted)
+    }
+
+    fn api_for<K>(&self, namespace: &str) -> Api<K>
+    where
+        K: Resource<DynamicType = ()>,
+        K::Scope: NamespaceScope,
+    {
+        Api::all_with(self.client.clone(), &()).constrain(namespace)
+    }
+}
+
+/// A controller owner reference to `owner` (`controller: true`, `blockOwnerDeletion: true`), for
+/// the children it owns. `None` when the owner has no name or uid yet.
+pub fn controller_owner_ref<K>(owner: &K) -> Option<OwnerReference>
+where
+    K: Resource<DynamicType = ()>,
+{
+    owner.controller_owner_ref(&())
+}
+
+/// A stable hash of a JSON value (hex SHA-256 of its serialization).
+pub fn content_hash(value: &Value) -> String {
+    let mut hasher = Sha256::new();
+    hasher.update(value.to_string().as_bytes());
+    hex::encode(&hasher.finalize()[..16])
+}
+
+fn set_annotation(value: &mut Value, key: &str, val: &str) -> Result<(), Error> {
+    let metadata = value
+        .as_object_mut()
+        .and_then(|o| {
+            o.entry("metadata")
+                .or_insert_with(|| Value::Object(Default::default()))
+                .as_object_mut()
+        })
+        .ok_or_else(|| Error::InvalidObject("metadata is not an object".to_owned()))?;
+    let annotations = metadata
+        .entry("annotations")
+        .or_insert_with(|| Value::Object(Default::default()));
+    if annotations.is_null() {
+        *annotations = Value::Object(Default::default());
+    }
+    annotations
+        .as_object_mut()
+        .ok_or_else(|| Error::InvalidObject("annotations are not an object".to_owned()))?
+        .insert(key.to_owned(), Value::String(val.to_owned()));
+    Ok(())
+}
+
+/// Whether every field set in `want` has the same value in `have`. Lists must have the same length
+/// and match element by element; an empty list, map or `null` in `want` matches an absent field
+/// (the server omits them).
+pub fn is_subset(want: &Value, have: &Value) -> bool {
+    match (want, have) {
+        (Value::Null, _) => true,
+        (Value::Object(w), Value::Object(h)) => w.iter().all(|(k, wv)| match h.get(k) {
+            Some(hv) => is_subset(wv, hv),
+            None => is_empty(wv),
+        }),
+        (Value::Object(w), Value::Null) => w.values().all(is_empty),
+        (Value::Array(w), Value::Array(h)) => {
+            w.len() == h.len() && w.iter().zip(h).all(|(wv, hv)| is_subset(wv, hv))
+        }
+        (Value::Array(w), Value::Null) => w.is_empty(),
+        (Value::Number(w), Value::Number(h)) => w.as_f64() == h.as_f64(),
+        (w, h) => w == h,
+    }
+}
+
+fn is_empty(value: &Value) -> bool {
+    match value {
+        Value::Null => true,
+        Value::Array(a) => a.is_empty(),
+        Value::Object(o) => o.values().all(is_empty),
+        _ => false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn subset_ignores_server_added_fields_and_empty_values() {
+        let want = json!({"metadata": {"name": "a", "labels": {}}, "spec": {"ports": [{"port": 80}], "x": null}});
+        let have = json!({"metadata": {"name": "a", "uid": "u"}, "spec": {"ports": [{"port": 80, "protocol": "TCP"}]}});
+        assert!(is_subset(&want, &have));
+    }
+
+    #[test]
+    fn subset_detects_changed_values_and_list_lengths() {
+        let want = json!({"spec": {"ports": [{"port": 80}]}});
+        assert!(!is_subset(
+            &want,
+            &json!({"spec": {"ports": [{"port": 81}]}})
+        ));
+        assert!(!is_subset(
+            &want,
+            &json!({"spec": {"ports": [{"port": 80}, {"port": 81}]}})
+        ));
+        assert!(!is_subset(&want, &json!({"spec": {}})));
+        assert!(!is_subset(&json!({"a": "x"}), &json!({"a": "y"})));
+    }
+
+    #[test]
+    fn hash_changes_with_content() {
+        let a = content_hash(&json!({"a": 1}));
+        assert_eq!(a, content_hash(&json!({"a": 1})));
+        assert_ne!(a, content_hash(&json!({"a": 2})));
+    }
+
+    #[test]
+    fn annotation_is_added_to_objects_without_metadata_annotations() {
+        let mut v = json!({"metadata": {"name": "x", "annotations": null}});
+        set_annotation(&mut v, "k", "v").unwrap_or_default();
+        assert_eq!(v["metadata"]["annotations"]["k"], "v");
+        let mut bad = json!("not an object");
+        assert!(set_annotation(&mut bad, "k", "v").is_err());
+    }
+}

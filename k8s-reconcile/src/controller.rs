@@ -1,0 +1,547 @@
+//! The [`Reconciler`] trait and [`ControllerBuilder`], which wires it to `kube::runtime`.
+//!
+//! A controller here is only its own logic: implement [`Reconciler`] for a resource type, then
+//! describe what else to watch and how to run:
+//!
+//! * owned kinds ([`ControllerBuilder::owns`]) and related kinds with a mapper
+//!   ([`ControllerBuilder::watches`]) trigger reconciles of their owner;
+//! * errors are retried with per-object exponential backoff (with jitter), reset by the next
+//!   success; successes are requeued at the resync period, or sooner if the reconciler asks;
+//! * at most [`ControllerBuilder::concurrency`] reconciles run at once, never two for one object;
+//! * with [`ControllerBuilder::leader_election`], only the Lease holder runs the controller; a
+//!   replica that loses the Lease stops reconciling before anyone else can start;
+//! * a [`Reconciler::finalizer`] makes [`Reconciler::cleanup`] run before the object disappears;
+//! * metrics, readiness (`informers-synced`, `leadership`) and Events come for free;
+//! * cancelling the shutdown token stops watching, lets in-flight reconciles finish, releases the
+//!   Lease and returns.
+
+use std::collections::HashMap;
+use std::fmt::Debug;
+use std::future::Future;
+use std::hash::Hash;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use futures::StreamExt as _;
+use k8s_openapi::api::core::v1::ObjectReference;
+use kube::api::Api;
+use kube::runtime::controller::{Action as KubeAction, Config as ControllerConfig, Controller};
+use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use kube::runtime::finalizer::{Event as FinalizerEvent, finalizer};
+use kube::runtime::reflector::ObjectRef;
+use kube::runtime::watcher;
+use kube::{Client, Resource, ResourceExt as _};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use tokio_util::sync::CancellationToken;
+
+use crate::Error;
+use crate::apply::Applier;
+use crate::leader::{LeaderElector, LeaseConfig};
+use crate::metrics::ControllerMetrics;
+use crate::ops::Health;
+
+/// What to do after a successful reconcile.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Action {
+    /// Nothing more until a watched change or the resync period.
+    Done,
+    /// Reconcile again after this long (capped at the resync period).
+    RequeueAfter(Duration),
+}
+
+/// One controller's logic. See the [module docs](self).
+pub trait Reconciler: Send + Sync + 'static {
+    /// The reconciled resource (a namespaced kind).
+    type Resource: Resource<DynamicType = (), Scope: kube::core::NamespaceScope>
+        + Clone
+        + Debug
+        + Serialize
+        + DeserializeOwned
+        + Send
+        + Sync
+        + 'static;
+    /// What reconcile and cleanup fail with.
+    type Error: std::error::Error + Send + Sync + 'static;
+
+    /// A finalizer name (e.g. `tunnels.rstream.io/cleanup`); when set, [`Self::cleanup`] runs
+    /// before a deleted object disappears.
+    fn finalizer(&self) -> Option<&str> {
+        None
+    }
+
+    /// Makes the world match `object`. Must be idempotent.
+    fn reconcile(
+        &self,
+        object: Arc<Self::Resource>,
+        ctx: &Context,
+    ) -> impl Future<Output = Result<Action, Self::Error>> + Send;
+
+    /// Undoes what reconcile did, for an object being deleted (only with a finalizer).
+    fn cleanup(
+        &self,
+        object: Arc<Self::Resource>,
+        ctx: &Context,
+    ) -> impl Future<Output = Result<Action, Self::Error>> + Send {
+        let _ = (object, ctx);
+        async { Ok(Action::Done) }
+    }
+}
+
+/// What a reconciler gets besides its object.
+#[derive(Clone)]
+pub struct Context {
+    client: Client,
+    applier: Applier,
+    recorder: Recorder,
+    name: String,
+}
+
+impl Debug for Context {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Context")
+            .field("controller", &self.name)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Context {
+    /// A context for the controller `name`, applying as field manager `field_manager`.
+    pub fn new(client: Client, name: &str, field_manager: &str) -> Self {
+        let recorder = Recorder::new(
+            client.clone(),
+            Reporter {
+                controller: field_manager.to_owned(),
+                instance: std::env::var("POD_NAME").ok(),
+            },
+        );
+        Self {
+            applier: Applier::new(client.clone(), field_manager),
+            client,
+            recorder,
+            name: name.to_owned(),
+        }
+    }
+
+    /// The client.
+    pub fn client(&self) -> &Client {
+        &self.client
+    }
+
+    /// The server-side-apply helper of this controller's field manager.
+    pub fn applier(&self) -> &Applier {
+        &self.applier
+    }
+
+    /// The controller's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Records a Kubernetes Event about `object`. Failures are logged, not returned: an Event is
+    /// never worth failing a reconcile for.
+    pub async fn publish_event<K>(&self, object: &K, warning: bool, reason: &str, note: &str)
+    where
+        K: Resource<DynamicType = ()>,
+    {
+        let reference: ObjectReference = object.object_ref(&());
+        let event = Event {
+            type_: if warning {
+                EventType::Warning
+            } else {
+                EventType::Normal
+            },
+            reason: reason.to_owned(),
+            note: Some(note.to_owned()),
+            action: "Reconcile".to_owned(),
+            secondary: None,
+        };
+        if let Err(err) = self.recorder.publish(&event, &reference).await {
+            tracing::warn!(controller = %self.name, error = %err, %reason, "could not record Event");
+        }
+    }
+}
+
+/// Adds one watched kind to a controller; kept so that every leadership term builds fresh watches.
+type Setup<K> = Arc<dyn Fn(Controller<K>) -> Controller<K> + Send + Sync>;
+
+/// Builds and runs a controller; see the [module docs](self).
+pub struct ControllerBuilder<R: Reconciler> {
+    name: String,
+    client: Client,
+    reconciler: Arc<R>,
+    api: Api<R::Resource>,
+    watcher_config: watcher::Config,
+    setup: Vec<Setup<R::Resource>>,
+    resync: Duration,
+    concurrency: u16,
+    backoff: (Duration, Duration),
+    field_manager: String,
+    lease: Option<LeaseConfig>,
+    health: Health,
+    metrics: Option<ControllerMetrics>,
+}
+
+impl<R: Reconciler> Debug for ControllerBuilder<R> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ControllerBuilder")
+            .field("name", &self.name)
+            .field("resync", &self.resync)
+            .field("concurrency", &self.concurrency)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<R: Reconciler> ControllerBuilder<R> {
+    /// A controller named `name` (used in metrics, logs and as the default field manager) over
+    /// every `R::Resource` the client can see.
+    pub fn new(client: Client, name: impl Into<String>, reconciler: R) -> Self {
+        let name = name.into();
+        Self {
+            api: Api::all_with(client.clone(), &()),
+            field_manager: name.clone(),
+            name,
+            client,
+            reconciler: Arc::new(reconciler),
+            watcher_config: watcher::Config::default(),
+            setup: Vec::new(),
+            resync: Duration::from_secs(300),
+            concurrency: 8,
+            backoff: (Duration::from_millis(500), Duration::from_secs(300)),
+            lease: None,
+            health: Health::new(),
+            metrics: None,
+        }
+    }
+
+    /// Watch the resource in one namespace only.
+    pub fn namespaced(mut self, namespace: &str) -> Self {
+        self.api = self.api.constrain(namespace);
+        self
+    }
+
+    /// Narrow the main watch (labels, fields).
+    pub fn watcher_config(mut self, config: watcher::Config) -> Self {
+        self.watcher_config = config;
+        self
+    }
+
+    /// Reconcile the owner (by controller ownerReference) when an object of `api` changes.
+    pub fn owns<C>(mut self, api: Api<C>, config: watcher::Config) -> Self
+    where
+        C: Resource<DynamicType = ()> + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
+    {
+        self.setup
+            .push(Arc::new(move |c| c.owns(api.clone(), config.clone())));
+        self
+    }
+
+    /// Reconcile what `mapper` names when an object of `api` changes.
+    pub fn watches<C, F>(mut self, api: Api<C>, config: watcher::Config, mapper: F) -> Self
+    where
+        C: Resource<DynamicType = ()> + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
+        F: Fn(C) -> Vec<ObjectRef<R::Resource>> + Send + Sync + 'static,
+    {
+        let mapper = Arc::new(mapper);
+        self.setup.push(Arc::new(move |c| {
+            let mapper = Arc::clone(&mapper);
+            c.watches(api.clone(), config.clone(), move |obj| mapper(obj))
+        }));
+        self
+    }
+
+    /// How often every object is reconciled even without changes (default 5 minutes).
+    pub fn resync(mut self, period: Duration) -> Self {
+        self.resync = period;
+        self
+    }
+
+    /// At most this many reconciles at once (default 8; 0 means unbounded).
+    pub fn concurrency(mut self, limit: u16) -> Self {
+        self.concurrency = limit;
+        self
+    }
+
+    /// Retry delays after errors: doubling from `min` up to `max` (default 500 ms to 5 min).
+    pub fn backoff(mut self, min: Duration, max: Duration) -> Self {
+        self.backoff = (min, max);
+        self
+    }
+
+    /// The server-side-apply field manager (default: the controller's name).
+    pub fn field_manager(mut self, manager: impl Into<String>) -> Self {
+        self.field_manager = manager.into();
+        self
+    }
+
+    /// Only reconcile while holding this Lease.
+    pub fn leader_election(mut self, lease: LeaseConfig) -> Self {
+        self.lease = Some(lease);
+        self
+    }
+
+    /// Readiness checks to update (`informers-synced`, `leadership`).
+    pub fn health(mut self, health: Health) -> Self {
+        self.health = health;
+        self
+    }
+
+    /// Record reconcile metrics.
+    pub fn metrics(mut self, metrics: ControllerMetrics) -> Self {
+        self.metrics = Some(metrics);
+        self
+    }
+
+    /// Runs until `shutdown` is cancelled.
+    pub async fn run(self, shutdown: CancellationToken) -> Result<(), Error> {
+        if self.backoff.0.is_zero() || self.backoff.0 > self.backoff.1 {
+            return Err(Error::InvalidConfig(
+                "backoff: min must be positive and at most max".to_owned(),
+            ));
+        }
+        if self.resync.is_zero() {
+            return Err(Error::InvalidConfig(
+                "resync period must be positive".to_owned(),
+            ));
+        }
+        let Some(lease) = self.lease.clone() else {
+            self.health
+                .set("leadership", true, "leader election disabled");
+            self.run_while_leading(shutdown).await;
+            return Ok(());
+        };
+        let elector = LeaderElector::new(self.client.clone(), lease)?;
+        let mut state = elector.subscribe();
+        self.health.set("leadership", false, "not known yet");
+        let elector_token = shutdown.child_token();
+        let elector_task = tokio::spawn(elector.run(elector_token.clone()));
+        let name = self.name.clone();
+        let health = self.health.clone();
+        let metrics = self.metrics.clone();
+        let this = Arc::new(self);
+        loop {
+            // Wait to lead (or to be told to stop).
+            loop {
+                let current = state.borrow_and_update().clone();
+                let leading = current.is_leader();
+                health.set("leadership", true, format!("{current:?}"));
+                if let Some(m) = &metrics {
+                    m.set_leader(&name, leading);
+                }
+                if leading {
+                    break;
+                }
+                tokio::select! {
+                    () = shutdown.cancelled() => {
+                        let _ = elector_task.await;
+                        return Ok(());
+                    }
+                    changed = state.changed() => if changed.is_err() { return Ok(()) },
+                }
+            }
+            // Lead until the Lease is lost or shutdown.
+            let term = shutdown.child_token();
+            let runner = tokio::spawn({
+                let this = Arc::clone(&this);
+                let term = term.clone();
+                async move { this.run_while_leading(term).await }
+            });
+            loop {
+                tokio::select! {
+                    () = shutdown.cancelled() => break,
+                    changed = state.changed() => {
+                        if changed.is_err() || !state.borrow().is_leader() {
+                            break;
+                        }
+                    }
+                }
+            }
+            term.cancel();
+            let _ = runner.await;
+            if let Some(m) = &metrics {
+                m.set_leader(&name, false);
+            }
+            if shutdown.is_cancelled() {
+                // Release the Lease only after the last reconcile has finished.
+                elector_token.cancel();
+                let _ = elector_task.await;
+                return Ok(());
+            }
+        }
+    }
+
+    /// Runs the kube-runtime controller until `stop` is cancelled.
+    async fn run_while_leading(&self, stop: CancellationToken) {
+        let mut controller = Controller::new(self.api.clone(), self.watcher_config.clone())
+            .with_config(ControllerConfig::default().concurrency(self.concurrency));
+        // A fresh set of watches per term: rebuild from the recorded setup steps.
+        for step in &self.setup {
+            controller = step(controller);
+        }
+        let store = controller.store();
+        let health = self.health.clone();
+        health.set("informers-synced", false, "waiting for the first list");
+        let synced = tokio::spawn(async move {
+            // The store's readiness signal wakes only its most recent waiter, and the controller
+            // itself waits on it too: poll with a short timeout so our waiter re-registers.
+            loop {
+                match tokio::time::timeout(Duration::from_millis(200), store.wait_until_ready())
+                    .await
+                {
+                    Ok(Ok(())) => {
+                        health.set("informers-synced", true, "synced");
+                        break;
+                    }
+                    Ok(Err(_)) => break,
+                    Err(_elapsed) => continue,
+                }
+            }
+        });
+        let state = Arc::new(RunState {
+            reconciler: Arc::clone(&self.reconciler),
+            ctx: Context::new(self.client.clone(), &self.name, &self.field_manager),
+            api: self.api.clone(),
+            failures: Mutex::new(HashMap::new()),
+            resync: self.resync,
+            backoff: self.backoff,
+            metrics: self.metrics.clone(),
+        });
+        let stop_signal = stop.clone();
+        controller
+            .graceful_shutdown_on(async move { stop_signal.cancelled().await })
+            .run(reconcile_one::<R>, error_policy::<R>, state)
+            .for_each(|result| async move {
+                if let Err(err) = result {
+                    tracing::debug!(error = %err, "controller event");
+                }
+            })
+            .await;
+        synced.abort();
+    }
+}
+
+/// Per-run state handed to kube-runtime.
+struct RunState<R: Reconciler> {
+    reconciler: Arc<R>,
+    ctx: Context,
+    api: Api<R::Resource>,
+    failures: Mutex<HashMap<ObjectRef<R::Resource>, u32>>,
+    resync: Duration,
+    backoff: (Duration, Duration),
+    metrics: Option<ControllerMetrics>,
+}
+
+impl<R: Reconciler> RunState<R> {
+    /// An API handle that can write `object`: the main handle may watch every namespace, and such a
+    /// handle can only list and watch a namespaced kind.
+    fn api_for(&self, object: &R::Resource) -> Api<R::Resource> {
+        self.api
+            .clone()
+            .constrain(&object.namespace().unwrap_or_default())
+    }
+}
+
+/// Errors of one reconcile, as kube-runtime sees them.
+#[derive(Debug, thiserror::Error)]
+enum ReconcileFailure<E: std::error::Error + 'static> {
+    #[error(transparent)]
+    Reconciler(E),
+    #[error(transparent)]
+    Framework(Error),
+}
+
+async fn reconcile_one<R: Reconciler>(
+    object: Arc<R::Resource>,
+    state: Arc<RunState<R>>,
+) -> Result<KubeAction, ReconcileFailure<R::Error>> {
+    let started = Instant::now();
+    let key = ObjectRef::from_obj(object.as_ref());
+    let resync = state.resync;
+    let to_kube = move |action: Action| match action {
+        Action::Done => KubeAction::requeue(resync),
+        Action::RequeueAfter(after) => KubeAction::requeue(after.min(resync)),
+    };
+    let result = match state.reconciler.finalizer() {
+        None => state
+            .reconciler
+            .reconcile(object, &state.ctx)
+            .await
+            .map(to_kube)
+            .map_err(ReconcileFailure::Reconciler),
+        Some(name) => {
+            let api = state.api_for(object.as_ref());
+            let reconciler = Arc::clone(&state.reconciler);
+            let ctx = state.ctx.clone();
+            finalizer(&api, name, object, |event| async move {
+                match event {
+                    FinalizerEvent::Apply(obj) => reconciler.reconcile(obj, &ctx).await,
+                    FinalizerEvent::Cleanup(obj) => reconciler.cleanup(obj, &ctx).await,
+                }
+                .map(to_kube)
+            })
+            .await
+            .map_err(|err| match err {
+                kube::runtime::finalizer::Error::ApplyFailed(e)
+                | kube::runtime::finalizer::Error::CleanupFailed(e) => {
+                    ReconcileFailure::Reconciler(e)
+                }
+                other => ReconcileFailure::Framework(Error::Finalizer(other.to_string())),
+            })
+        }
+    };
+    if let Some(metrics) = &state.metrics {
+        metrics.observe(&state.ctx.name, result.is_ok(), started.elapsed());
+    }
+    if result.is_ok() {
+        // Success resets this object's backoff.
+        if let Ok(mut failures) = state.failures.lock() {
+            failures.remove(&key);
+        }
+    }
+    result
+}
+
+fn error_policy<R: Reconciler>(
+    object: Arc<R::Resource>,
+    error: &ReconcileFailure<R::Error>,
+    state: Arc<RunState<R>>,
+) -> KubeAction {
+    let key = ObjectRef::from_obj(object.as_ref());
+    let attempt = state
+        .failures
+        .lock()
+        .map(|mut failures| {
+            let count = failures.entry(key).or_insert(0);
+            *count = count.saturating_add(1);
+            *count
+        })
+        .unwrap_or(1);
+    let delay = backoff_delay(
+        state.backoff.0,
+        state.backoff.1,
+        attempt,
+        &object.name_any(),
+    );
+    tracing::warn!(
+        controller = %state.ctx.name,
+        object = %object.name_any(),
+        namespace = object.namespace().unwrap_or_default(),
+        attempt,
+        retry_in = ?delay,
+        error = %error,
+        "reconcile failed"
+    );
+    KubeAction::requeue(delay)
+}
+
+/// `min * 2^(attempt-1)`, capped at `max`, with up to 10 % jitter derived from the object and
+/// attempt (deterministic, so tests can reason about it, yet spread across objects).
+pub fn backoff_delay(min: Duration, max: Duration, attempt: u32, seed: &str) -> Duration {
+    let exponent = attempt.saturating_sub(1).min(32);
+    let base = min.saturating_mul(2u32.saturating_pow(exponent)).min(max);
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    (seed, attempt).hash(&mut hasher);
+    let jitter_permille = std::hash::Hasher::finish(&hasher) % 100;
+    let jitter = base.mul_f64(jitter_permille as f64 / 1000.0);
+    (base + jitter).min(max)
+}

@@ -1,0 +1,181 @@
+//! Operations endpoints every binary serves: `/healthz`, `/readyz`, `/metrics`; and shutdown on
+//! SIGTERM.
+//!
+//! [`Health`] is a set of named readiness checks (e.g. `informers-synced`, `leadership`,
+//! `upstream`); `/readyz` answers 200 only while all pass and lists each with its detail, so an
+//! operator sees *why* a pod is not ready. `/healthz` answers 200 while the process serves at all.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, RwLock};
+
+use axum::Router;
+use axum::extract::State;
+use axum::http::{StatusCode, header};
+use axum::response::IntoResponse;
+use axum::routing::get;
+use prometheus_client::registry::Registry;
+use tokio_util::sync::CancellationToken;
+
+use crate::Error;
+
+/// One readiness check's state.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Check {
+    /// Whether it passes.
+    pub ok: bool,
+    /// Why (shown by `/readyz`).
+    pub detail: String,
+}
+
+/// Named readiness checks, shared between the parts of a binary.
+#[derive(Debug, Clone, Default)]
+pub struct Health {
+    checks: Arc<RwLock<BTreeMap<String, Check>>>,
+}
+
+impl Health {
+    /// An empty set (ready until a check is added).
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Sets the state of check `name`.
+    pub fn set(&self, name: &str, ok: bool, detail: impl Into<String>) {
+        if let Ok(mut checks) = self.checks.write() {
+            checks.insert(
+                name.to_owned(),
+                Check {
+                    ok,
+                    detail: detail.into(),
+                },
+            );
+        }
+    }
+
+    /// Whether every check passes.
+    pub fn ready(&self) -> bool {
+        self.checks
+            .read()
+            .map(|c| c.values().all(|check| check.ok))
+            .unwrap_or(false)
+    }
+
+    /// A copy of every check.
+    pub fn checks(&self) -> BTreeMap<String, Check> {
+        self.checks.read().map(|c| c.clone()).unwrap_or_default()
+    }
+
+    /// The state of one check.
+    pub fn check(&self, name: &str) -> Option<Check> {
+        self.checks.read().ok()?.get(name).cloned()
+    }
+}
+
+#[derive(Clone)]
+struct OpsState {
+    health: Health,
+    registry: Arc<Registry>,
+}
+
+/// A router with `/healthz`, `/readyz` and `/metrics`.
+pub fn router(health: Health, registry: Arc<Registry>) -> Router {
+    Router::new()
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/livez", get(|| async { "ok\n" }))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics))
+        .with_state(OpsState { health, registry })
+}
+
+async fn readyz(State(state): State<OpsState>) -> impl IntoResponse {
+    let checks = state.health.checks();
+    let mut body = String::new();
+    for (name, check) in &checks {
+        let mark = if check.ok { "+" } else { "-" };
+        body.push_str(&format!("[{mark}] {name}: {}\n", check.detail));
+    }
+    if checks.values().all(|c| c.ok) {
+        body.push_str("ready\n");
+        (StatusCode::OK, body)
+    } else {
+        body.push_str("not ready\n");
+        (StatusCode::SERVICE_UNAVAILABLE, body)
+    }
+}
+
+async fn metrics(State(state): State<OpsState>) -> impl IntoResponse {
+    let mut text = String::new();
+    match prometheus_client::encoding::text::encode(&mut text, &state.registry) {
+        Ok(()) => (
+            StatusCode::OK,
+            [(
+                header::CONTENT_TYPE,
+                "application/openmetrics-text; version=1.0.0; charset=utf-8",
+            )],
+            text,
+        ),
+        Err(err) => (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            [(header::CONTENT_TYPE, "text/plain")],
+            err.to_string(),
+        ),
+    }
+}
+
+/// Binds `addr` now (so a taken port is reported at start) and serves `router` until `shutdown`.
+pub async fn serve(
+    addr: SocketAddr,
+    router: Router,
+    shutdown: CancellationToken,
+) -> Result<tokio::task::JoinHandle<()>, Error> {
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|source| Error::Serve { addr, source })?;
+    let handle = tokio::spawn(async move {
+        let result = axum::serve(listener, router)
+            .with_graceful_shutdown(async move { shutdown.cancelled().await })
+            .await;
+        if let Err(err) = result {
+            tracing::error!(%addr, error = %err, "operations server failed");
+        }
+    });
+    Ok(handle)
+}
+
+/// A token cancelled on the first SIGTERM or SIGINT.
+pub fn shutdown_on_signals() -> Result<CancellationToken, Error> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let token = CancellationToken::new();
+    let mut term = signal(SignalKind::terminate()).map_err(Error::Signal)?;
+    let mut int = signal(SignalKind::interrupt()).map_err(Error::Signal)?;
+    let cancel = token.clone();
+    tokio::spawn(async move {
+        tokio::select! {
+            _ = term.recv() => tracing::info!("SIGTERM received, shutting down"),
+            _ = int.recv() => tracing::info!("SIGINT received, shutting down"),
+        }
+        cancel.cancel();
+    });
+    Ok(token)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ready_only_when_every_check_passes() {
+        let health = Health::new();
+        assert!(health.ready());
+        health.set("informers-synced", false, "waiting");
+        health.set("leadership", true, "leader");
+        assert!(!health.ready());
+        health.set("informers-synced", true, "synced");
+        assert!(health.ready());
+        assert_eq!(
+            health.check("leadership").map(|c| c.detail),
+            Some("leader".to_owned())
+        );
+    }
+}
