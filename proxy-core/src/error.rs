@@ -1,0 +1,154 @@
+//! Error types.
+//!
+//! Three families, one per moment a thing can go wrong:
+//!
+//! * [`ConfigError`]: a configuration that can never work (unparsable address, zero limit,
+//!   reversed port range). Returned when the configuration is built or added, never later.
+//! * [`ConnectError`]: reaching an upstream failed for one client connection (DNS, refused,
+//!   timeout, nothing healthy). It closes that connection and is counted; it never stops a
+//!   listener.
+//! * [`ServerError`]: an operation on the [`ProxyServer`](crate::server::ProxyServer) failed
+//!   (bind, unknown listener, shutting down).
+//!
+//! Errors *during* a relay (reset, broken pipe) are not errors of this crate: they are reported
+//! as an [`Ending`](crate::relay::Ending) in the relay summary.
+
+use std::io;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+/// A configuration value that can never work.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConfigError {
+    /// The text is neither `ip:port` nor `host:port`.
+    #[error("invalid address {input:?}: {reason}")]
+    InvalidAddress {
+        /// The text that was given.
+        input: String,
+        /// Why it was rejected.
+        reason: &'static str,
+    },
+    /// A limit, size or duration that must be positive is zero.
+    #[error("{what} must be greater than zero")]
+    Zero {
+        /// The name of the setting.
+        what: &'static str,
+    },
+    /// A port range whose start lies after its end.
+    #[error("port range {start}-{end} is reversed")]
+    ReversedPortRange {
+        /// First port.
+        start: u16,
+        /// Last port.
+        end: u16,
+    },
+    /// An upstream set without any target.
+    #[error("an upstream set needs at least one target")]
+    NoTargets,
+    /// Two settings contradict each other.
+    #[error("inconsistent configuration: {0}")]
+    Inconsistent(&'static str),
+}
+
+/// Reaching the upstream failed for one client connection.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConnectError {
+    /// The host name could not be resolved, or resolved to no address.
+    #[error("cannot resolve {target}: {source}")]
+    Resolve {
+        /// The target as configured.
+        target: String,
+        /// The resolver's error.
+        #[source]
+        source: io::Error,
+    },
+    /// The connect did not complete within the connect timeout.
+    #[error("connect to {target} timed out after {after:?}")]
+    Timeout {
+        /// The target as configured.
+        target: String,
+        /// The timeout that fired.
+        after: Duration,
+    },
+    /// The connect failed (refused, unreachable, ...).
+    #[error("connect to {target} failed: {source}")]
+    Io {
+        /// The target as configured.
+        target: String,
+        /// The socket error.
+        #[source]
+        source: io::Error,
+    },
+    /// Every target of an upstream set is marked unhealthy.
+    #[error("no healthy target among {targets} configured")]
+    NoHealthyTarget {
+        /// How many targets the set has.
+        targets: usize,
+    },
+    /// Every healthy target was tried and none could be reached; `last` is the last failure.
+    #[error("all {tried} healthy targets failed, last: {last}")]
+    AllTargetsFailed {
+        /// How many targets were tried.
+        tried: usize,
+        /// The last failure.
+        #[source]
+        last: Box<ConnectError>,
+    },
+    /// The PROXY protocol header could not be written to the upstream.
+    #[error("writing the PROXY protocol header to {target} failed: {source}")]
+    ProxyHeader {
+        /// The upstream address.
+        target: SocketAddr,
+        /// The socket error.
+        #[source]
+        source: io::Error,
+    },
+}
+
+impl ConnectError {
+    /// True when the failure is a timeout (directly or as the last failure of a failover).
+    pub fn is_timeout(&self) -> bool {
+        match self {
+            ConnectError::Timeout { .. } => true,
+            ConnectError::AllTargetsFailed { last, .. } => last.is_timeout(),
+            _ => false,
+        }
+    }
+}
+
+/// An operation on the proxy server failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ServerError {
+    /// The configuration is invalid.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// The listening socket could not be created.
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        /// The address asked for.
+        addr: SocketAddr,
+        /// The socket error.
+        #[source]
+        source: io::Error,
+    },
+    /// A listener is already bound to this address by this server.
+    #[error("a listener on {0} already exists")]
+    ListenerExists(SocketAddr),
+    /// No listener is bound to this address by this server.
+    #[error("no listener on {0}")]
+    UnknownListener(SocketAddr),
+    /// Every port of the range is taken.
+    #[error("no free port in {start}-{end}")]
+    NoFreePort {
+        /// First port of the range.
+        start: u16,
+        /// Last port of the range.
+        end: u16,
+    },
+    /// The server is shutting down and accepts no new listener.
+    #[error("the server is shutting down")]
+    ShuttingDown,
+}

@@ -1,0 +1,197 @@
+//! What the server reports, as a small observer trait, and a ready Prometheus implementation.
+//!
+//! The server calls the observer from its connection tasks; implementations must be cheap and
+//! must not block. Byte counts are reported as deltas every
+//! [`ServerConfig::report_interval`](crate::server::ServerConfig::report_interval) and at the
+//! end of each connection, so long-lived connections show up in the metrics while they run.
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+
+use crate::copy::Direction;
+use crate::error::ConnectError;
+use crate::relay::RelaySummary;
+
+/// Identifies the listener and route a connection belongs to.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, PartialOrd, Ord, EncodeLabelSet)]
+pub struct RouteLabels {
+    /// The listener's local address, e.g. `0.0.0.0:9001`.
+    pub listener: String,
+    /// The route's name.
+    pub route: String,
+}
+
+/// Receives connection events from the server.
+///
+/// Every [`connection_opened`](Self::connection_opened) is followed by exactly one
+/// [`connection_closed`](Self::connection_closed); when the upstream could not be reached,
+/// [`connect_failed`](Self::connect_failed) comes in between. All methods default to doing
+/// nothing.
+pub trait RelayObserver: Send + Sync {
+    /// A client connection was accepted and will be relayed.
+    fn connection_opened(&self, labels: &RouteLabels) {
+        let _ = labels;
+    }
+
+    /// A client connection was refused because the listener is at its connection limit.
+    fn connection_rejected(&self, labels: &RouteLabels) {
+        let _ = labels;
+    }
+
+    /// Connecting to the upstream failed; the client connection is closed.
+    fn connect_failed(&self, labels: &RouteLabels, error: &ConnectError) {
+        let _ = (labels, error);
+    }
+
+    /// Bytes moved since the previous report for this connection.
+    fn bytes_relayed(&self, labels: &RouteLabels, direction: Direction, bytes: u64) {
+        let _ = (labels, direction, bytes);
+    }
+
+    /// The connection ended.
+    fn connection_closed(&self, labels: &RouteLabels, summary: &RelaySummary) {
+        let _ = (labels, summary);
+    }
+}
+
+/// An observer that ignores everything.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct NoopObserver;
+
+impl RelayObserver for NoopObserver {}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct DirectionLabels {
+    listener: String,
+    route: String,
+    direction: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct EndingLabels {
+    listener: String,
+    route: String,
+    ending: &'static str,
+}
+
+/// Prometheus metrics for the server, labelled by `listener` and `route`:
+///
+/// | name | type | extra labels |
+/// |---|---|---|
+/// | `proxy_connections_active` | gauge | |
+/// | `proxy_connections_total` | counter | |
+/// | `proxy_connections_rejected_total` | counter | |
+/// | `proxy_connections_closed_total` | counter | `ending` |
+/// | `proxy_bytes_total` | counter | `direction` (`to_upstream`, `to_client`) |
+/// | `proxy_connect_errors_total` | counter | |
+/// | `proxy_connect_timeouts_total` | counter | |
+///
+/// A timeout counts in both `connect_errors` and `connect_timeouts`.
+///
+/// ```
+/// use prometheus_client::registry::Registry;
+/// use proxy_core::metrics::{PrometheusObserver, RelayObserver, RouteLabels};
+///
+/// let mut registry = Registry::default();
+/// let metrics = PrometheusObserver::register(&mut registry);
+/// let labels = RouteLabels { listener: "0.0.0.0:443".into(), route: "apiserver".into() };
+/// metrics.connection_opened(&labels);
+///
+/// let mut text = String::new();
+/// prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+/// assert!(text.contains(r#"proxy_connections_active{listener="0.0.0.0:443",route="apiserver"} 1"#));
+/// ```
+#[derive(Clone, Debug, Default)]
+pub struct PrometheusObserver {
+    active: Family<RouteLabels, Gauge>,
+    connections: Family<RouteLabels, Counter>,
+    rejected: Family<RouteLabels, Counter>,
+    closed: Family<EndingLabels, Counter>,
+    bytes: Family<DirectionLabels, Counter>,
+    connect_errors: Family<RouteLabels, Counter>,
+    connect_timeouts: Family<RouteLabels, Counter>,
+}
+
+impl PrometheusObserver {
+    /// Creates the metrics and registers them under the `proxy_` prefix of `registry`.
+    pub fn register(registry: &mut Registry) -> Self {
+        let metrics = Self::default();
+        let registry = registry.sub_registry_with_prefix("proxy");
+        registry.register(
+            "connections_active",
+            "Client connections currently open",
+            metrics.active.clone(),
+        );
+        registry.register(
+            "connections",
+            "Client connections accepted",
+            metrics.connections.clone(),
+        );
+        registry.register(
+            "connections_rejected",
+            "Client connections refused at the connection limit",
+            metrics.rejected.clone(),
+        );
+        registry.register(
+            "connections_closed",
+            "Client connections closed, by how they ended",
+            metrics.closed.clone(),
+        );
+        registry.register(
+            "bytes",
+            "Bytes relayed, by direction",
+            metrics.bytes.clone(),
+        );
+        registry.register(
+            "connect_errors",
+            "Failed upstream connects (refused, DNS, timeout, no healthy target)",
+            metrics.connect_errors.clone(),
+        );
+        registry.register(
+            "connect_timeouts",
+            "Upstream connects that timed out",
+            metrics.connect_timeouts.clone(),
+        );
+        metrics
+    }
+}
+
+impl RelayObserver for PrometheusObserver {
+    fn connection_opened(&self, labels: &RouteLabels) {
+        self.active.get_or_create(labels).inc();
+        self.connections.get_or_create(labels).inc();
+    }
+
+    fn connection_rejected(&self, labels: &RouteLabels) {
+        self.rejected.get_or_create(labels).inc();
+    }
+
+    fn connect_failed(&self, labels: &RouteLabels, error: &ConnectError) {
+        self.connect_errors.get_or_create(labels).inc();
+        if error.is_timeout() {
+            self.connect_timeouts.get_or_create(labels).inc();
+        }
+    }
+
+    fn bytes_relayed(&self, labels: &RouteLabels, direction: Direction, bytes: u64) {
+        let labels = DirectionLabels {
+            listener: labels.listener.clone(),
+            route: labels.route.clone(),
+            direction: direction.as_str(),
+        };
+        self.bytes.get_or_create(&labels).inc_by(bytes);
+    }
+
+    fn connection_closed(&self, labels: &RouteLabels, summary: &RelaySummary) {
+        self.active.get_or_create(labels).dec();
+        let labels = EndingLabels {
+            listener: labels.listener.clone(),
+            route: labels.route.clone(),
+            ending: summary.ending.as_str(),
+        };
+        self.closed.get_or_create(&labels).inc();
+    }
+}

@@ -1,0 +1,824 @@
+//! Listeners with live routes: add, retarget and remove at runtime, per-listener connection
+//! limits, graceful drain and shutdown.
+//!
+//! Ownership: the [`ProxyServer`] holds one entry per listener. Each listener has an accept
+//! task and a [`TaskTracker`] for its connections; every task is also tracked by the server's
+//! tracker, so shutdown waits for all of them. Cancellation is a tree of
+//! [`CancellationToken`]s: server shutdown → listener → route generation → connection, so
+//! closing a listener or retiring a route closes exactly the connections below it.
+//!
+//! Choices made here, and why:
+//! * Over the connection limit, a new client is accepted and reset at once (and counted as
+//!   rejected) rather than left in the kernel backlog, so it fails fast and holds no
+//!   descriptor.
+//! * When the upstream cannot be reached, the client connection is simply closed.
+//! * Accept errors that concern one connection (aborted handshakes) are skipped; others
+//!   (`EMFILE`, `ENFILE`, `ENOBUFS`) pause accepting with exponential backoff, as a tight retry
+//!   loop would burn a core while descriptors are exhausted.
+//! * Dropping the last [`ProxyServer`] handle closes every listener and connection at once;
+//!   call [`ProxyServer::shutdown`] for a graceful drain.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::io;
+use std::net::{IpAddr, SocketAddr};
+use std::str::FromStr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
+
+use tokio::net::{TcpListener, TcpSocket, TcpStream};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::task::JoinHandle;
+use tokio_util::sync::{CancellationToken, DropGuard};
+use tokio_util::task::TaskTracker;
+
+use crate::copy::{Direction, RelayCounters};
+use crate::error::{ConfigError, ServerError};
+use crate::metrics::{RelayObserver, RouteLabels};
+use crate::relay::{self, Ending, RelayConfig, RelaySummary, Route};
+use crate::socket;
+
+/// Shortest pause after a failed accept.
+const ACCEPT_BACKOFF_MIN: Duration = Duration::from_millis(5);
+
+/// Server-wide settings.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ServerConfig {
+    /// How often running connections report their byte counts to the observer.
+    pub report_interval: Duration,
+    /// Listen backlog of each listener.
+    pub backlog: u32,
+    /// Longest pause between accepts after repeated accept errors.
+    pub accept_backoff_max: Duration,
+}
+
+impl Default for ServerConfig {
+    /// Reports every 10 s, backlog 1024, accept backoff up to 1 s.
+    fn default() -> Self {
+        Self {
+            report_interval: Duration::from_secs(10),
+            backlog: 1024,
+            accept_backoff_max: Duration::from_secs(1),
+        }
+    }
+}
+
+impl ServerConfig {
+    /// Sets the report interval.
+    #[must_use]
+    pub fn with_report_interval(mut self, interval: Duration) -> Self {
+        self.report_interval = interval;
+        self
+    }
+
+    /// Rejects zero values.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.report_interval.is_zero() {
+            return Err(ConfigError::Zero {
+                what: "report interval",
+            });
+        }
+        if self.backlog == 0 {
+            return Err(ConfigError::Zero {
+                what: "listen backlog",
+            });
+        }
+        if self.accept_backoff_max < ACCEPT_BACKOFF_MIN {
+            return Err(ConfigError::Inconsistent(
+                "accept backoff maximum below 5 ms",
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// One listener: where to bind, where to forward, and how.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct ListenerConfig {
+    /// Address to bind; port 0 picks a free port (see [`ProxyServer::add_listener`]'s return).
+    pub bind: SocketAddr,
+    /// Where connections go; replaceable with [`ProxyServer::set_route`].
+    pub route: Route,
+    /// Most connections open at once, or `None` for no limit.
+    pub max_connections: Option<usize>,
+    /// Timeouts, copy mode and socket options.
+    pub relay: RelayConfig,
+}
+
+impl ListenerConfig {
+    /// A listener on `bind` forwarding to `route`, without limit, with default relay settings.
+    pub fn new(bind: SocketAddr, route: Route) -> Self {
+        Self {
+            bind,
+            route,
+            max_connections: None,
+            relay: RelayConfig::default(),
+        }
+    }
+
+    /// Sets the connection limit.
+    #[must_use]
+    pub fn with_max_connections(mut self, limit: Option<usize>) -> Self {
+        self.max_connections = limit;
+        self
+    }
+
+    /// Sets the relay settings.
+    #[must_use]
+    pub fn with_relay(mut self, relay: RelayConfig) -> Self {
+        self.relay = relay;
+        self
+    }
+
+    /// Rejects a zero connection limit and invalid relay settings.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        match self.max_connections {
+            Some(0) => Err(ConfigError::Zero {
+                what: "max connections",
+            }),
+            Some(limit) if limit > Semaphore::MAX_PERMITS => Err(ConfigError::Inconsistent(
+                "max connections above the supported maximum",
+            )),
+            _ => self.relay.validate(),
+        }
+    }
+}
+
+/// What happens to open connections when a route is replaced.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ExistingConnections {
+    /// They keep their upstream until they end.
+    Keep,
+    /// They are closed at once.
+    Close,
+}
+
+/// The outcome of a drain.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct DrainReport {
+    /// Connections that ended on their own before the deadline.
+    pub finished: usize,
+    /// Connections closed at the deadline.
+    pub forced: usize,
+}
+
+impl std::ops::Add for DrainReport {
+    type Output = Self;
+
+    fn add(self, other: Self) -> Self {
+        Self {
+            finished: self.finished + other.finished,
+            forced: self.forced + other.forced,
+        }
+    }
+}
+
+/// A listener as seen from outside.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ListenerStatus {
+    /// The bound address.
+    pub local_addr: SocketAddr,
+    /// The current route's name.
+    pub route: String,
+    /// The current route's upstream, described.
+    pub upstream: String,
+    /// Connections open now.
+    pub active_connections: usize,
+}
+
+/// A running connection, with live counters.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct ConnectionStatus {
+    /// Server-unique connection number.
+    pub id: u64,
+    /// The client's address.
+    pub client: SocketAddr,
+    /// The route it was accepted under.
+    pub route: String,
+    /// Bytes moved so far and last activity.
+    pub counters: Arc<RelayCounters>,
+}
+
+/// An inclusive range of ports, e.g. for allocating mappings.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PortRange {
+    start: u16,
+    end: u16,
+}
+
+impl PortRange {
+    /// The ports `start..=end`; rejects a reversed range and port 0.
+    pub fn new(start: u16, end: u16) -> Result<Self, ConfigError> {
+        if start > end {
+            return Err(ConfigError::ReversedPortRange { start, end });
+        }
+        if start == 0 {
+            return Err(ConfigError::Zero {
+                what: "first port of a range",
+            });
+        }
+        Ok(Self { start, end })
+    }
+
+    /// First port.
+    pub fn start(&self) -> u16 {
+        self.start
+    }
+
+    /// Last port.
+    pub fn end(&self) -> u16 {
+        self.end
+    }
+
+    /// Whether `port` is in the range.
+    pub fn contains(&self, port: u16) -> bool {
+        (self.start..=self.end).contains(&port)
+    }
+}
+
+impl FromStr for PortRange {
+    type Err = ConfigError;
+
+    /// Parses `9000-9100` or a single port `9000`.
+    fn from_str(input: &str) -> Result<Self, Self::Err> {
+        let invalid = || ConfigError::InvalidAddress {
+            input: input.to_owned(),
+            reason: "expected PORT or PORT-PORT",
+        };
+        let (start, end) = input.split_once('-').unwrap_or((input, input));
+        let start = start.trim().parse().map_err(|_| invalid())?;
+        let end = end.trim().parse().map_err(|_| invalid())?;
+        Self::new(start, end)
+    }
+}
+
+impl fmt::Display for PortRange {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}-{}", self.start, self.end)
+    }
+}
+
+/// A TCP proxy server with listeners and routes that change at runtime.
+///
+/// Cheap to clone; all clones control the same server. Must be used inside a Tokio runtime.
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// use std::sync::Arc;
+/// use std::time::Duration;
+/// use proxy_core::metrics::NoopObserver;
+/// use proxy_core::relay::Route;
+/// use proxy_core::server::{ListenerConfig, ProxyServer, ServerConfig};
+/// use tokio::io::{AsyncReadExt, AsyncWriteExt};
+/// use tokio::net::{TcpListener, TcpStream};
+///
+/// let backend = TcpListener::bind("127.0.0.1:0").await?;
+/// let backend_addr = backend.local_addr()?;
+/// tokio::spawn(async move {
+///     let (mut conn, _) = backend.accept().await?;
+///     conn.write_all(b"hello").await?;
+///     conn.shutdown().await
+/// });
+///
+/// let server = ProxyServer::new(ServerConfig::default(), Arc::new(NoopObserver))?;
+/// let route = Route::new("backend", backend_addr);
+/// let addr = server.add_listener(ListenerConfig::new("127.0.0.1:0".parse()?, route))?;
+///
+/// let mut client = TcpStream::connect(addr).await?;
+/// let mut reply = String::new();
+/// client.read_to_string(&mut reply).await?;
+/// assert_eq!(reply, "hello");
+/// drop(client); // the relay ends once both directions reached EOF
+///
+/// let report = server.shutdown(Duration::from_secs(5)).await;
+/// assert_eq!(report.forced, 0);
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Clone)]
+pub struct ProxyServer {
+    shared: Arc<ServerShared>,
+    /// Cancels everything when the last handle goes away.
+    _close_on_drop: Arc<DropGuard>,
+}
+
+impl fmt::Debug for ProxyServer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ProxyServer")
+            .field("listeners", &self.listeners())
+            .finish_non_exhaustive()
+    }
+}
+
+struct ServerShared {
+    config: ServerConfig,
+    observer: Arc<dyn RelayObserver>,
+    shutdown: CancellationToken,
+    tracker: TaskTracker,
+    listeners: Mutex<HashMap<SocketAddr, Arc<ListenerShared>>>,
+    closing: AtomicBool,
+    next_connection_id: AtomicU64,
+}
+
+struct ListenerShared {
+    local_addr: SocketAddr,
+    relay: RelayConfig,
+    route: Mutex<Arc<ActiveRoute>>,
+    /// Stops the accept loop; a child of the server's shutdown token.
+    stop_accepting: CancellationToken,
+    /// Closes every connection of this listener; a child of the server's shutdown token.
+    close_connections: CancellationToken,
+    connection_tasks: TaskTracker,
+    connections: Mutex<HashMap<u64, ConnectionStatus>>,
+    limit: Option<Arc<Semaphore>>,
+    accept_task: Mutex<Option<JoinHandle<()>>>,
+}
+
+/// One generation of a listener's route. Connections keep the generation they started with.
+struct ActiveRoute {
+    route: Route,
+    labels: RouteLabels,
+    /// Closes the connections of this generation only.
+    cancel: CancellationToken,
+}
+
+/// Locks a mutex whose data stays consistent even if a holder panicked (every critical section
+/// here is a single insert, remove or replace).
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl ProxyServer {
+    /// A server without listeners, reporting to `observer`.
+    pub fn new(
+        config: ServerConfig,
+        observer: Arc<dyn RelayObserver>,
+    ) -> Result<Self, ConfigError> {
+        config.validate()?;
+        let shutdown = CancellationToken::new();
+        Ok(Self {
+            _close_on_drop: Arc::new(shutdown.clone().drop_guard()),
+            shared: Arc::new(ServerShared {
+                config,
+                observer,
+                shutdown,
+                tracker: TaskTracker::new(),
+                listeners: Mutex::new(HashMap::new()),
+                closing: AtomicBool::new(false),
+                next_connection_id: AtomicU64::new(0),
+            }),
+        })
+    }
+
+    /// Binds a listener and starts accepting. Returns the bound address (useful with port 0).
+    ///
+    /// # Panics
+    ///
+    /// When called outside a Tokio runtime.
+    pub fn add_listener(&self, config: ListenerConfig) -> Result<SocketAddr, ServerError> {
+        config.validate()?;
+        let shared = &self.shared;
+        if shared.closing.load(Ordering::Acquire) {
+            return Err(ServerError::ShuttingDown);
+        }
+        if config.bind.port() != 0 && lock(&shared.listeners).contains_key(&config.bind) {
+            return Err(ServerError::ListenerExists(config.bind));
+        }
+        let listener = bind(config.bind, shared.config.backlog)?;
+        let local_addr = listener.local_addr().map_err(|source| ServerError::Bind {
+            addr: config.bind,
+            source,
+        })?;
+        let close_connections = shared.shutdown.child_token();
+        let state = Arc::new(ListenerShared {
+            local_addr,
+            relay: config.relay,
+            route: Mutex::new(Arc::new(ActiveRoute::new(
+                config.route,
+                local_addr,
+                &close_connections,
+            ))),
+            stop_accepting: shared.shutdown.child_token(),
+            close_connections,
+            connection_tasks: TaskTracker::new(),
+            connections: Mutex::new(HashMap::new()),
+            limit: config
+                .max_connections
+                .map(|limit| Arc::new(Semaphore::new(limit))),
+            accept_task: Mutex::new(None),
+        });
+        {
+            // Registered and started under one lock, so a concurrent removal always finds the
+            // accept task to wait for.
+            let mut listeners = lock(&shared.listeners);
+            if listeners.contains_key(&local_addr) {
+                return Err(ServerError::ListenerExists(local_addr));
+            }
+            let task = shared.tracker.spawn(accept_loop(
+                listener,
+                Arc::clone(&state),
+                Arc::clone(shared),
+            ));
+            *lock(&state.accept_task) = Some(task);
+            listeners.insert(local_addr, Arc::clone(&state));
+        }
+        tracing::info!(listener = %local_addr, route = %lock(&state.route).route.name, "listening");
+        Ok(local_addr)
+    }
+
+    /// Binds a listener on the first free port of `range` on `ip`; `config.bind` is ignored.
+    pub fn add_listener_in_range(
+        &self,
+        ip: IpAddr,
+        range: PortRange,
+        config: ListenerConfig,
+    ) -> Result<SocketAddr, ServerError> {
+        for port in range.start..=range.end {
+            let config = ListenerConfig {
+                bind: SocketAddr::new(ip, port),
+                ..config.clone()
+            };
+            match self.add_listener(config) {
+                Err(ServerError::ListenerExists(_)) => {}
+                Err(ServerError::Bind { source, .. })
+                    if source.kind() == io::ErrorKind::AddrInUse => {}
+                other => return other,
+            }
+        }
+        Err(ServerError::NoFreePort {
+            start: range.start,
+            end: range.end,
+        })
+    }
+
+    /// Replaces the route of a listener atomically: connections accepted from now on use
+    /// `route`; open ones keep their upstream or are closed, per `existing`.
+    pub fn set_route(
+        &self,
+        listener: SocketAddr,
+        route: Route,
+        existing: ExistingConnections,
+    ) -> Result<(), ServerError> {
+        let state = self.listener(listener)?;
+        let next = Arc::new(ActiveRoute::new(
+            route,
+            state.local_addr,
+            &state.close_connections,
+        ));
+        tracing::info!(listener = %listener, route = %next.route.name, upstream = %next.route.upstream.describe(), "route replaced");
+        let previous = std::mem::replace(&mut *lock(&state.route), next);
+        if existing == ExistingConnections::Close {
+            previous.cancel.cancel();
+        }
+        Ok(())
+    }
+
+    /// Stops accepting on `listener` at once (the port is free when this returns), lets its
+    /// connections finish for up to `drain`, then closes the rest.
+    pub async fn remove_listener(
+        &self,
+        listener: SocketAddr,
+        drain: Duration,
+    ) -> Result<DrainReport, ServerError> {
+        let state = lock(&self.shared.listeners)
+            .remove(&listener)
+            .ok_or(ServerError::UnknownListener(listener))?;
+        Ok(state.drain(drain).await)
+    }
+
+    /// Graceful shutdown: stops every listener, lets connections finish for up to `drain`,
+    /// closes the rest and waits for every task. New listeners are refused from now on.
+    pub async fn shutdown(&self, drain: Duration) -> DrainReport {
+        self.shared.closing.store(true, Ordering::Release);
+        let listeners: Vec<_> = lock(&self.shared.listeners)
+            .drain()
+            .map(|(_, l)| l)
+            .collect();
+        let reports = futures::future::join_all(listeners.iter().map(|l| l.drain(drain))).await;
+        self.shared.shutdown.cancel();
+        self.shared.tracker.close();
+        self.shared.tracker.wait().await;
+        reports
+            .into_iter()
+            .fold(DrainReport::default(), |sum, r| sum + r)
+    }
+
+    /// The token whose cancellation closes every listener and connection at once, without
+    /// drain. Cancel it from a signal handler for a hard stop.
+    pub fn cancellation_token(&self) -> CancellationToken {
+        self.shared.shutdown.clone()
+    }
+
+    /// The listeners, sorted by address.
+    pub fn listeners(&self) -> Vec<ListenerStatus> {
+        let mut statuses: Vec<_> = lock(&self.shared.listeners)
+            .values()
+            .map(|state| {
+                let route = Arc::clone(&lock(&state.route));
+                ListenerStatus {
+                    local_addr: state.local_addr,
+                    route: route.route.name.clone(),
+                    upstream: route.route.upstream.describe(),
+                    active_connections: lock(&state.connections).len(),
+                }
+            })
+            .collect();
+        statuses.sort_by_key(|s| s.local_addr);
+        statuses
+    }
+
+    /// The open connections of `listener`, sorted by id, with live counters.
+    pub fn connections(&self, listener: SocketAddr) -> Result<Vec<ConnectionStatus>, ServerError> {
+        let state = self.listener(listener)?;
+        let mut connections: Vec<_> = lock(&state.connections).values().cloned().collect();
+        connections.sort_by_key(|c| c.id);
+        Ok(connections)
+    }
+
+    fn listener(&self, addr: SocketAddr) -> Result<Arc<ListenerShared>, ServerError> {
+        lock(&self.shared.listeners)
+            .get(&addr)
+            .cloned()
+            .ok_or(ServerError::UnknownListener(addr))
+    }
+}
+
+fn bind(addr: SocketAddr, backlog: u32) -> Result<TcpListener, ServerError> {
+    let bind_error = |source| ServerError::Bind { addr, source };
+    let socket = match addr {
+        SocketAddr::V4(_) => TcpSocket::new_v4(),
+        SocketAddr::V6(_) => TcpSocket::new_v6(),
+    }
+    .map_err(bind_error)?;
+    // Lets a restarted proxy bind while old connections sit in TIME_WAIT.
+    socket.set_reuseaddr(true).map_err(bind_error)?;
+    socket.bind(addr).map_err(bind_error)?;
+    socket.listen(backlog).map_err(bind_error)
+}
+
+impl ActiveRoute {
+    fn new(route: Route, listener: SocketAddr, parent: &CancellationToken) -> Self {
+        Self {
+            labels: RouteLabels {
+                listener: listener.to_string(),
+                route: route.name.clone(),
+            },
+            route,
+            cancel: parent.child_token(),
+        }
+    }
+}
+
+impl ListenerShared {
+    async fn drain(&self, deadline: Duration) -> DrainReport {
+        self.stop_accepting.cancel();
+        let accept_task = lock(&self.accept_task).take();
+        if let Some(task) = accept_task {
+            // The task ends by itself once cancelled; a panic in it has been logged already.
+            let _ = task.await;
+        }
+        let in_flight = self.connection_tasks.len();
+        self.connection_tasks.close();
+        let forced = match tokio::time::timeout(deadline, self.connection_tasks.wait()).await {
+            Ok(()) => 0,
+            Err(_) => {
+                let remaining = self.connection_tasks.len();
+                self.close_connections.cancel();
+                self.connection_tasks.wait().await;
+                remaining
+            }
+        };
+        tracing::info!(listener = %self.local_addr, in_flight, forced, "listener drained");
+        DrainReport {
+            finished: in_flight.saturating_sub(forced),
+            forced,
+        }
+    }
+
+    fn start_connection(
+        self: &Arc<Self>,
+        client: TcpStream,
+        peer: SocketAddr,
+        server: &Arc<ServerShared>,
+    ) {
+        let route = Arc::clone(&lock(&self.route));
+        let permit = match &self.limit {
+            None => None,
+            Some(limit) => match Arc::clone(limit).try_acquire_owned() {
+                Ok(permit) => Some(permit),
+                Err(_) => {
+                    tracing::debug!(listener = %self.local_addr, %peer, "connection limit reached, rejecting");
+                    server.observer.connection_rejected(&route.labels);
+                    socket::reset_on_close(&client);
+                    return;
+                }
+            },
+        };
+        let id = server.next_connection_id.fetch_add(1, Ordering::Relaxed);
+        let counters = Arc::new(RelayCounters::new());
+        lock(&self.connections).insert(
+            id,
+            ConnectionStatus {
+                id,
+                client: peer,
+                route: route.route.name.clone(),
+                counters: Arc::clone(&counters),
+            },
+        );
+        let registration = Registration {
+            listener: Arc::clone(self),
+            id,
+            _permit: permit,
+        };
+        let task = run_connection(
+            client,
+            route,
+            self.relay,
+            counters,
+            Arc::clone(&server.observer),
+            server.config.report_interval,
+            registration,
+        );
+        server
+            .tracker
+            .spawn(self.connection_tasks.track_future(task));
+    }
+}
+
+/// Keeps a connection listed and its limit slot taken until it ends, however it ends.
+struct Registration {
+    listener: Arc<ListenerShared>,
+    id: u64,
+    _permit: Option<OwnedSemaphorePermit>,
+}
+
+impl Drop for Registration {
+    fn drop(&mut self) {
+        lock(&self.listener.connections).remove(&self.id);
+    }
+}
+
+async fn accept_loop(listener: TcpListener, state: Arc<ListenerShared>, server: Arc<ServerShared>) {
+    let mut backoff = ACCEPT_BACKOFF_MIN;
+    loop {
+        let accepted = tokio::select! {
+            biased;
+            () = state.stop_accepting.cancelled() => break,
+            accepted = listener.accept() => accepted,
+        };
+        match accepted {
+            Ok((client, peer)) => {
+                backoff = ACCEPT_BACKOFF_MIN;
+                state.start_connection(client, peer, &server);
+            }
+            Err(error) if concerns_one_connection(&error) => {
+                tracing::debug!(%error, listener = %state.local_addr, "accept failed for one connection");
+            }
+            Err(error) => {
+                tracing::warn!(%error, listener = %state.local_addr, retry_in = ?backoff, "accept failed, backing off");
+                tokio::select! {
+                    () = state.stop_accepting.cancelled() => break,
+                    () = tokio::time::sleep(backoff) => {}
+                }
+                backoff = backoff
+                    .saturating_mul(2)
+                    .min(server.config.accept_backoff_max);
+            }
+        }
+    }
+    tracing::debug!(listener = %state.local_addr, "stopped accepting");
+}
+
+fn concerns_one_connection(error: &io::Error) -> bool {
+    matches!(
+        error.kind(),
+        io::ErrorKind::ConnectionAborted
+            | io::ErrorKind::ConnectionReset
+            | io::ErrorKind::ConnectionRefused
+    )
+}
+
+async fn run_connection(
+    client: TcpStream,
+    route: Arc<ActiveRoute>,
+    config: RelayConfig,
+    counters: Arc<RelayCounters>,
+    observer: Arc<dyn RelayObserver>,
+    report_interval: Duration,
+    _registration: Registration,
+) {
+    let labels = &route.labels;
+    observer.connection_opened(labels);
+    let mode = config.copy_mode.resolve();
+    let connected = tokio::select! {
+        result = relay::connect_upstream(&route.route, &client, &config) => Some(result),
+        () = route.cancel.cancelled() => None,
+    };
+    let summary = match connected {
+        None => RelaySummary::from_counters(&counters, Ending::Cancelled, mode),
+        Some(Err(error)) => {
+            tracing::debug!(%error, route = %labels.route, listener = %labels.listener, "upstream unreachable, closing client");
+            observer.connect_failed(labels, &error);
+            drop(client);
+            RelaySummary::from_counters(&counters, Ending::ConnectFailed, mode)
+        }
+        Some(Ok(upstream)) => {
+            let mut reported = [0u64; 2];
+            let report = |reported: &mut [u64; 2]| {
+                for (slot, direction) in reported
+                    .iter_mut()
+                    .zip([Direction::ToUpstream, Direction::ToClient])
+                {
+                    let now = counters.get(direction);
+                    if now > *slot {
+                        observer.bytes_relayed(labels, direction, now - *slot);
+                        *slot = now;
+                    }
+                }
+            };
+            let relay = relay::relay_tcp(client, upstream, &config, &counters, &route.cancel);
+            tokio::pin!(relay);
+            let summary = loop {
+                tokio::select! {
+                    summary = &mut relay => break summary,
+                    () = tokio::time::sleep(report_interval) => report(&mut reported),
+                }
+            };
+            report(&mut reported);
+            summary
+        }
+    };
+    tracing::debug!(
+        route = %labels.route,
+        listener = %labels.listener,
+        ending = summary.ending.as_str(),
+        to_upstream = summary.to_upstream,
+        to_client = summary.to_client,
+        duration = ?summary.duration,
+        "connection closed"
+    );
+    observer.connection_closed(labels, &summary);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn port_ranges_reject_reversed_and_zero() {
+        assert!(matches!(
+            PortRange::new(9010, 9000),
+            Err(ConfigError::ReversedPortRange {
+                start: 9010,
+                end: 9000
+            })
+        ));
+        assert!(matches!(
+            PortRange::new(0, 10),
+            Err(ConfigError::Zero { .. })
+        ));
+        assert_eq!(
+            "9000-9010".parse::<PortRange>().ok(),
+            PortRange::new(9000, 9010).ok()
+        );
+        assert_eq!(
+            "9000".parse::<PortRange>().ok(),
+            PortRange::new(9000, 9000).ok()
+        );
+        assert!("9010-9000".parse::<PortRange>().is_err());
+        assert!("x-9000".parse::<PortRange>().is_err());
+        assert!(PortRange::new(1, 3).is_ok_and(|r| r.contains(2) && !r.contains(4)));
+    }
+
+    #[test]
+    fn listener_config_rejects_zero_limit() {
+        let route = Route::new("r", SocketAddr::from(([127, 0, 0, 1], 1)));
+        let config = ListenerConfig::new(SocketAddr::from(([127, 0, 0, 1], 0)), route);
+        assert!(
+            config
+                .clone()
+                .with_max_connections(Some(1))
+                .validate()
+                .is_ok()
+        );
+        assert!(matches!(
+            config.with_max_connections(Some(0)).validate(),
+            Err(ConfigError::Zero {
+                what: "max connections"
+            })
+        ));
+        assert!(
+            ServerConfig::default()
+                .with_report_interval(Duration::ZERO)
+                .validate()
+                .is_err()
+        );
+    }
+}

@@ -1,0 +1,263 @@
+//! Helpers shared by the integration tests: loopback servers, payload checks, an observer
+//! that counts events.
+#![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use proxy_core::ConnectError;
+use proxy_core::copy::{CopyMode, Direction, RelayCounters};
+use proxy_core::metrics::{RelayObserver, RouteLabels};
+use proxy_core::relay::{self, Ending, RelayConfig, RelaySummary, Route};
+use rand::{Rng, RngCore};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+pub const MODES: [CopyMode; 2] = [CopyMode::Buffered, CopyMode::Splice];
+
+/// Raises the soft descriptor limit to the hard one: 1 000 relayed connections need ~8 000.
+pub fn raise_fd_limit() {
+    use rustix::process::{Resource, getrlimit, setrlimit};
+    let mut limit = getrlimit(Resource::Nofile);
+    limit.current = limit.maximum;
+    setrlimit(Resource::Nofile, limit).expect("raise RLIMIT_NOFILE");
+}
+
+/// 64-bit FNV-1a, streamed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Checksum {
+    pub hash: u64,
+    pub len: u64,
+}
+
+impl Default for Checksum {
+    fn default() -> Self {
+        Self {
+            hash: 0xcbf2_9ce4_8422_2325,
+            len: 0,
+        }
+    }
+}
+
+impl Checksum {
+    pub fn update(&mut self, bytes: &[u8]) {
+        for byte in bytes {
+            self.hash ^= u64::from(*byte);
+            self.hash = self.hash.wrapping_mul(0x0100_0000_01b3);
+        }
+        self.len += bytes.len() as u64;
+    }
+
+    pub fn of(bytes: &[u8]) -> Self {
+        let mut sum = Self::default();
+        sum.update(bytes);
+        sum
+    }
+}
+
+pub fn random_payload(len: usize) -> Vec<u8> {
+    let mut payload = vec![0u8; len];
+    rand::rng().fill_bytes(&mut payload);
+    payload
+}
+
+pub fn random_len(max: usize) -> usize {
+    rand::rng().random_range(0..=max)
+}
+
+/// An echo server on loopback; counts accepted connections.
+pub struct Echo {
+    pub addr: SocketAddr,
+    pub accepted: Arc<AtomicUsize>,
+    task: JoinHandle<()>,
+}
+
+impl Drop for Echo {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// A loopback listener with a backlog for 1 000 simultaneous connects (tokio's `bind` uses 128,
+/// and an overflowing accept queue drops SYNs, which costs a 1 s retransmission).
+pub fn loopback_listener() -> TcpListener {
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    socket.listen(4096).unwrap()
+}
+
+pub async fn echo_server() -> Echo {
+    let listener = loopback_listener();
+    let addr = listener.local_addr().unwrap();
+    let accepted = Arc::new(AtomicUsize::new(0));
+    let count = Arc::clone(&accepted);
+    let task = tokio::spawn(async move {
+        loop {
+            let Ok((stream, _)) = listener.accept().await else {
+                continue;
+            };
+            count.fetch_add(1, Ordering::SeqCst);
+            tokio::spawn(async move {
+                let (mut read, mut write) = stream.into_split();
+                if tokio::io::copy(&mut read, &mut write).await.is_ok() {
+                    let _ = write.shutdown().await;
+                }
+            });
+        }
+    });
+    Echo {
+        addr,
+        accepted,
+        task,
+    }
+}
+
+/// A loopback address on which nothing listens (connects are refused).
+pub async fn closed_port() -> SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    listener.local_addr().unwrap()
+}
+
+/// Sends `payload` (then FIN) while reading everything back; returns the checksum of what came
+/// back. `pause` spaces out 64 KiB chunks to keep a transfer running for a while.
+pub async fn echo_roundtrip(
+    stream: TcpStream,
+    payload: Arc<Vec<u8>>,
+    pause: Option<Duration>,
+) -> std::io::Result<Checksum> {
+    let (mut read, mut write) = stream.into_split();
+    let writer = tokio::spawn(async move {
+        for chunk in payload.chunks(64 * 1024) {
+            write.write_all(chunk).await?;
+            if let Some(pause) = pause {
+                tokio::time::sleep(pause).await;
+            }
+        }
+        write.shutdown().await?;
+        Ok::<_, std::io::Error>(write)
+    });
+    let mut sum = Checksum::default();
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        let n = read.read(&mut buf).await?;
+        if n == 0 {
+            break;
+        }
+        sum.update(&buf[..n]);
+    }
+    writer.await.unwrap()?;
+    Ok(sum)
+}
+
+/// A connected client and the task relaying its accepted side with [`relay::proxy`].
+pub struct OneRelay {
+    pub client: TcpStream,
+    pub counters: Arc<RelayCounters>,
+    pub cancel: CancellationToken,
+    pub task: JoinHandle<Result<RelaySummary, ConnectError>>,
+}
+
+pub async fn relay_once(route: Route, config: RelayConfig) -> OneRelay {
+    let front = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let client = TcpStream::connect(front.local_addr().unwrap())
+        .await
+        .unwrap();
+    let (accepted, _) = front.accept().await.unwrap();
+    let counters = Arc::new(RelayCounters::new());
+    let cancel = CancellationToken::new();
+    let task = {
+        let (counters, cancel) = (Arc::clone(&counters), cancel.clone());
+        tokio::spawn(
+            async move { relay::proxy(accepted, &route, &config, &counters, &cancel).await },
+        )
+    };
+    OneRelay {
+        client,
+        counters,
+        cancel,
+        task,
+    }
+}
+
+/// Counts every observer event.
+#[derive(Debug, Default)]
+pub struct CountingObserver {
+    pub opened: AtomicUsize,
+    pub closed: AtomicUsize,
+    pub rejected: AtomicUsize,
+    pub connect_failed: AtomicUsize,
+    pub connect_timeouts: AtomicUsize,
+    pub bytes_to_upstream: AtomicU64,
+    pub bytes_to_client: AtomicU64,
+    pub endings: Mutex<Vec<Ending>>,
+}
+
+impl CountingObserver {
+    pub fn get(counter: &AtomicUsize) -> usize {
+        counter.load(Ordering::SeqCst)
+    }
+
+    pub fn endings(&self) -> Vec<Ending> {
+        self.endings.lock().unwrap().clone()
+    }
+}
+
+impl RelayObserver for CountingObserver {
+    fn connection_opened(&self, _: &RouteLabels) {
+        self.opened.fetch_add(1, Ordering::SeqCst);
+    }
+
+    fn connection_rejected(&self, _: &RouteLabels) {
+        self.rejected.fetch_add(1, Ordering::SeqCst);
+    }
+
+    fn connect_failed(&self, _: &RouteLabels, error: &ConnectError) {
+        self.connect_failed.fetch_add(1, Ordering::SeqCst);
+        if error.is_timeout() {
+            self.connect_timeouts.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    fn bytes_relayed(&self, _: &RouteLabels, direction: Direction, bytes: u64) {
+        match direction {
+            Direction::ToUpstream => &self.bytes_to_upstream,
+            Direction::ToClient => &self.bytes_to_client,
+        }
+        .fetch_add(bytes, Ordering::SeqCst);
+    }
+
+    fn connection_closed(&self, _: &RouteLabels, summary: &RelaySummary) {
+        self.endings.lock().unwrap().push(summary.ending);
+        self.closed.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+/// Polls `condition` every 10 ms until it holds, failing after `within`.
+pub async fn eventually(within: Duration, what: &str, mut condition: impl FnMut() -> bool) {
+    let deadline = tokio::time::Instant::now() + within;
+    while !condition() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out waiting for: {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// Reads until EOF or error; true when the connection ended (EOF or reset) within `within`.
+pub async fn closes_within(stream: &mut TcpStream, within: Duration) -> bool {
+    let mut buf = [0u8; 1024];
+    let read_to_end = async {
+        loop {
+            match stream.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(_) => {}
+            }
+        }
+    };
+    tokio::time::timeout(within, read_to_end).await.is_ok()
+}
