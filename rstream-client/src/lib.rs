@@ -1,1 +1,69 @@
-//! The rstream tunnel protocol (under construction).
+//! Client of the [rstream](https://rstream.io) tunnel protocol (version 1.4.5), with a local engine for
+//! tests.
+//!
+//! The protocol runs over TLS (ALPN `rstrm/1`) with one TLS connection per logical channel: a long-lived
+//! **control channel** carrying length-prefixed protobuf frames, and one **data connection** per inbound
+//! stream or private dial, which becomes a raw byte pipe after its first frame. This crate implements the
+//! client side for bytestream tunnels (`http`, `tls`, `tcp`); datagram tunnels (`dtls`, `quic`, HTTP/3)
+//! are rejected with [`Error::Unsupported`].
+//!
+//! ```no_run
+//! # async fn demo() -> rstream_client::Result<()> {
+//! use rstream_client::{forward, tunnel::TunnelOptions, Client};
+//!
+//! let client = Client::builder().engine("abc.c.example.io:443").token("...").build()?;
+//! let control = client.connect().await?;
+//! let mut tunnel = control.create_tunnel(TunnelOptions::tcp()).await?;
+//! println!("reachable at {}", tunnel.forwarding_address()?);
+//! forward::forward(&mut tunnel, "127.0.0.1:8080").await?;
+//! # Ok(()) }
+//! ```
+//!
+//! With the `engine` feature, [`engine::LocalEngine`] runs an engine in-process on loopback; its module
+//! documentation has a runnable end-to-end example.
+//!
+//! # Layout
+//!
+//! | Module | Role |
+//! |---|---|
+//! | [`proto`] | Hand-written `prost` types of the 1.4.5 schema (no `protoc` at build time). |
+//! | [`frame`] | The frame codec: u32 big-endian length + `Message`, at most 65 535 bytes; leftover bytes kept. |
+//! | [`tls`] | rustls client configuration: ALPN `rstrm/1`, CA bundle or system roots, SNI override, insecure mode, mTLS identity. |
+//! | [`resolve`] | Engine addresses (`host[:port]`) and project-endpoint resolution through the control plane (redirects not followed, region rules). |
+//! | [`client`] | [`Client`], [`ControlChannel`] (handshake, liveness negotiation, heartbeats, tunnels, inbound-stream dispatch with bounded dials and queue) and private dials. |
+//! | [`tunnel`] | [`tunnel::TunnelOptions`], the SDKs' validation rules, the forwarding-address string and stable hostnames. |
+//! | [`stream`] | [`RstreamStream`], the byte pipe of an inbound stream or a private dial. |
+//! | [`supervisor`] | Keeps a tunnel up: reconnect with backoff and jitter, re-create, reuse a stable hostname, report state changes. |
+//! | [`forward`] | Relays accepted streams to a local TCP target ([`forward::relay`] is the single copy function). |
+//! | [`error`] | [`Error`] with engine codes and [`Error::retryable`]. |
+//! | `engine` | (feature `engine`) `LocalEngine` and `LocalControlPlane` for tests, examples and demos. |
+//!
+//! # Behaviour notes
+//!
+//! * Tokens: a JWT whose `exp` is in the past fails [`ClientBuilder::build`] with [`Error::TokenExpired`].
+//!   A token and an mTLS client certificate together are rejected ([`Error::AuthConflict`]).
+//! * Heartbeats (default every 5 s) use the negotiated 1.4.5 mode when the engine returns a liveness
+//!   policy; silence longer than the negotiated timeout ends the channel with [`Error::ControlLiveness`].
+//! * When the control channel is lost (I/O error, EOF, liveness), streams already accepted keep working;
+//!   an explicit close or a protocol violation also closes the streams being forwarded.
+//! * Zero-RTT is on by default, like the official SDKs.
+#![deny(missing_docs)]
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
+pub mod client;
+#[cfg(feature = "engine")]
+#[cfg_attr(docsrs, doc(cfg(feature = "engine")))]
+pub mod engine;
+pub mod error;
+pub mod forward;
+pub mod frame;
+pub mod proto;
+pub mod resolve;
+pub mod stream;
+pub mod supervisor;
+pub mod tls;
+pub mod tunnel;
+
+pub use client::{Client, ClientBuilder, ControlChannel, Tunnel};
+pub use error::{EngineErrorCode, Error, Result};
+pub use stream::RstreamStream;

@@ -1,0 +1,247 @@
+//! TLS configuration (rustls, ring provider) for engine connections: ALPN `rstrm/1`, trust roots,
+//! server-name override, an insecure mode for local engines, and the mTLS client identity.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName, UnixTime};
+use rustls::{DigitallySignedStruct, SignatureScheme};
+
+use crate::error::{Error, Result};
+
+/// The ALPN protocol of the rstream tunnel protocol.
+pub const ALPN: &[u8] = b"rstrm/1";
+
+/// A client certificate chain and private key, for mTLS authentication (the alternative to a token).
+pub struct ClientIdentity {
+    pub(crate) cert_chain: Vec<CertificateDer<'static>>,
+    pub(crate) key: PrivateKeyDer<'static>,
+}
+
+impl Clone for ClientIdentity {
+    fn clone(&self) -> Self {
+        Self {
+            cert_chain: self.cert_chain.clone(),
+            key: self.key.clone_key(),
+        }
+    }
+}
+
+impl std::fmt::Debug for ClientIdentity {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClientIdentity")
+            .field("certificates", &self.cert_chain.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl ClientIdentity {
+    /// Parses a PEM certificate chain and a PEM private key (PKCS#8, PKCS#1 or SEC1).
+    pub fn from_pem(cert_chain_pem: &[u8], key_pem: &[u8]) -> Result<Self> {
+        let cert_chain = parse_certs(cert_chain_pem)?;
+        if cert_chain.is_empty() {
+            return Err(Error::InvalidConfig(
+                "no certificate found in the client certificate PEM".into(),
+            ));
+        }
+        let key = rustls_pemfile::private_key(&mut &key_pem[..])
+            .map_err(|e| Error::InvalidConfig(format!("cannot parse the client key PEM: {e}")))?
+            .ok_or_else(|| {
+                Error::InvalidConfig("no private key found in the client key PEM".into())
+            })?;
+        Ok(Self { cert_chain, key })
+    }
+
+    /// Reads [`ClientIdentity::from_pem`] input from files.
+    pub fn from_files(cert_file: impl AsRef<Path>, key_file: impl AsRef<Path>) -> Result<Self> {
+        let cert = read_file(cert_file.as_ref())?;
+        let key = read_file(key_file.as_ref())?;
+        Self::from_pem(&cert, &key)
+    }
+
+    /// Builds an identity from DER parts.
+    pub fn from_der(cert_chain: Vec<CertificateDer<'static>>, key: PrivateKeyDer<'static>) -> Self {
+        Self { cert_chain, key }
+    }
+}
+
+/// TLS options for engine connections.
+#[derive(Clone, Debug, Default)]
+pub struct TlsOptions {
+    pub(crate) ca_pem: Option<Vec<u8>>,
+    pub(crate) server_name: Option<String>,
+    pub(crate) insecure_skip_verify: bool,
+    pub(crate) client_identity: Option<ClientIdentity>,
+}
+
+impl TlsOptions {
+    /// Default options: system trust roots, SNI = engine host, no client certificate.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Trusts the certificates of this PEM bundle instead of the system roots.
+    pub fn ca_pem(mut self, pem: impl Into<Vec<u8>>) -> Self {
+        self.ca_pem = Some(pem.into());
+        self
+    }
+
+    /// Reads a PEM CA bundle from a file (see [`TlsOptions::ca_pem`]).
+    pub fn ca_file(self, path: impl AsRef<Path>) -> Result<Self> {
+        let pem = read_file(path.as_ref())?;
+        Ok(self.ca_pem(pem))
+    }
+
+    /// Overrides the SNI / verification name for the configured engine (not used for redirected
+    /// `proxy_endpoint` dials).
+    pub fn server_name(mut self, name: impl Into<String>) -> Self {
+        self.server_name = Some(name.into());
+        self
+    }
+
+    /// Disables certificate verification. Only for local test engines.
+    pub fn insecure_skip_verify(mut self, insecure: bool) -> Self {
+        self.insecure_skip_verify = insecure;
+        self
+    }
+
+    /// Presents this client certificate (mTLS). Mutually exclusive with a token.
+    pub fn client_identity(mut self, identity: ClientIdentity) -> Self {
+        self.client_identity = Some(identity);
+        self
+    }
+
+    /// Whether a client certificate is configured.
+    pub fn has_client_identity(&self) -> bool {
+        self.client_identity.is_some()
+    }
+}
+
+fn read_file(path: &Path) -> Result<Vec<u8>> {
+    std::fs::read(path)
+        .map_err(|e| Error::InvalidConfig(format!("cannot read {}: {e}", path.display())))
+}
+
+fn parse_certs(pem: &[u8]) -> Result<Vec<CertificateDer<'static>>> {
+    rustls_pemfile::certs(&mut &pem[..])
+        .collect::<std::result::Result<Vec<_>, _>>()
+        .map_err(|e| Error::InvalidConfig(format!("cannot parse certificate PEM: {e}")))
+}
+
+pub(crate) fn provider() -> Arc<rustls::crypto::CryptoProvider> {
+    Arc::new(rustls::crypto::ring::default_provider())
+}
+
+/// Builds a rustls client configuration offering exactly `alpn`.
+pub(crate) fn client_config_with_alpn(
+    options: &TlsOptions,
+    alpn: &[&[u8]],
+) -> Result<Arc<rustls::ClientConfig>> {
+    let provider = provider();
+    let builder = rustls::ClientConfig::builder_with_provider(provider.clone())
+        .with_safe_default_protocol_versions()
+        .map_err(|e| Error::InvalidConfig(format!("TLS: {e}")))?;
+    let builder = if options.insecure_skip_verify {
+        builder
+            .dangerous()
+            .with_custom_certificate_verifier(Arc::new(NoVerify(provider)))
+    } else {
+        let mut roots = rustls::RootCertStore::empty();
+        match &options.ca_pem {
+            Some(pem) => {
+                let certs = parse_certs(pem)?;
+                if certs.is_empty() {
+                    return Err(Error::InvalidConfig(
+                        "no certificate found in the CA bundle".into(),
+                    ));
+                }
+                for cert in certs {
+                    roots.add(cert).map_err(|e| {
+                        Error::InvalidConfig(format!("invalid CA certificate: {e}"))
+                    })?;
+                }
+            }
+            None => {
+                let native = rustls_native_certs::load_native_certs();
+                for cert in native.certs {
+                    // Skip the few system certificates rustls cannot parse.
+                    let _ = roots.add(cert);
+                }
+                if roots.is_empty() {
+                    return Err(Error::InvalidConfig(
+                        "no system trust roots found; configure a CA bundle".into(),
+                    ));
+                }
+            }
+        }
+        builder.with_root_certificates(roots)
+    };
+    let mut config = match &options.client_identity {
+        Some(id) => builder
+            .with_client_auth_cert(id.cert_chain.clone(), id.key.clone_key())
+            .map_err(|e| Error::InvalidConfig(format!("invalid client certificate: {e}")))?,
+        None => builder.with_no_client_auth(),
+    };
+    config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+    Ok(Arc::new(config))
+}
+
+/// Builds the rustls client configuration for the tunnel protocol (ALPN `rstrm/1`).
+pub fn client_config(options: &TlsOptions) -> Result<Arc<rustls::ClientConfig>> {
+    client_config_with_alpn(options, &[ALPN])
+}
+
+/// Converts a host (DNS name or IP literal, brackets allowed) into a rustls server name.
+pub(crate) fn server_name(host: &str) -> Result<ServerName<'static>> {
+    let bare = host.trim_start_matches('[').trim_end_matches(']');
+    ServerName::try_from(bare.to_owned()).map_err(|e| Error::InvalidEngine(format!("{host}: {e}")))
+}
+
+#[derive(Debug)]
+struct NoVerify(Arc<rustls::crypto::CryptoProvider>);
+
+impl ServerCertVerifier for NoVerify {
+    fn verify_server_cert(
+        &self,
+        _end_entity: &CertificateDer<'_>,
+        _intermediates: &[CertificateDer<'_>],
+        _server_name: &ServerName<'_>,
+        _ocsp_response: &[u8],
+        _now: UnixTime,
+    ) -> std::result::Result<ServerCertVerified, rustls::Error> {
+        Ok(ServerCertVerified::assertion())
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> std::result::Result<HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls12_signature(
+            message,
+            cert,
+            dss,
+            &self.0.signature_verification_algorithms,
+        )
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> std::result::Result<HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls13_signature(
+            message,
+            cert,
+            dss,
+            &self.0.signature_verification_algorithms,
+        )
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.0.signature_verification_algorithms.supported_schemes()
+    }
+}
