@@ -32,24 +32,47 @@ pub const APPLIED_HASH_ANNOTATION: &str = "kube-netkit.io/applied-hash";
 
 /// The result of [`Applier::apply`].
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub enum Applied<K> {
     /// The live object already matched; nothing was written.
     Unchanged(K),
-    /// The object was created or patched; this is the server's answer.
+    /// The object was created, or our desired state changed; this is the server's answer.
     Written(K),
+    /// Someone else had changed fields we own since our last apply; they were put back. Repeated
+    /// repairs mean another controller fights over the object.
+    Repaired {
+        /// The server's answer.
+        object: K,
+        /// The other field managers recorded on the object before the repair (who may have
+        /// changed it).
+        drifted_by: Vec<String>,
+    },
 }
 
 impl<K> Applied<K> {
     /// The object as the server has it.
     pub fn into_inner(self) -> K {
         match self {
-            Self::Unchanged(k) | Self::Written(k) => k,
+            Self::Unchanged(k) | Self::Written(k) | Self::Repaired { object: k, .. } => k,
         }
     }
 
     /// Whether a write call was made.
     pub fn written(&self) -> bool {
-        matches!(self, Self::Written(_))
+        !matches!(self, Self::Unchanged(_))
+    }
+
+    /// Whether the write undid someone else's change.
+    pub fn repaired(&self) -> bool {
+        matches!(self, Self::Repaired { .. })
+    }
+
+    /// The other field managers of a repaired object (empty otherwise).
+    pub fn drifted_by(&self) -> &[String] {
+        match self {
+            Self::Repaired { drifted_by, .. } => drifted_by,
+            _ => &[],
+        }
     }
 }
 
@@ -107,11 +130,27 @@ impl Applier {
         let hash = content_hash(&value);
         set_annotation(&mut value, APPLIED_HASH_ANNOTATION, &hash)?;
 
+        let mut drifted_by = None;
         if let Some(live) = api.get_opt(&name).await.map_err(Error::Kube)? {
-            let recorded = live.annotations().get(APPLIED_HASH_ANNOTATION);
+            let ours = live.annotations().get(APPLIED_HASH_ANNOTATION) == Some(&hash);
             let live_value = serde_json::to_value(&live).map_err(Error::Serialize)?;
-            if recorded == Some(&hash) && is_subset(&value, &live_value) {
-                return Ok(Applied::Unchanged(live));
+            if is_subset(&value, &live_value) {
+                if ours {
+                    return Ok(Applied::Unchanged(live));
+                }
+            } else if ours {
+                // We applied exactly this before, yet it no longer holds: someone changed it.
+                let mut others: Vec<String> = live
+                    .meta()
+                    .managed_fields
+                    .iter()
+                    .flatten()
+                    .filter_map(|entry| entry.manager.clone())
+                    .filter(|manager| *manager != self.field_manager)
+                    .collect();
+                others.sort();
+                others.dedup();
+                drifted_by = Some(others);
             }
         }
         let params = PatchParams::apply(&self.field_manager).force();
@@ -119,7 +158,13 @@ impl Applier {
             .patch(&name, &params, &Patch::Apply(&value))
             .await
             .map_err(Error::Kube)?;
-        Ok(Applied::Written(written))
+        Ok(match drifted_by {
+            Some(drifted_by) => Applied::Repaired {
+                object: written,
+                drifted_by,
+            },
+            None => Applied::Written(written),
+        })
     }
 
     /// Deletes every object matching `label_selector` in `namespace` whose name is not in `keep`;

@@ -392,8 +392,14 @@ impl<R: Reconciler> ControllerBuilder<R> {
                         health.set("informers-synced", true, "synced");
                         break;
                     }
-                    Ok(Err(_)) => break,
-                    Err(_elapsed) => continue,
+                    Ok(Err(err)) => {
+                        tracing::warn!(error = %err, "informer store closed before it was ready");
+                        break;
+                    }
+                    Err(_elapsed) => {
+                        tracing::debug!("informer store not ready yet");
+                        continue;
+                    }
                 }
             }
         });

@@ -115,11 +115,25 @@ pub struct EndpointsOptions {
 pub struct EndpointsOutcome {
     /// Objects created or patched (slices and Endpoints).
     pub written: usize,
+    /// Of those, the ones written because someone else had changed them since our last write.
+    pub repaired: usize,
+    /// The other field managers seen on the repaired objects.
+    pub drifted_by: BTreeSet<String>,
     /// Slices deleted (stale ones, and ones re-created for a new address family).
     pub deleted: usize,
 }
 
 impl EndpointsOutcome {
+    fn count<K>(&mut self, applied: &crate::Applied<K>) {
+        if applied.written() {
+            self.written += 1;
+        }
+        if applied.repaired() {
+            self.repaired += 1;
+            self.drifted_by.extend(applied.drifted_by().iter().cloned());
+        }
+    }
+
     /// Whether nothing was written or deleted.
     pub fn unchanged(&self) -> bool {
         self.written == 0 && self.deleted == 0
@@ -245,9 +259,7 @@ pub async fn apply_service_endpoints(
             }
             other => other?,
         };
-        if applied.written() {
-            outcome.written += 1;
-        }
+        outcome.count(&applied);
         keep.insert(name);
     }
     if options.delete_other_slices {
@@ -256,8 +268,8 @@ pub async fn apply_service_endpoints(
             .prune::<EndpointSlice>(&spec.namespace, &selector, &keep)
             .await?;
     }
-    if options.write_endpoints && applier.apply(&desired_endpoints(spec)).await?.written() {
-        outcome.written += 1;
+    if options.write_endpoints {
+        outcome.count(&applier.apply(&desired_endpoints(spec)).await?);
     }
     Ok(outcome)
 }

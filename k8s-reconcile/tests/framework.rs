@@ -115,9 +115,10 @@ async fn applier_writes_once_then_only_reads_and_keeps_other_managers_fields() {
     assert!(applier.apply(&desired).await.unwrap().written());
     assert_eq!(admin.get("cfg").await.unwrap().data.unwrap()["a"], "1");
 
-    // A field we stop setting is removed (the hash changed), theirs stays.
+    // A field we stop setting is removed (the hash changed), theirs stays; that is no repair.
     let without_a = configmap(&ns, "cfg", &[("c", "3")]);
-    assert!(applier.apply(&without_a).await.unwrap().written());
+    let applied = applier.apply(&without_a).await.unwrap();
+    assert!(applied.written() && !applied.repaired());
     let data = admin.get("cfg").await.unwrap().data.unwrap();
     assert!(!data.contains_key("a"), "{data:?}");
     assert_eq!(data["b"], "2");

@@ -7,6 +7,7 @@
 mod cluster;
 mod envtest;
 mod test;
+mod tools;
 
 use clap::{Parser, Subcommand};
 
@@ -24,6 +25,8 @@ struct Cli {
 enum Task {
     /// Install kube-apiserver and etcd for the test control plane; print their directory.
     Envtest(envtest::Args),
+    /// Install helm (built from its Go module) and print its path.
+    Helm,
     /// Start a local control plane (etcd + kube-apiserver), print its kubeconfig, run until Ctrl-C.
     Cluster,
     /// Run every check CI runs: fmt, clippy, tests, docs.
@@ -36,6 +39,10 @@ fn main() -> anyhow::Result<()> {
         Task::Envtest(args) => {
             let dir = envtest::ensure(&args)?;
             println!("{}", dir.display());
+            Ok(())
+        }
+        Task::Helm => {
+            println!("{}", tools::ensure_helm()?.display());
             Ok(())
         }
         Task::Cluster => cluster::run(),

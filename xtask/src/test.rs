@@ -34,6 +34,15 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
     });
     let assets = assets?;
 
+    let started = Instant::now();
+    let helm = crate::tools::ensure_helm();
+    steps.push(Step {
+        name: "helm",
+        duration: started.elapsed(),
+        ok: helm.is_ok(),
+    });
+    let helm = helm?;
+
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
     let mut test_cmd = vec!["test", "--workspace", "--all-features", "--no-fail-fast"];
     if !args.test_args.is_empty() {
@@ -75,7 +84,8 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
         cmd.current_dir(&root)
             .args(&cmd_args)
             .envs(envs)
-            .env("KUBEBUILDER_ASSETS", &assets);
+            .env("KUBEBUILDER_ASSETS", &assets)
+            .env(crate::tools::HELM_ENV, &helm);
         let status = if cmd_args.first() == Some(&"test") {
             run_counting(&mut cmd, &mut totals)?
         } else {

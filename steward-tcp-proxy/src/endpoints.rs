@@ -1,0 +1,484 @@
+//! Keeps `default/kubernetes` (EndpointSlices and Endpoints) pointing at this proxy.
+//!
+//! The reconciled object is the proxy's own Service: its ClusterIP (cluster-ip mode) or the ready
+//! addresses of its EndpointSlices (pod-ip mode) are what we publish. Changes to the `kubernetes`
+//! slices or Endpoints, and to the proxy's own slices, trigger a reconcile at once, so drift is
+//! repaired within a watch round-trip; `--reconcile-interval` is only a resync.
+//!
+//! When kube-apiserver's own endpoint reconciler is still running (it was not started with
+//! `--endpoint-reconciler-type=none`), it rewrites the objects every ~10 s and we would rewrite them
+//! back forever. [`FightDetector`] notices repeated repairs, reports the fight (log, Warning Event,
+//! metric, `/readyz` detail) and spaces our rewrites out exponentially instead of hot-looping.
+
+use std::collections::VecDeque;
+use std::net::IpAddr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::core::v1::Service;
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use k8s_reconcile::endpointslice::{
+    EndpointsOptions, ServiceEndpoint, ServiceEndpoints, ServicePort, apply_service_endpoints,
+};
+use k8s_reconcile::ops::Health;
+use k8s_reconcile::{Action, Context, Reconciler};
+use kube::ResourceExt as _;
+use kube::api::{Api, ListParams};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+
+use crate::cli::EndpointMode;
+
+/// The Service whose endpoints we own.
+pub const KUBERNETES_SERVICE: &str = "kubernetes";
+/// Its namespace.
+pub const KUBERNETES_NAMESPACE: &str = "default";
+/// Value of `endpointslice.kubernetes.io/managed-by` on our slices; also our field manager.
+pub const MANAGER: &str = "steward-tcp-proxy";
+/// Readiness check name.
+pub const CHECK: &str = "endpoints";
+
+/// Settings of the endpoints reconciler.
+#[derive(Debug, Clone)]
+pub struct EndpointsConfig {
+    /// Cluster-ip or pod-ip.
+    pub mode: EndpointMode,
+    /// The port published in cluster-ip mode.
+    pub service_port: u16,
+}
+
+/// Reconcile failures.
+#[derive(Debug, thiserror::Error)]
+pub enum EndpointsError {
+    /// The proxy Service has no ClusterIP (headless, or not allocated yet).
+    #[error("Service {0} has no ClusterIP to publish")]
+    NoClusterIp(String),
+    /// The framework failed (API calls).
+    #[error(transparent)]
+    Framework(#[from] k8s_reconcile::Error),
+    /// Listing the proxy's own EndpointSlices failed.
+    #[error("listing the EndpointSlices of Service {service}: {source}")]
+    ListSlices {
+        /// The proxy Service.
+        service: String,
+        /// The API error.
+        #[source]
+        source: kube::Error,
+    },
+}
+
+/// Metrics of the endpoints reconciler.
+#[derive(Debug, Clone, Default)]
+pub struct EndpointsMetrics {
+    repairs: Counter,
+    writes: Counter,
+    fight: Gauge,
+}
+
+impl EndpointsMetrics {
+    /// Registers `steward_endpoint_*` metrics.
+    pub fn register(registry: &mut Registry) -> Self {
+        let metrics = Self::default();
+        registry.register(
+            "steward_endpoint_writes",
+            "Writes of the kubernetes EndpointSlices and Endpoints",
+            metrics.writes.clone(),
+        );
+        registry.register(
+            "steward_endpoint_repairs",
+            "Writes that undid someone else's change to the kubernetes endpoints",
+            metrics.repairs.clone(),
+        );
+        registry.register(
+            "steward_endpoint_fight",
+            "Whether another controller (kube-apiserver's endpoint reconciler) keeps rewriting the kubernetes endpoints",
+            metrics.fight.clone(),
+        );
+        metrics
+    }
+}
+
+/// Field manager of kube-apiserver's own endpoint reconciler.
+pub const APISERVER_MANAGER: &str = "kube-apiserver";
+
+/// Who undid our last write, as seen by one reconcile.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Drift {
+    /// Nothing was repaired.
+    None,
+    /// kube-apiserver's endpoint reconciler (a fight from its first repeat).
+    Apiserver,
+    /// Someone else: a person, a script, another controller.
+    Other,
+}
+
+/// Detects a fight over the endpoints and spaces out our rewrites while it lasts.
+///
+/// kube-apiserver's endpoint reconciler rewrites every ~10 s, so three of its changes undone
+/// within a minute is a fight. Changes by anyone else are repaired at once (a person's edit, a
+/// benchmark) unless they come at hot-loop rates (60 a minute).
+#[derive(Debug)]
+pub struct FightDetector {
+    apiserver: VecDeque<Instant>,
+    any: VecDeque<Instant>,
+    window: Duration,
+    apiserver_threshold: usize,
+    any_threshold: usize,
+    min_backoff: Duration,
+    max_backoff: Duration,
+    backoff: Duration,
+    next_write: Option<Instant>,
+}
+
+impl Default for FightDetector {
+    fn default() -> Self {
+        Self::new(
+            Duration::from_secs(60),
+            3,
+            60,
+            Duration::from_secs(10),
+            Duration::from_secs(300),
+        )
+    }
+}
+
+impl FightDetector {
+    /// A detector over `window`: `apiserver_threshold` repairs of kube-apiserver's changes, or
+    /// `any_threshold` repairs of anyone's, make a fight; then rewrites wait `min_backoff`,
+    /// doubling up to `max_backoff`.
+    pub fn new(
+        window: Duration,
+        apiserver_threshold: usize,
+        any_threshold: usize,
+        min_backoff: Duration,
+        max_backoff: Duration,
+    ) -> Self {
+        Self {
+            apiserver: VecDeque::new(),
+            any: VecDeque::new(),
+            window,
+            apiserver_threshold,
+            any_threshold,
+            min_backoff,
+            max_backoff,
+            backoff: min_backoff,
+            next_write: None,
+        }
+    }
+
+    /// Whether a fight is going on.
+    pub fn fighting(&self) -> bool {
+        self.apiserver.len() >= self.apiserver_threshold || self.any.len() >= self.any_threshold
+    }
+
+    /// How long to hold off writing, if at all.
+    pub fn hold_off(&self, now: Instant) -> Option<Duration> {
+        self.next_write
+            .filter(|at| *at > now)
+            .map(|at| at.duration_since(now))
+    }
+
+    /// Records a reconcile; returns true when this repair starts a fight.
+    pub fn record(&mut self, drift: Drift, now: Instant) -> bool {
+        for queue in [&mut self.apiserver, &mut self.any] {
+            while queue
+                .front()
+                .is_some_and(|t| now.duration_since(*t) > self.window)
+            {
+                queue.pop_front();
+            }
+        }
+        let was_fighting = self.fighting();
+        match drift {
+            Drift::None => {}
+            Drift::Apiserver => {
+                self.apiserver.push_back(now);
+                self.any.push_back(now);
+            }
+            Drift::Other => self.any.push_back(now),
+        }
+        if self.fighting() {
+            if drift != Drift::None {
+                self.next_write = Some(now + self.backoff);
+                self.backoff = (self.backoff * 2).min(self.max_backoff);
+            }
+        } else {
+            self.backoff = self.min_backoff;
+            self.next_write = None;
+        }
+        !was_fighting && self.fighting()
+    }
+}
+
+/// The reconciler; see the [module docs](self).
+pub struct EndpointsReconciler {
+    config: EndpointsConfig,
+    health: Health,
+    metrics: EndpointsMetrics,
+    fight: Arc<Mutex<FightDetector>>,
+}
+
+impl EndpointsReconciler {
+    /// A reconciler reporting to `health` and `metrics`.
+    ///
+    /// Only the replica that reconciles (the leader) reports the `endpoints` readiness check.
+    pub fn new(config: EndpointsConfig, health: Health, metrics: EndpointsMetrics) -> Self {
+        Self {
+            config,
+            health,
+            metrics,
+            fight: Arc::new(Mutex::new(FightDetector::default())),
+        }
+    }
+
+    /// What to publish for `service`.
+    async fn desired(
+        &self,
+        service: &Service,
+        ctx: &Context,
+    ) -> Result<(Vec<ServiceEndpoint>, i32), EndpointsError> {
+        let name = format!(
+            "{}/{}",
+            service.namespace().unwrap_or_default(),
+            service.name_any()
+        );
+        let spec = service.spec.clone().unwrap_or_default();
+        match self.config.mode {
+            EndpointMode::ClusterIp => {
+                let mut ips: Vec<IpAddr> = spec
+                    .cluster_ips
+                    .unwrap_or_default()
+                    .iter()
+                    .chain(spec.cluster_ip.iter())
+                    .filter_map(|ip| ip.parse().ok())
+                    .collect();
+                ips.dedup();
+                if ips.is_empty() {
+                    return Err(EndpointsError::NoClusterIp(name));
+                }
+                let endpoints = ips.into_iter().map(ServiceEndpoint::ready).collect();
+                Ok((endpoints, i32::from(self.config.service_port)))
+            }
+            EndpointMode::PodIp => {
+                let ns = service.namespace().unwrap_or_default();
+                let api: Api<EndpointSlice> = Api::namespaced(ctx.client().clone(), &ns);
+                let selector = format!("kubernetes.io/service-name={}", service.name_any());
+                let slices = api
+                    .list(&ListParams::default().labels(&selector))
+                    .await
+                    .map_err(|source| EndpointsError::ListSlices {
+                        service: name,
+                        source,
+                    })?;
+                // The Service port that is published: the one numbered --service-port, else the
+                // first; its name finds the pod port in the slices.
+                let ports = spec.ports.unwrap_or_default();
+                let service_port = ports
+                    .iter()
+                    .find(|p| p.port == i32::from(self.config.service_port))
+                    .or(ports.first());
+                let port_name = service_port.and_then(|p| p.name.clone());
+                let mut port = None;
+                let mut endpoints = Vec::new();
+                for slice in slices.items {
+                    for p in slice.ports.iter().flatten() {
+                        if port.is_none() && (port_name.is_none() || p.name == port_name) {
+                            port = p.port;
+                        }
+                    }
+                    for endpoint in slice.endpoints.iter().flatten() {
+                        let ready = endpoint
+                            .conditions
+                            .as_ref()
+                            .and_then(|c| c.ready)
+                            .unwrap_or(true);
+                        // kube-proxy uses only the first address of an endpoint.
+                        let Some(ip) = endpoint.addresses.first().and_then(|a| a.parse().ok())
+                        else {
+                            continue;
+                        };
+                        if ready && !endpoints.iter().any(|e: &ServiceEndpoint| e.ip == ip) {
+                            let mut published = ServiceEndpoint::ready(ip);
+                            published.node_name = endpoint.node_name.clone();
+                            endpoints.push(published);
+                        }
+                    }
+                }
+                endpoints.sort_by_key(|e| e.ip);
+                Ok((
+                    endpoints,
+                    port.unwrap_or(i32::from(self.config.service_port)),
+                ))
+            }
+        }
+    }
+}
+
+impl Reconciler for EndpointsReconciler {
+    type Resource = Service;
+    type Error = EndpointsError;
+
+    async fn reconcile(
+        &self,
+        service: Arc<Service>,
+        ctx: &Context,
+    ) -> Result<Action, EndpointsError> {
+        let (endpoints, port) = match self.desired(&service, ctx).await {
+            Ok(desired) => desired,
+            Err(err) => {
+                self.health.set(CHECK, false, err.to_string());
+                return Err(err);
+            }
+        };
+        if endpoints.is_empty() {
+            // Like kube-apiserver's own reconciler, never erase the endpoints: an empty slice
+            // would cut every in-cluster client off the API server.
+            let detail = format!(
+                "Service {} has no ready endpoints to publish; leaving the kubernetes endpoints as they are",
+                service.name_any()
+            );
+            tracing::warn!("{detail}");
+            // Not a readiness failure: in pod-ip mode no proxy pod is ready before the first one
+            // reports ready, so failing here would keep every pod unready forever.
+            self.health.set(CHECK, true, detail);
+            return Ok(Action::Done);
+        }
+        let now = Instant::now();
+        let hold = self.fight.lock().ok().and_then(|f| f.hold_off(now));
+        if let Some(wait) = hold {
+            return Ok(Action::RequeueAfter(wait));
+        }
+        let spec = ServiceEndpoints {
+            namespace: KUBERNETES_NAMESPACE.to_owned(),
+            service_name: KUBERNETES_SERVICE.to_owned(),
+            managed_by: MANAGER.to_owned(),
+            endpoints,
+            ports: vec![ServicePort::tcp("https", port)],
+            owner_references: Vec::new(),
+        };
+        let options = EndpointsOptions {
+            delete_other_slices: true,
+            write_endpoints: true,
+        };
+        let outcome = match apply_service_endpoints(ctx.applier(), &spec, options).await {
+            Ok(outcome) => outcome,
+            Err(err) => {
+                self.health
+                    .set(CHECK, false, format!("writing the endpoints: {err}"));
+                return Err(err.into());
+            }
+        };
+        self.metrics.writes.inc_by(outcome.written as u64);
+        self.metrics.repairs.inc_by(outcome.repaired as u64);
+        let (started, fighting, hold) = match self.fight.lock() {
+            Ok(mut fight) => {
+                let drift = if outcome.repaired == 0 {
+                    Drift::None
+                } else if outcome.drifted_by.contains(APISERVER_MANAGER) {
+                    Drift::Apiserver
+                } else {
+                    Drift::Other
+                };
+                let started = fight.record(drift, now);
+                (started, fight.fighting(), fight.hold_off(now))
+            }
+            Err(_) => (false, false, None),
+        };
+        self.metrics.fight.set(i64::from(fighting));
+        let addresses: Vec<String> = spec.endpoints.iter().map(|e| e.ip.to_string()).collect();
+        if started {
+            let note = "another controller keeps rewriting the kubernetes endpoints: start \
+                        kube-apiserver with --endpoint-reconciler-type=none; backing off";
+            tracing::error!(repaired = outcome.repaired, managers = ?outcome.drifted_by, "{note}");
+            ctx.publish_event(service.as_ref(), true, "EndpointsFight", note)
+                .await;
+        } else if outcome.written > 0 {
+            tracing::info!(
+                addresses = ?addresses,
+                port,
+                written = outcome.written,
+                deleted = outcome.deleted,
+                repaired = outcome.repaired,
+                drifted_by = ?outcome.drifted_by,
+                "kubernetes endpoints updated"
+            );
+        }
+        if fighting {
+            self.health.set(
+                CHECK,
+                false,
+                "fighting with kube-apiserver's endpoint reconciler (needs --endpoint-reconciler-type=none)",
+            );
+        } else {
+            self.health.set(
+                CHECK,
+                true,
+                format!("kubernetes -> {}:{port}", addresses.join(",")),
+            );
+        }
+        Ok(match hold {
+            Some(wait) => Action::RequeueAfter(wait),
+            None => Action::Done,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn detector() -> FightDetector {
+        FightDetector::new(
+            Duration::from_secs(60),
+            3,
+            10,
+            Duration::from_secs(10),
+            Duration::from_secs(40),
+        )
+    }
+
+    #[test]
+    fn repeated_apiserver_rewrites_start_a_fight_and_space_out_writes() {
+        let mut fight = detector();
+        let t0 = Instant::now();
+        let at = |s| t0 + Duration::from_secs(s);
+        assert!(!fight.record(Drift::Apiserver, at(0)));
+        assert!(!fight.record(Drift::Apiserver, at(10)));
+        assert_eq!(fight.hold_off(at(10)), None);
+        assert!(fight.record(Drift::Apiserver, at(20)));
+        assert!(fight.fighting());
+        assert_eq!(fight.hold_off(at(20)), Some(Duration::from_secs(10)));
+        // Each further repair doubles the wait, up to the maximum.
+        fight.record(Drift::Apiserver, at(30));
+        assert_eq!(fight.hold_off(at(30)), Some(Duration::from_secs(20)));
+        fight.record(Drift::Apiserver, at(50));
+        fight.record(Drift::Apiserver, at(90));
+        assert_eq!(fight.hold_off(at(90)), Some(Duration::from_secs(40)));
+        // A quiet window ends the fight and resets the backoff.
+        fight.record(Drift::None, at(200));
+        assert!(!fight.fighting());
+        assert_eq!(fight.hold_off(at(200)), None);
+    }
+
+    #[test]
+    fn other_edits_are_repaired_at_once_unless_they_come_at_hot_loop_rates() {
+        let mut fight = detector();
+        let t0 = Instant::now();
+        for i in 0..9 {
+            assert!(!fight.record(Drift::Other, t0 + Duration::from_secs(i)));
+            assert_eq!(fight.hold_off(t0 + Duration::from_secs(i)), None);
+        }
+        assert!(fight.record(Drift::Other, t0 + Duration::from_secs(9)));
+    }
+
+    #[test]
+    fn occasional_apiserver_rewrites_are_no_fight() {
+        let mut fight = FightDetector::default();
+        let t0 = Instant::now();
+        for i in 0..5 {
+            assert!(!fight.record(Drift::Apiserver, t0 + Duration::from_secs(100 * i)));
+        }
+        assert!(!fight.fighting());
+    }
+}

@@ -1,0 +1,43 @@
+//! Helm v3.22.0, built from the Go module `helm.sh/helm/v3` into the cache (no binary download).
+
+use std::path::PathBuf;
+use std::process::Command;
+
+use anyhow::{Context as _, bail};
+
+/// The pinned Helm version.
+pub const HELM_VERSION: &str = "v3.22.0";
+
+/// Environment variable through which tests find Helm.
+pub const HELM_ENV: &str = "NETKIT_HELM";
+
+/// Installs Helm if missing and returns its path.
+pub fn ensure_helm() -> anyhow::Result<PathBuf> {
+    if let Some(path) = std::env::var_os(HELM_ENV).filter(|v| !v.is_empty()) {
+        let path = PathBuf::from(path);
+        if path.is_file() {
+            return Ok(path);
+        }
+        bail!("{HELM_ENV}={} does not exist", path.display());
+    }
+    let dir = k8s_reconcile::testing::default_assets_dir()
+        .and_then(|d| d.parent()?.parent().map(|p| p.join("tools").join(format!("helm-{HELM_VERSION}"))))
+        .context("cannot choose a cache directory: set HOME")?;
+    let helm = dir.join("helm");
+    if helm.is_file() {
+        return Ok(helm);
+    }
+    eprintln!("building helm {HELM_VERSION} from the Go module helm.sh/helm/v3 (a minute or two)...");
+    let status = Command::new("go")
+        .args(["install", &format!("helm.sh/helm/v3/cmd/helm@{HELM_VERSION}")])
+        .env("GOBIN", &dir)
+        .env("CGO_ENABLED", "0")
+        .env("GOTOOLCHAIN", "local")
+        .env_remove("GOFLAGS")
+        .status()
+        .context("running go install (Go >= 1.26 is needed to build helm)")?;
+    if !status.success() || !helm.is_file() {
+        bail!("go install of helm {HELM_VERSION} failed ({status})");
+    }
+    Ok(helm)
+}
