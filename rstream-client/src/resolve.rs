@@ -275,6 +275,28 @@ pub async fn resolve_engine(
     engine_from_project(&project, region.as_deref())
 }
 
+/// Resolves a project ID (`GET {apiUrl}/api/projects/tunnels/{id}`) to an engine address through
+/// the control plane, with the same rules as [`resolve_engine`].
+pub async fn resolve_engine_by_project_id(
+    control_plane: &ControlPlaneOptions,
+    project_id: &str,
+    region: Option<&str>,
+    token: Option<&str>,
+    tls: &TlsOptions,
+) -> Result<EngineAddress> {
+    let id = project_id.trim();
+    if id.is_empty() {
+        return Err(Error::EngineRequired);
+    }
+    let token = token.ok_or_else(|| {
+        Error::InvalidConfig("a token is required to resolve a project ID".into())
+    })?;
+    let region = normalize_region(region)?;
+    let path = format!("/api/projects/tunnels/{}", encode_segment(id));
+    let project = get_json(control_plane, &path, token, tls).await?;
+    engine_from_project(&project, region.as_deref())
+}
+
 async fn get_json(
     cp: &ControlPlaneOptions,
     path: &str,

@@ -26,7 +26,11 @@ pub struct Args {
     pub upstream_addr: String,
 
     /// Name of this proxy's own Service.
-    #[arg(long, env = "STEWARD_SERVICE_NAME", default_value = "steward-tcp-proxy")]
+    #[arg(
+        long,
+        env = "STEWARD_SERVICE_NAME",
+        default_value = "steward-tcp-proxy"
+    )]
     pub service_name: String,
 
     /// Port published in the EndpointSlice in cluster-ip mode (the proxy Service's port).

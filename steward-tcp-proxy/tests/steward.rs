@@ -551,17 +551,7 @@ async fn runs_under_the_charts_rbac_alone() {
 }
 
 fn helm_template(ns: &str, upstream: &str) -> String {
-    let helm = std::env::var("NETKIT_HELM")
-        .map(PathBuf::from)
-        .ok()
-        .or_else(|| {
-            k8s_reconcile::testing::default_assets_dir()
-                .and_then(|d| Some(d.parent()?.parent()?.join("tools/helm-v3.22.0/helm")))
-        })
-        .filter(|p| p.is_file())
-        .expect(
-            "helm is needed: run `cargo xtask helm` (or `cargo xtask test`, which installs it)",
-        );
+    let helm = k8s_reconcile::testing::helm().unwrap();
     let chart = Path::new(env!("CARGO_MANIFEST_DIR")).join("chart");
     let output = Command::new(helm)
         .args(["template", "steward-tcp-proxy"])
@@ -688,9 +678,19 @@ async fn a_fight_with_the_builtin_reconciler_is_reported_and_bounded() {
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    let (code, body) = proxy.readyz().await.unwrap();
-    assert_eq!(code, 503, "{body}");
-    assert!(body.contains("endpoint-reconciler-type=none"), "{body}");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let (code, body) = proxy.readyz().await.unwrap();
+        if code == 503 && body.contains("endpoint-reconciler-type=none") {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "/readyz does not report the fight: {code} {body}\n{}",
+            proxy.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     let events = Api::<Event>::namespaced(client.clone(), &ns)
         .list(&ListParams::default())
         .await

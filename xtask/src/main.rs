@@ -4,8 +4,11 @@
 //! * `cluster`: run a local control plane until Ctrl-C and print its kubeconfig.
 //! * `test`: everything CI checks (format, lints, tests, docs).
 
+mod charts;
 mod cluster;
+mod crds;
 mod envtest;
+mod image;
 mod test;
 mod tools;
 
@@ -29,6 +32,15 @@ enum Task {
     Helm,
     /// Start a local control plane (etcd + kube-apiserver), print its kubeconfig, run until Ctrl-C.
     Cluster,
+    /// Lint and render every chart (with a matrix of values) and kustomize tree, and dry-run
+    /// every object against a real API server.
+    Charts,
+    /// Write the CRD YAML of the kustomize trees and charts from the Rust types (--check: verify).
+    Crds(crds::Args),
+    /// Build release OCI images (no container engine needed) under target/images/.
+    Image(image::Args),
+    /// Build the images, then unpack them with umoci and run their binaries inside.
+    VerifyImages(image::Args),
     /// Run every check CI runs: fmt, clippy, tests, docs.
     Test(test::Args),
 }
@@ -46,6 +58,10 @@ fn main() -> anyhow::Result<()> {
             Ok(())
         }
         Task::Cluster => cluster::run(),
+        Task::Charts => charts::run(),
+        Task::Crds(args) => crds::run(&args),
+        Task::Image(args) => image::run(&args).map(|_| ()),
+        Task::VerifyImages(args) => image::verify(&args),
         Task::Test(args) => test::run(&args),
     }
 }

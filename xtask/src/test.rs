@@ -56,6 +56,11 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
             vec![],
         ),
         (
+            "CRD YAML up to date",
+            vec!["run", "--quiet", "-p", "xtask", "--", "crds", "--check"],
+            vec![],
+        ),
+        (
             "cargo clippy -D warnings",
             vec![
                 "clippy",
@@ -73,6 +78,24 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
             "cargo doc -D warnings",
             vec!["doc", "--workspace", "--no-deps", "--all-features"],
             vec![("RUSTDOCFLAGS", "-D warnings")],
+        ),
+        (
+            "charts and kustomize trees",
+            vec!["run", "--quiet", "-p", "xtask", "--", "charts"],
+            vec![],
+        ),
+        (
+            "release images",
+            vec![
+                "run",
+                "--quiet",
+                "-p",
+                "xtask",
+                "--",
+                "verify-images",
+                "all",
+            ],
+            vec![],
         ),
     ];
     let mut failed = false;

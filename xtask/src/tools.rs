@@ -5,11 +5,7 @@ use std::process::Command;
 
 use anyhow::{Context as _, bail};
 
-/// The pinned Helm version.
-pub const HELM_VERSION: &str = "v3.22.0";
-
-/// Environment variable through which tests find Helm.
-pub const HELM_ENV: &str = "NETKIT_HELM";
+pub use k8s_reconcile::testing::{HELM_ENV, HELM_VERSION};
 
 /// Installs Helm if missing and returns its path.
 pub fn ensure_helm() -> anyhow::Result<PathBuf> {
@@ -20,16 +16,23 @@ pub fn ensure_helm() -> anyhow::Result<PathBuf> {
         }
         bail!("{HELM_ENV}={} does not exist", path.display());
     }
-    let dir = k8s_reconcile::testing::default_assets_dir()
-        .and_then(|d| d.parent()?.parent().map(|p| p.join("tools").join(format!("helm-{HELM_VERSION}"))))
+    let helm = k8s_reconcile::testing::default_helm_path()
         .context("cannot choose a cache directory: set HOME")?;
-    let helm = dir.join("helm");
+    let dir = helm
+        .parent()
+        .context("helm path has no directory")?
+        .to_path_buf();
     if helm.is_file() {
         return Ok(helm);
     }
-    eprintln!("building helm {HELM_VERSION} from the Go module helm.sh/helm/v3 (a minute or two)...");
+    eprintln!(
+        "building helm {HELM_VERSION} from the Go module helm.sh/helm/v3 (a minute or two)..."
+    );
     let status = Command::new("go")
-        .args(["install", &format!("helm.sh/helm/v3/cmd/helm@{HELM_VERSION}")])
+        .args([
+            "install",
+            &format!("helm.sh/helm/v3/cmd/helm@{HELM_VERSION}"),
+        ])
         .env("GOBIN", &dir)
         .env("CGO_ENABLED", "0")
         .env("GOTOOLCHAIN", "local")

@@ -108,3 +108,41 @@ fn check_executable(path: &Path) -> Result<(), &'static str> {
 fn non_empty_env(key: &str) -> Option<String> {
     std::env::var(key).ok().filter(|v| !v.is_empty())
 }
+
+/// The Helm version `cargo xtask helm` builds (and `cargo xtask test` provides to tests).
+pub const HELM_VERSION: &str = "v3.22.0";
+
+/// Environment variable naming the Helm binary for tests.
+pub const HELM_ENV: &str = "NETKIT_HELM";
+
+/// Where `cargo xtask helm` installs Helm: `<cache>/kube-netkit/tools/helm-<version>/helm`.
+pub fn default_helm_path() -> Option<PathBuf> {
+    let assets = default_assets_dir()?;
+    Some(
+        assets
+            .parent()?
+            .parent()?
+            .join("tools")
+            .join(format!("helm-{HELM_VERSION}"))
+            .join("helm"),
+    )
+}
+
+/// Helm for chart tests: `$NETKIT_HELM`, else the one `cargo xtask helm` installed. The error
+/// names the command that installs it.
+pub fn helm() -> Result<PathBuf, TestingError> {
+    let candidate = non_empty_env(HELM_ENV)
+        .map(PathBuf::from)
+        .or_else(default_helm_path);
+    let tried = candidate
+        .as_ref()
+        .map(|p| p.display().to_string())
+        .unwrap_or_else(|| "no path (HOME unset)".to_owned());
+    match candidate {
+        Some(path) if check_executable(&path).is_ok() => Ok(path),
+        _ => Err(TestingError::BinaryMissing {
+            name: format!("helm {HELM_VERSION}"),
+            tried: vec![tried],
+        }),
+    }
+}

@@ -50,7 +50,10 @@ use kube::api::{Api, Patch, PatchParams, PostParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::{Client, Config};
 
-pub use assets::{ASSETS_DIR_ENV, Binaries, ETCD_VERSION, KUBERNETES_VERSION, default_assets_dir};
+pub use assets::{
+    ASSETS_DIR_ENV, Binaries, ETCD_VERSION, HELM_ENV, HELM_VERSION, KUBERNETES_VERSION,
+    default_assets_dir, default_helm_path, helm,
+};
 use pki::{PemPair, Pki};
 use process::{Guardian, ServerProcess, free_port, log_tail};
 
@@ -60,9 +63,10 @@ use process::{Guardian, ServerProcess, free_port, log_tail};
 pub enum TestingError {
     /// A binary was not found; the message says where it was looked for and how to install it.
     #[error(
-        "the test control plane needs `{name}`, which was not found (tried: {}). \
-         Run `cargo xtask envtest` to install kube-apiserver {KUBERNETES_VERSION} and etcd {ETCD_VERSION}, \
-         or point KUBEBUILDER_ASSETS at a directory holding both binaries",
+        "the tests need `{name}`, which was not found (tried: {}). \
+         `cargo xtask envtest` installs kube-apiserver {KUBERNETES_VERSION} and etcd {ETCD_VERSION} \
+         (or point KUBEBUILDER_ASSETS at a directory holding both); `cargo xtask helm` installs helm; \
+         `cargo xtask test` does all of it",
         tried.join(", ")
     )]
     BinaryMissing {

@@ -1,0 +1,57 @@
+{{- define "pod-proxier.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "pod-proxier.labels" -}}
+app.kubernetes.io/name: pod-proxier
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end -}}
+
+{{- define "pod-proxier.selector" -}}
+app.kubernetes.io/name: pod-proxier
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "pod-proxier.serviceAccount" -}}
+{{- default (include "pod-proxier.fullname" .) .Values.serviceAccount.name -}}
+{{- end -}}
+
+{{/* The flags, shared by the proxy and the HAProxy config generator. */}}
+{{- define "pod-proxier.args" -}}
+{{- $p := .Values.podProxier -}}
+{{- if $p.enableV1 }}
+- --enable-v1
+{{- end }}
+{{- if $p.enableV2 }}
+- --enable-v2
+{{- end }}
+- --listen-port={{ .Values.ports.podProxierPort }}
+- --listen-addr={{ $p.listenAddr }}
+- --default-map-port={{ .Values.ports.defaultMapPort }}
+- --jprofiler-port-name={{ .Values.ports.jprofilerPortName }}
+- --metrics-addr=0.0.0.0:{{ .Values.ports.metricsPort }}
+- --port-name={{ $p.portName }}
+- --port-range-start={{ $p.portRangeStart }}
+- --port-range-end={{ $p.portRangeEnd }}
+- --allowed-namespaces={{ join "," $p.allowedNamespaces }}
+- --max-mapping-time={{ $p.maxMappingTime }}
+- --check-timeout={{ $p.checkTimeout }}
+- --check-interval={{ $p.checkInterval }}
+{{- if $p.offCheck }}
+- --off-check
+{{- end }}
+- --resync-time={{ $p.resyncTime }}
+- --v2-target={{ $p.v2Target }}
+- --backend={{ $p.backend }}
+- --api-addr=unix:///run/haproxy/admin.sock
+- --auth={{ $p.auth }}
+- --log-level={{ $p.logLevel }}
+- --log-format={{ $p.logFormat }}
+- --drain-timeout={{ $p.drainTimeout }}
+{{- end -}}

@@ -1,0 +1,713 @@
+//! Command-line flags (with environment variables) and their validation.
+//!
+//! The flag names and defaults of the original Go program are kept, so its deployments keep
+//! working; the flags it accepted for the HAProxy Data Plane API (`--api-user`,
+//! `--api-password`, `--max-batch-size`, `--hide-backend`) are still accepted and ignored with a
+//! warning.
+
+use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Parser, Subcommand, ValueEnum};
+
+use crate::names;
+
+/// Where the V2 mappings send their connections.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum V2Target {
+    /// The ready endpoints of the Service's EndpointSlices, each health-checked.
+    Endpoints,
+    /// The Service's ClusterIP and port (as the original did; kube-proxy picks the endpoint).
+    ClusterIp,
+}
+
+/// Which data plane carries the traffic.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum BackendKind {
+    /// proxy-core inside this process: changes are live at once, nothing reloads.
+    Embedded,
+    /// A real HAProxy driven through its Runtime API socket (no reloads).
+    Haproxy,
+}
+
+/// How API callers are checked.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum AuthMode {
+    /// Bearer token checked with TokenReview, access with SubjectAccessReview.
+    Kubernetes,
+    /// No check at all: anyone reaching the API port may map pods. Only for local trials.
+    None,
+}
+
+/// Log line format.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
+/// pod-proxier: TTL-managed TCP mappings to Pods (V1) and published Service ports (V2).
+#[derive(Debug, Clone, Parser)]
+#[command(name = "pod-proxier", version, about, long_about = None)]
+pub struct Cli {
+    /// Path to a kubeconfig; without it: KUBECONFIG, ~/.kube/config, then in-cluster config.
+    #[arg(long, env = "POD_PROXIER_KUBECONFIG", global = true)]
+    pub kubeconfig: Option<PathBuf>,
+
+    /// Enable V1: map one pod at a time to the entry port, for a TTL.
+    #[arg(long, env = "POD_PROXIER_ENABLE_V1", global = true)]
+    pub enable_v1: bool,
+
+    /// Enable V2: publish every Service port named --port-name on a port of the range.
+    #[arg(long, env = "POD_PROXIER_ENABLE_V2", global = true)]
+    pub enable_v2: bool,
+
+    /// Port of the HTTP API.
+    #[arg(long, env = "POD_PROXIER_LISTEN_PORT", default_value_t = 3343, value_parser = clap::value_parser!(u16).range(1..), global = true)]
+    pub listen_port: u16,
+
+    /// Address the HTTP API binds to.
+    #[arg(
+        long,
+        env = "POD_PROXIER_API_LISTEN_ADDR",
+        default_value = "0.0.0.0",
+        global = true
+    )]
+    pub api_listen_addr: IpAddr,
+
+    /// Address the data ports (V1 entry port, V2 range) bind to.
+    #[arg(
+        long,
+        env = "POD_PROXIER_LISTEN_ADDR",
+        default_value = "0.0.0.0",
+        global = true
+    )]
+    pub listen_addr: IpAddr,
+
+    /// HAProxy Runtime API socket for --backend haproxy: unix:///path or host:port.
+    #[arg(
+        long,
+        env = "POD_PROXIER_API_ADDR",
+        default_value = "unix:///run/haproxy/admin.sock",
+        global = true
+    )]
+    pub api_addr: String,
+
+    /// V1 entry port, and the pod port used when no container port has the V1 port name.
+    #[arg(long, env = "POD_PROXIER_DEFAULT_MAP_PORT", default_value_t = 8849, value_parser = clap::value_parser!(u16).range(1..), global = true)]
+    pub default_map_port: u16,
+
+    /// First port of the V2 range (inclusive).
+    #[arg(
+        long,
+        env = "POD_PROXIER_PORT_RANGE_START",
+        default_value_t = 9000,
+        global = true
+    )]
+    pub port_range_start: u16,
+
+    /// Last port of the V2 range (inclusive).
+    #[arg(
+        long,
+        env = "POD_PROXIER_PORT_RANGE_END",
+        default_value_t = 9100,
+        global = true
+    )]
+    pub port_range_end: u16,
+
+    /// Namespaces whose Pods (V1) and Services (V2) may be mapped, comma-separated.
+    #[arg(
+        long,
+        env = "POD_PROXIER_ALLOWED_NAMESPACES",
+        value_delimiter = ',',
+        default_value = "default",
+        global = true
+    )]
+    pub allowed_namespaces: Vec<String>,
+
+    /// Longest V1 mapping, in seconds; longer requests are refused.
+    #[arg(
+        long,
+        env = "POD_PROXIER_MAX_MAPPING_TIME",
+        default_value_t = 10800,
+        global = true
+    )]
+    pub max_mapping_time: u64,
+
+    /// Health check connect timeout of V2 endpoints, in seconds.
+    #[arg(
+        long,
+        env = "POD_PROXIER_CHECK_TIMEOUT",
+        default_value_t = 15,
+        global = true
+    )]
+    pub check_timeout: u64,
+
+    /// Time between two health checks of a V2 endpoint, in seconds.
+    #[arg(
+        long,
+        env = "POD_PROXIER_CHECK_INTERVAL",
+        default_value_t = 2,
+        global = true
+    )]
+    pub check_interval: u64,
+
+    /// Disable V2 health checks: always forward to every ready endpoint.
+    #[arg(long, env = "POD_PROXIER_OFF_CHECK", global = true)]
+    pub off_check: bool,
+
+    /// V1: name of the container port to map (the original's default `jprofiler_tcp` is not a
+    /// valid port name, so it never matched).
+    #[arg(
+        long,
+        env = "POD_PROXIER_JPROFILER_PORT_NAME",
+        default_value = "jprofiler-port",
+        global = true
+    )]
+    pub jprofiler_port_name: String,
+
+    /// V2: name of the Service ports to publish.
+    #[arg(
+        long,
+        env = "POD_PROXIER_PORT_NAME",
+        default_value = "debug",
+        global = true
+    )]
+    pub port_name: String,
+
+    /// V2: send traffic to the Service's endpoints or to its ClusterIP.
+    #[arg(
+        long,
+        env = "POD_PROXIER_V2_TARGET",
+        value_enum,
+        default_value = "endpoints",
+        global = true
+    )]
+    pub v2_target: V2Target,
+
+    /// Seconds between two full V2 reconciliations (the original's informer resync).
+    #[arg(
+        long,
+        env = "POD_PROXIER_RESYNC_TIME",
+        default_value_t = 600,
+        global = true
+    )]
+    pub resync_time: u64,
+
+    /// Data plane: proxy-core in this process, or HAProxy through --api-addr.
+    #[arg(
+        long,
+        env = "POD_PROXIER_BACKEND",
+        value_enum,
+        default_value = "embedded",
+        global = true
+    )]
+    pub backend: BackendKind,
+
+    /// API authentication: Kubernetes tokens with RBAC, or none (explicit, logged as a warning).
+    #[arg(
+        long,
+        env = "POD_PROXIER_AUTH",
+        value_enum,
+        default_value = "kubernetes",
+        global = true
+    )]
+    pub auth: AuthMode,
+
+    /// Address of /healthz, /readyz and /metrics.
+    #[arg(
+        long,
+        env = "POD_PROXIER_METRICS_ADDR",
+        default_value = "0.0.0.0:8081",
+        global = true
+    )]
+    pub metrics_addr: SocketAddr,
+
+    /// Log format.
+    #[arg(
+        long,
+        env = "POD_PROXIER_LOG_FORMAT",
+        value_enum,
+        default_value = "text",
+        global = true
+    )]
+    pub log_format: LogFormat,
+
+    /// Log filter (tracing EnvFilter syntax), e.g. `info` or `pod_proxier=debug`.
+    #[arg(
+        long,
+        env = "POD_PROXIER_LOG_LEVEL",
+        default_value = "info",
+        global = true
+    )]
+    pub log_level: String,
+
+    /// Namespace holding the PortMapping objects and the leader Lease.
+    #[arg(long, env = "POD_NAMESPACE", default_value = "default", global = true)]
+    pub state_namespace: String,
+
+    /// This replica's identity in the leader election (the pod name in a cluster).
+    #[arg(long, env = "POD_NAME", global = true)]
+    pub identity: Option<String>,
+
+    /// Name of the leader election Lease.
+    #[arg(
+        long,
+        env = "POD_PROXIER_LEASE_NAME",
+        default_value = "pod-proxier",
+        global = true
+    )]
+    pub lease_name: String,
+
+    /// Largest accepted request body, in bytes.
+    #[arg(long, env = "POD_PROXIER_MAX_BODY_BYTES", default_value_t = 16 * 1024, global = true)]
+    pub max_body_bytes: usize,
+
+    /// Longest time an API request may take, in seconds.
+    #[arg(
+        long,
+        env = "POD_PROXIER_REQUEST_TIMEOUT",
+        default_value_t = 10,
+        global = true
+    )]
+    pub request_timeout: u64,
+
+    /// On SIGTERM, how long established connections may continue, in seconds.
+    #[arg(
+        long,
+        env = "POD_PROXIER_DRAIN_TIMEOUT",
+        default_value_t = 30,
+        global = true
+    )]
+    pub drain_timeout: u64,
+
+    /// Accepted for compatibility with the original (Data Plane API user); ignored.
+    #[arg(long, hide = true, global = true)]
+    pub api_user: Option<String>,
+
+    /// Accepted for compatibility with the original (Data Plane API password); ignored.
+    #[arg(long, hide = true, global = true)]
+    pub api_password: Option<String>,
+
+    /// Accepted for compatibility with the original; ignored.
+    #[arg(long, hide = true, global = true)]
+    pub max_batch_size: Option<u32>,
+
+    /// Accepted for compatibility with the original; ignored (backend details are never exposed).
+    #[arg(long, hide = true, num_args = 0..=1, default_missing_value = "true", global = true)]
+    pub hide_backend: Option<bool>,
+
+    /// What to do; without a subcommand, run the proxy.
+    #[command(subcommand)]
+    pub command: Option<Command>,
+}
+
+/// Subcommands.
+#[derive(Debug, Clone, Subcommand)]
+pub enum Command {
+    /// Run the proxy (the default).
+    Run,
+    /// Print the HAProxy configuration for --backend haproxy, built from the same flags.
+    HaproxyConfig {
+        /// Write it to this file instead of standard output.
+        #[arg(long)]
+        output: Option<PathBuf>,
+    },
+    /// Print the PortMapping CustomResourceDefinition as YAML.
+    Crd,
+    /// Print the OpenAPI document of the HTTP API.
+    Openapi,
+}
+
+/// Where the HAProxy Runtime API listens.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RuntimeApiAddr {
+    /// A Unix socket path.
+    Unix(PathBuf),
+    /// A TCP address.
+    Tcp(SocketAddr),
+}
+
+impl std::fmt::Display for RuntimeApiAddr {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            RuntimeApiAddr::Unix(path) => write!(f, "unix://{}", path.display()),
+            RuntimeApiAddr::Tcp(addr) => write!(f, "{addr}"),
+        }
+    }
+}
+
+/// Parses `unix:///path`, `/path`, `tcp://host:port` or `host:port`.
+pub fn parse_runtime_api_addr(input: &str) -> Result<RuntimeApiAddr, String> {
+    if input.starts_with("http://") || input.starts_with("https://") {
+        return Err(format!(
+            "--api-addr {input} looks like the HAProxy Data Plane API of the original; \
+             pod-proxier drives HAProxy through its Runtime API instead: give the stats socket, \
+             e.g. unix:///run/haproxy/admin.sock or 127.0.0.1:9999"
+        ));
+    }
+    if let Some(path) = input.strip_prefix("unix://") {
+        return if path.starts_with('/') {
+            Ok(RuntimeApiAddr::Unix(PathBuf::from(path)))
+        } else {
+            Err(format!(
+                "--api-addr {input}: a unix socket needs an absolute path"
+            ))
+        };
+    }
+    if input.starts_with('/') {
+        return Ok(RuntimeApiAddr::Unix(PathBuf::from(input)));
+    }
+    let tcp = input.strip_prefix("tcp://").unwrap_or(input);
+    tcp.parse().map(RuntimeApiAddr::Tcp).map_err(|_| {
+        format!(
+            "--api-addr {input}: expected unix:///path/to/socket or ip:port, e.g. 127.0.0.1:9999"
+        )
+    })
+}
+
+/// Validated settings of a run.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// V1 on.
+    pub enable_v1: bool,
+    /// V2 on.
+    pub enable_v2: bool,
+    /// API bind address.
+    pub api_addr: SocketAddr,
+    /// Data ports bind IP.
+    pub listen_ip: IpAddr,
+    /// V1 entry port.
+    pub entry_port: u16,
+    /// V2 range, inclusive.
+    pub port_range: (u16, u16),
+    /// Namespaces in scope.
+    pub allowed_namespaces: Vec<String>,
+    /// Longest V1 TTL.
+    pub max_mapping_time: Duration,
+    /// V1 container port name.
+    pub v1_port_name: String,
+    /// V2 Service port name.
+    pub v2_port_name: String,
+    /// V2 traffic target.
+    pub v2_target: V2Target,
+    /// V2 health checks (none with --off-check): interval and timeout.
+    pub health_check: Option<(Duration, Duration)>,
+    /// V2 full resync period.
+    pub resync: Duration,
+    /// Data plane.
+    pub backend: BackendKind,
+    /// Runtime API of HAProxy (required with the haproxy backend).
+    pub runtime_api: Option<RuntimeApiAddr>,
+    /// Authentication.
+    pub auth: AuthMode,
+    /// Ops server address.
+    pub metrics_addr: SocketAddr,
+    /// Namespace of the PortMappings and the Lease.
+    pub state_namespace: String,
+    /// Leader election identity.
+    pub identity: String,
+    /// Lease name.
+    pub lease_name: String,
+    /// Request body limit.
+    pub max_body_bytes: usize,
+    /// Request timeout.
+    pub request_timeout: Duration,
+    /// Drain on shutdown.
+    pub drain_timeout: Duration,
+    /// Explicit kubeconfig.
+    pub kubeconfig: Option<PathBuf>,
+    /// Warnings to log once logging is up (ignored legacy flags).
+    pub warnings: Vec<String>,
+}
+
+impl Cli {
+    /// Checks every flag and their combinations; the message says what to change.
+    pub fn validate(&self, need_a_version: bool) -> Result<Settings, String> {
+        if need_a_version && !self.enable_v1 && !self.enable_v2 {
+            return Err(
+                "nothing to do: enable at least one of --enable-v1 (map one pod to the \
+                 entry port for a TTL) and --enable-v2 (publish Service ports named --port-name)"
+                    .to_owned(),
+            );
+        }
+        let (start, end) = (self.port_range_start, self.port_range_end);
+        if self.enable_v2 || !need_a_version {
+            if start < 1024 {
+                return Err(format!("--port-range-start {start} must be at least 1024"));
+            }
+            if start >= end {
+                return Err(format!(
+                    "--port-range-start {start} must be lower than --port-range-end {end}"
+                ));
+            }
+            names::validate_port_name(&self.port_name)
+                .map_err(|e| format!("--port-name {:?}: {e}", self.port_name))?;
+        }
+        let in_range = |port: u16| self.enable_v2 && (start..=end).contains(&port);
+        if self.enable_v1 || !need_a_version {
+            names::validate_port_name(&self.jprofiler_port_name).map_err(|e| {
+                format!("--jprofiler-port-name {:?}: {e}", self.jprofiler_port_name)
+            })?;
+            if in_range(self.default_map_port) {
+                return Err(format!(
+                    "--default-map-port {} is inside the V2 range {start}-{end}",
+                    self.default_map_port
+                ));
+            }
+        }
+        if in_range(self.listen_port) {
+            return Err(format!(
+                "--listen-port {} (the API) is inside the V2 range {start}-{end}",
+                self.listen_port
+            ));
+        }
+        if self.enable_v1 && self.listen_port == self.default_map_port {
+            return Err(format!(
+                "--listen-port and --default-map-port are both {}: the API and the V1 entry port need different ports",
+                self.listen_port
+            ));
+        }
+        let metrics_port = self.metrics_addr.port();
+        if metrics_port == self.listen_port
+            || (self.enable_v1 && metrics_port == self.default_map_port)
+            || in_range(metrics_port)
+        {
+            return Err(format!(
+                "--metrics-addr {} collides with the API port, the V1 entry port or the V2 range",
+                self.metrics_addr
+            ));
+        }
+        if self
+            .allowed_namespaces
+            .iter()
+            .all(|ns| ns.trim().is_empty())
+        {
+            return Err("--allowed-namespaces is empty: name at least one namespace".to_owned());
+        }
+        let mut allowed = Vec::new();
+        for ns in self.allowed_namespaces.iter().map(|ns| ns.trim()) {
+            if ns.is_empty() {
+                continue;
+            }
+            names::validate_dns_label(ns)
+                .map_err(|e| format!("--allowed-namespaces: {ns:?}: {e}"))?;
+            if !allowed.iter().any(|a| a == ns) {
+                allowed.push(ns.to_owned());
+            }
+        }
+        names::validate_dns_label(&self.state_namespace)
+            .map_err(|e| format!("--state-namespace {:?}: {e}", self.state_namespace))?;
+        if self.max_mapping_time == 0 || self.max_mapping_time > 365 * 24 * 3600 {
+            return Err(format!(
+                "--max-mapping-time {} must be between 1 and 31536000 seconds",
+                self.max_mapping_time
+            ));
+        }
+        if self.check_timeout == 0 || self.check_interval == 0 {
+            return Err(
+                "--check-timeout and --check-interval must be at least 1 second (use --off-check to disable checks)"
+                    .to_owned(),
+            );
+        }
+        for (flag, value) in [
+            ("--resync-time", self.resync_time),
+            ("--request-timeout", self.request_timeout),
+        ] {
+            if value == 0 {
+                return Err(format!("{flag} must be at least 1 second"));
+            }
+        }
+        if self.max_body_bytes < 64 {
+            return Err(format!(
+                "--max-body-bytes {} is too small for any request (at least 64)",
+                self.max_body_bytes
+            ));
+        }
+        let runtime_api = match self.backend {
+            BackendKind::Haproxy => Some(parse_runtime_api_addr(&self.api_addr)?),
+            // Still read for `haproxy-config`, which may run without --backend haproxy.
+            BackendKind::Embedded => parse_runtime_api_addr(&self.api_addr).ok(),
+        };
+        let mut warnings = Vec::new();
+        if self.api_user.is_some() || self.api_password.is_some() {
+            warnings.push(
+                "--api-user/--api-password are ignored: the Data Plane API is not used".to_owned(),
+            );
+        }
+        if self.max_batch_size.is_some() {
+            warnings
+                .push("--max-batch-size is ignored: each mapping is written on its own".to_owned());
+        }
+        if self.hide_backend.is_some() {
+            warnings
+                .push("--hide-backend is ignored: backend details are never exposed".to_owned());
+        }
+        if self.backend == BackendKind::Embedded && self.api_addr.starts_with("http") {
+            warnings.push(format!(
+                "--api-addr {} is ignored with --backend embedded",
+                self.api_addr
+            ));
+        }
+        let identity = self.identity.clone().unwrap_or_else(default_identity);
+        Ok(Settings {
+            enable_v1: self.enable_v1,
+            enable_v2: self.enable_v2,
+            api_addr: SocketAddr::new(self.api_listen_addr, self.listen_port),
+            listen_ip: self.listen_addr,
+            entry_port: self.default_map_port,
+            port_range: (start, end),
+            allowed_namespaces: allowed,
+            max_mapping_time: Duration::from_secs(self.max_mapping_time),
+            v1_port_name: self.jprofiler_port_name.clone(),
+            v2_port_name: self.port_name.clone(),
+            v2_target: self.v2_target,
+            health_check: (!self.off_check).then(|| {
+                (
+                    Duration::from_secs(self.check_interval),
+                    Duration::from_secs(self.check_timeout),
+                )
+            }),
+            resync: Duration::from_secs(self.resync_time),
+            backend: self.backend,
+            runtime_api,
+            auth: self.auth,
+            metrics_addr: self.metrics_addr,
+            state_namespace: self.state_namespace.clone(),
+            identity,
+            lease_name: self.lease_name.clone(),
+            max_body_bytes: self.max_body_bytes,
+            request_timeout: Duration::from_secs(self.request_timeout),
+            drain_timeout: Duration::from_secs(self.drain_timeout),
+            kubeconfig: self.kubeconfig.clone(),
+            warnings,
+        })
+    }
+}
+
+fn default_identity() -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_owned())
+        .unwrap_or_else(|_| "pod-proxier".to_owned());
+    format!("{host}-{}", std::process::id())
+}
+
+impl Settings {
+    /// Whether `namespace` is in --allowed-namespaces.
+    pub fn namespace_allowed(&self, namespace: &str) -> bool {
+        self.allowed_namespaces.iter().any(|ns| ns == namespace)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    use super::*;
+
+    fn cli(args: &[&str]) -> Cli {
+        let mut all = vec!["pod-proxier"];
+        all.extend_from_slice(args);
+        Cli::try_parse_from(all).unwrap()
+    }
+
+    #[test]
+    fn defaults_match_the_original() {
+        let c = cli(&["--enable-v1"]);
+        assert_eq!(c.listen_port, 3343);
+        assert_eq!(c.default_map_port, 8849);
+        assert_eq!((c.port_range_start, c.port_range_end), (9000, 9100));
+        assert_eq!(c.allowed_namespaces, vec!["default"]);
+        assert_eq!(c.max_mapping_time, 10800);
+        assert_eq!(c.check_timeout, 15);
+        assert_eq!(c.port_name, "debug");
+        // The original's `jprofiler_tcp` is not a valid port name; ours is.
+        assert!(names::validate_port_name(&c.jprofiler_port_name).is_ok());
+        assert!(names::validate_port_name("jprofiler_tcp").is_err());
+        c.validate(true).unwrap();
+    }
+
+    #[test]
+    fn invalid_combinations_are_rejected_with_a_reason() {
+        let cases: &[(&[&str], &str)] = &[
+            (&[], "--enable-v1"),
+            (
+                &[
+                    "--enable-v2",
+                    "--port-range-start",
+                    "9100",
+                    "--port-range-end",
+                    "9000",
+                ],
+                "lower than",
+            ),
+            (
+                &["--enable-v2", "--port-range-start", "80"],
+                "at least 1024",
+            ),
+            (
+                &["--enable-v1", "--jprofiler-port-name", "jprofiler_tcp"],
+                "--jprofiler-port-name",
+            ),
+            (&["--enable-v2", "--port-name", "Debug"], "--port-name"),
+            (
+                &["--enable-v1", "--enable-v2", "--default-map-port", "9050"],
+                "inside the V2 range",
+            ),
+            (&["--enable-v1", "--allowed-namespaces", ""], "empty"),
+            (
+                &["--enable-v1", "--allowed-namespaces", "Bad_NS"],
+                "allowed-namespaces",
+            ),
+            (
+                &["--enable-v1", "--max-mapping-time", "0"],
+                "max-mapping-time",
+            ),
+            (
+                &[
+                    "--enable-v1",
+                    "--backend",
+                    "haproxy",
+                    "--api-addr",
+                    "http://127.0.0.1:5555",
+                ],
+                "Runtime API",
+            ),
+            (&["--enable-v1", "--listen-port", "8849"], "different ports"),
+        ];
+        for (args, expected) in cases {
+            let err = cli(args).validate(true).unwrap_err();
+            assert!(err.contains(expected), "{args:?}: {err}");
+        }
+    }
+
+    #[test]
+    fn runtime_api_addresses() {
+        assert_eq!(
+            parse_runtime_api_addr("unix:///run/haproxy/admin.sock").unwrap(),
+            RuntimeApiAddr::Unix("/run/haproxy/admin.sock".into())
+        );
+        assert_eq!(
+            parse_runtime_api_addr("127.0.0.1:9999").unwrap(),
+            RuntimeApiAddr::Tcp("127.0.0.1:9999".parse().unwrap())
+        );
+        assert!(parse_runtime_api_addr("unix://relative").is_err());
+        assert!(parse_runtime_api_addr("nonsense").is_err());
+    }
+
+    #[test]
+    fn legacy_flags_are_accepted_and_ignored() {
+        let c = cli(&[
+            "--enable-v1",
+            "--api-user",
+            "admin",
+            "--api-password",
+            "x",
+            "--hide-backend",
+        ]);
+        let settings = c.validate(true).unwrap();
+        assert_eq!(settings.warnings.len(), 2);
+    }
+}

@@ -1,0 +1,148 @@
+//! The `PortMapping` custom resource: one entry port of pod-proxier and where it forwards.
+//!
+//! Every mapping lives in the cluster, so a restarted replica (even after `kill -9`) restores
+//! every mapping with its port and its remaining TTL, and every replica programs the same
+//! routes. The leader writes V2 mappings and removes expired ones; API calls write V1 mappings.
+
+use kube::CustomResource;
+use kube::core::crd::CustomResourceExt as _;
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+/// The API group of [`PortMapping`].
+pub const GROUP: &str = "podproxier.kube-netkit.io";
+/// Label holding the mapping kind (`pod` or `service`), for selecting one kind.
+pub const KIND_LABEL: &str = "podproxier.kube-netkit.io/kind";
+/// Label holding the target's namespace.
+pub const TARGET_NAMESPACE_LABEL: &str = "podproxier.kube-netkit.io/target-namespace";
+/// Label holding the target's name.
+pub const TARGET_NAME_LABEL: &str = "podproxier.kube-netkit.io/target-name";
+
+/// One entry port and its target.
+#[derive(CustomResource, Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
+#[kube(
+    group = "podproxier.kube-netkit.io",
+    version = "v1alpha1",
+    kind = "PortMapping",
+    plural = "portmappings",
+    shortname = "pm",
+    namespaced,
+    status = "PortMappingStatus",
+    printcolumn = r#"{"name":"Kind","type":"string","jsonPath":".spec.kind"}"#,
+    printcolumn = r#"{"name":"Namespace-Target","type":"string","jsonPath":".spec.target.namespace"}"#,
+    printcolumn = r#"{"name":"Target","type":"string","jsonPath":".spec.target.name"}"#,
+    printcolumn = r#"{"name":"Entry","type":"integer","jsonPath":".spec.entryPort"}"#,
+    printcolumn = r#"{"name":"Upstreams","type":"string","jsonPath":".spec.upstreams"}"#,
+    printcolumn = r#"{"name":"Expires","type":"string","jsonPath":".spec.expiresAt"}"#,
+    printcolumn = r#"{"name":"Phase","type":"string","jsonPath":".status.phase"}"#,
+    printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
+)]
+#[serde(rename_all = "camelCase")]
+pub struct PortMappingSpec {
+    /// What the entry port forwards to: one Pod (V1) or one Service port (V2).
+    pub kind: MappingKind,
+    /// The Pod or Service.
+    pub target: MappingTarget,
+    /// The port pod-proxier listens on for this mapping.
+    #[schemars(range(min = 1, max = 65535))]
+    pub entry_port: i32,
+    /// Where connections go, as `ip:port`; empty means the entry port refuses connections.
+    #[serde(default)]
+    pub upstreams: Vec<String>,
+    /// When the mapping ends (RFC 3339, UTC, millisecond precision); none for V2 mappings.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expires_at: Option<String>,
+    /// Close established connections when this mapping takes over the port, and when it ends.
+    #[serde(default)]
+    pub close_connections: bool,
+    /// Who asked for the mapping (the authenticated user), for audit.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub requested_by: Option<String>,
+}
+
+/// The kind of target.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Hash, JsonSchema)]
+pub enum MappingKind {
+    /// A single Pod (V1).
+    Pod,
+    /// A named port of a Service (V2).
+    Service,
+}
+
+impl MappingKind {
+    /// The value of [`KIND_LABEL`].
+    pub fn label(self) -> &'static str {
+        match self {
+            MappingKind::Pod => "pod",
+            MappingKind::Service => "service",
+        }
+    }
+}
+
+/// The Pod or Service a mapping forwards to.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct MappingTarget {
+    /// Its namespace.
+    pub namespace: String,
+    /// Its name.
+    pub name: String,
+    /// The port name that selected it: the container port name (V1; absent when the default
+    /// port was used) or the Service port name (V2).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub port_name: Option<String>,
+    /// The target port number: the pod port (V1) or the Service port (V2).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub port: Option<i32>,
+}
+
+/// What the leader last observed.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct PortMappingStatus {
+    /// `Active`, `NoEndpoints` or `Expired`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub phase: Option<String>,
+    /// A human-readable detail.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message: Option<String>,
+}
+
+/// The CustomResourceDefinition as YAML, for `kubectl apply`, the chart and kustomize.
+pub fn crd_yaml() -> Result<String, serde_yaml_ng::Error> {
+    serde_yaml_ng::to_string(&PortMapping::crd())
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    use super::*;
+
+    /// The YAML shipped in the chart and in `config/` is the generated one.
+    #[test]
+    fn shipped_crd_yaml_is_generated() {
+        let generated = crd_yaml().unwrap();
+        for shipped in [
+            include_str!("../chart/crds/portmappings.yaml"),
+            include_str!("../config/crd/portmappings.yaml"),
+        ] {
+            assert_eq!(
+                shipped, generated,
+                "regenerate with `pod-proxier crd > pod-proxier/chart/crds/portmappings.yaml` (and config/crd)"
+            );
+        }
+    }
+
+    #[test]
+    fn crd_names_and_columns() {
+        let crd = PortMapping::crd();
+        assert_eq!(crd.spec.group, GROUP);
+        assert_eq!(crd.spec.names.plural, "portmappings");
+        assert_eq!(crd.spec.scope, "Namespaced");
+        let columns = crd.spec.versions[0]
+            .additional_printer_columns
+            .clone()
+            .unwrap();
+        assert!(columns.iter().any(|c| c.name == "Entry"));
+    }
+}

@@ -1,0 +1,215 @@
+//! The in-process data plane on proxy-core: a route change is one atomic swap, live for the next
+//! accepted connection; nothing reloads, and established connections keep their upstream unless
+//! the mapping asks to close them.
+
+use std::collections::HashMap;
+use std::io;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::future::BoxFuture;
+use proxy_core::metrics::RelayObserver;
+use proxy_core::relay::{RelayConfig, Route};
+use proxy_core::server::{ExistingConnections, ListenerConfig, ProxyServer, ServerConfig};
+use proxy_core::upstream::{Connector, HealthCheck, TargetAddr, Upstream, UpstreamSet};
+use tokio::net::TcpStream;
+use tokio::sync::Mutex;
+use tokio_util::sync::CancellationToken;
+
+use super::{DesiredPorts, PortError, PortRoute};
+
+/// The upstream of an entry port without a mapping: every connection is closed at once.
+/// (The original forwarded idle entry ports to its own unauthenticated API.)
+#[derive(Debug)]
+struct NoMapping;
+
+impl Connector for NoMapping {
+    fn connect(&self) -> BoxFuture<'_, io::Result<TcpStream>> {
+        Box::pin(async {
+            Err(io::Error::new(
+                io::ErrorKind::ConnectionRefused,
+                "no mapping on this entry port",
+            ))
+        })
+    }
+}
+
+struct ActivePort {
+    addr: SocketAddr,
+    route: PortRoute,
+    /// Stops the health checks of the current upstream set.
+    checks: Option<CancellationToken>,
+}
+
+/// proxy-core listeners, one per entry port.
+pub struct EmbeddedPlane {
+    server: ProxyServer,
+    ip: IpAddr,
+    relay: RelayConfig,
+    health_check: Option<HealthCheck>,
+    ports: Mutex<HashMap<u16, ActivePort>>,
+    /// How long removed listeners let their connections finish.
+    drain: Duration,
+}
+
+impl EmbeddedPlane {
+    /// A data plane binding its entry ports on `ip`.
+    pub fn new(
+        ip: IpAddr,
+        observer: Arc<dyn RelayObserver>,
+        health_check: Option<HealthCheck>,
+        drain: Duration,
+    ) -> Result<Self, proxy_core::ServerError> {
+        let server = ProxyServer::new(ServerConfig::default(), observer)?;
+        Ok(Self {
+            server,
+            ip,
+            relay: RelayConfig::default().with_connect_timeout(Duration::from_secs(5)),
+            health_check,
+            ports: Mutex::new(HashMap::new()),
+            drain,
+        })
+    }
+
+    fn build(&self, port: u16, route: &PortRoute) -> (Route, Option<CancellationToken>) {
+        let name = format!("{}:{port}", route.name);
+        match route.upstreams.as_slice() {
+            [] => (
+                Route::new(name, Upstream::Connector(Arc::new(NoMapping))),
+                None,
+            ),
+            [single] if !route.health_checked => (Route::new(name, *single), None),
+            targets => {
+                let targets = targets.iter().map(|a| TargetAddr::Socket(*a)).collect();
+                let set = UpstreamSet::new(targets).and_then(|set| match self.health_check {
+                    Some(check) if route.health_checked => set.with_health_check(check),
+                    _ => Ok(set),
+                });
+                match set {
+                    Ok(set) => {
+                        let set = Arc::new(set);
+                        let cancel = CancellationToken::new();
+                        let checks = set.spawn_health_checks(cancel.clone()).map(|_| cancel);
+                        (Route::new(name, Upstream::Set(set)), checks)
+                    }
+                    Err(err) => {
+                        tracing::error!(port, error = %err, "invalid upstream set; refusing connections");
+                        (
+                            Route::new(name, Upstream::Connector(Arc::new(NoMapping))),
+                            None,
+                        )
+                    }
+                }
+            }
+        }
+    }
+
+    /// Makes the listeners match `desired`.
+    pub async fn sync(&self, desired: &DesiredPorts) -> Vec<PortError> {
+        let mut ports = self.ports.lock().await;
+        let mut errors = Vec::new();
+        // Ports no longer wanted: stop accepting now, drain in the background.
+        let gone: Vec<u16> = ports
+            .keys()
+            .filter(|p| !desired.contains_key(p))
+            .copied()
+            .collect();
+        for port in gone {
+            if let Some(active) = ports.remove(&port) {
+                if let Some(checks) = active.checks {
+                    checks.cancel();
+                }
+                let drain = if active.route.close_connections {
+                    Duration::ZERO
+                } else {
+                    self.drain
+                };
+                let server = self.server.clone();
+                tokio::spawn(async move {
+                    if let Err(err) = server.remove_listener(active.addr, drain).await {
+                        tracing::warn!(port, error = %err, "removing listener");
+                    }
+                });
+                tracing::info!(port, "entry port closed");
+            }
+        }
+        for (&port, route) in desired {
+            match ports.get_mut(&port) {
+                Some(active) if !active.route.forwarding_differs(route) => {
+                    // Only the close flag may differ; remember it for the next switch.
+                    active.route = route.clone();
+                }
+                Some(active) => {
+                    let existing = if active.route.closes_on_switch_to(route) {
+                        ExistingConnections::Close
+                    } else {
+                        ExistingConnections::Keep
+                    };
+                    let (next, checks) = self.build(port, route);
+                    match self.server.set_route(active.addr, next, existing) {
+                        Ok(()) => {
+                            if let Some(old) = active.checks.take() {
+                                old.cancel();
+                            }
+                            active.checks = checks;
+                            active.route = route.clone();
+                        }
+                        Err(err) => {
+                            if let Some(checks) = checks {
+                                checks.cancel();
+                            }
+                            errors.push(PortError {
+                                port,
+                                message: err.to_string(),
+                            });
+                        }
+                    }
+                }
+                None => {
+                    let (next, checks) = self.build(port, route);
+                    let config = ListenerConfig::new(SocketAddr::new(self.ip, port), next)
+                        .with_relay(self.relay);
+                    match self.server.add_listener(config) {
+                        Ok(addr) => {
+                            ports.insert(
+                                port,
+                                ActivePort {
+                                    addr,
+                                    route: route.clone(),
+                                    checks,
+                                },
+                            );
+                        }
+                        Err(err) => {
+                            if let Some(checks) = checks {
+                                checks.cancel();
+                            }
+                            errors.push(PortError {
+                                port,
+                                message: err.to_string(),
+                            });
+                        }
+                    }
+                }
+            }
+        }
+        errors
+    }
+
+    /// Stops every listener and lets connections finish for up to `drain`.
+    pub async fn shutdown(&self, drain: Duration) {
+        let mut ports = self.ports.lock().await;
+        for (_, active) in ports.drain() {
+            if let Some(checks) = active.checks {
+                checks.cancel();
+            }
+        }
+        let report = self.server.shutdown(drain).await;
+        tracing::info!(
+            finished = report.finished,
+            forced = report.forced,
+            "data plane drained"
+        );
+    }
+}

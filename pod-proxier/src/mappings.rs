@@ -1,0 +1,231 @@
+//! The local view of the PortMapping objects, and the loop that keeps the data plane equal to
+//! them.
+//!
+//! Every replica runs this loop, so every replica forwards the same way. Expiry is enforced here
+//! on a timer at the exact deadline, independently of the leader deleting the object later, so a
+//! TTL holds within milliseconds even while the API server is slow.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt as _;
+use k8s_openapi::jiff::Timestamp;
+use kube::ResourceExt as _;
+use kube::api::Api;
+use kube::runtime::WatchStreamExt as _;
+use kube::runtime::reflector::{self, Store};
+use kube::runtime::watcher::{self, Event};
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::Settings;
+use crate::crd::{MappingKind, PortMapping};
+use crate::dataplane::{DataPlane, DesiredPorts, PortRoute};
+use crate::metrics::Metrics;
+
+/// Milliseconds since the Unix epoch, now.
+pub fn now_millis() -> i64 {
+    Timestamp::now().as_millisecond()
+}
+
+/// RFC 3339 text of a millisecond timestamp.
+pub fn format_millis(millis: i64) -> String {
+    Timestamp::from_millisecond(millis)
+        .map(|t| t.to_string())
+        .unwrap_or_else(|_| "invalid".to_owned())
+}
+
+/// Milliseconds of an RFC 3339 timestamp.
+pub fn parse_millis(text: &str) -> Option<i64> {
+    text.parse::<Timestamp>().ok().map(|t| t.as_millisecond())
+}
+
+/// The expiry of a mapping, in milliseconds; `None` for mappings without TTL.
+pub fn expiry_millis(mapping: &PortMapping) -> Option<i64> {
+    mapping.spec.expires_at.as_deref().and_then(parse_millis)
+}
+
+/// Whether `mapping` has a TTL that has run out at `now`.
+pub fn is_expired(mapping: &PortMapping, now: i64) -> bool {
+    match (&mapping.spec.expires_at, expiry_millis(mapping)) {
+        (None, _) => false,
+        (Some(_), Some(deadline)) => deadline <= now,
+        // An unreadable deadline counts as over: never forward forever by accident.
+        (Some(_), None) => true,
+    }
+}
+
+/// The versions of the mappings the data plane currently forwards for, by object name.
+pub type AppliedVersions = HashMap<String, String>;
+
+/// What the API handlers read: the informer cache and what the data plane has applied.
+#[derive(Clone)]
+pub struct Mappings {
+    store: Store<PortMapping>,
+    applied: watch::Receiver<AppliedVersions>,
+}
+
+impl Mappings {
+    /// Every mapping in the cache (expired ones included until the leader removes them).
+    pub fn all(&self) -> Vec<Arc<PortMapping>> {
+        self.store.state()
+    }
+
+    /// The mapping named `name`, if cached.
+    pub fn get(&self, name: &str) -> Option<Arc<PortMapping>> {
+        self.store.find(|m| m.name_any() == name)
+    }
+
+    /// Waits until the data plane forwards for `name` at `resource_version` (or, with `None`,
+    /// no longer forwards for `name`); false after `timeout`.
+    pub async fn wait_applied(
+        &self,
+        name: &str,
+        resource_version: Option<&str>,
+        timeout: Duration,
+    ) -> bool {
+        let mut applied = self.applied.clone();
+        let done = |versions: &AppliedVersions| match resource_version {
+            Some(rv) => versions.get(name).map(String::as_str) == Some(rv),
+            None => !versions.contains_key(name),
+        };
+        tokio::time::timeout(timeout, applied.wait_for(done))
+            .await
+            .is_ok_and(|r| r.is_ok())
+    }
+}
+
+/// Builds the desired data plane state from the cached mappings at `now`. Returns the desired
+/// ports, the applied versions, and the next deadline (for the timer).
+pub fn desired_state(
+    settings: &Settings,
+    mappings: &[Arc<PortMapping>],
+    now: i64,
+) -> (DesiredPorts, AppliedVersions, Option<i64>) {
+    let mut desired = DesiredPorts::new();
+    let mut applied = AppliedVersions::new();
+    let mut next_deadline: Option<i64> = None;
+    if settings.enable_v1 {
+        desired.insert(settings.entry_port, PortRoute::idle());
+    }
+    let (range_start, range_end) = settings.port_range;
+    for mapping in mappings {
+        let name = mapping.name_any();
+        let port = match u16::try_from(mapping.spec.entry_port) {
+            Ok(port) => port,
+            Err(_) => continue,
+        };
+        let in_scope = match mapping.spec.kind {
+            MappingKind::Pod => settings.enable_v1 && port == settings.entry_port,
+            MappingKind::Service => settings.enable_v2 && (range_start..=range_end).contains(&port),
+        };
+        if !in_scope || !settings.namespace_allowed(&mapping.spec.target.namespace) {
+            continue;
+        }
+        if is_expired(mapping, now) {
+            continue;
+        }
+        if let Some(deadline) = expiry_millis(mapping) {
+            next_deadline = Some(next_deadline.map_or(deadline, |d| d.min(deadline)));
+        }
+        let upstreams: Vec<SocketAddr> = mapping
+            .spec
+            .upstreams
+            .iter()
+            .filter_map(|u| u.parse().ok())
+            .collect();
+        let route = PortRoute {
+            name: name.clone(),
+            upstreams,
+            health_checked: mapping.spec.kind == MappingKind::Service
+                && settings.health_check.is_some(),
+            close_connections: mapping.spec.close_connections,
+        };
+        desired.insert(port, route);
+        applied.insert(name, mapping.resource_version().unwrap_or_default());
+    }
+    (desired, applied, next_deadline)
+}
+
+/// Starts the informer over the PortMappings of the state namespace and the loop that programs
+/// the data plane. Returns the view for the API and the task.
+pub fn spawn_sync_loop(
+    api: Api<PortMapping>,
+    settings: Arc<Settings>,
+    plane: Arc<DataPlane>,
+    metrics: Metrics,
+    health: k8s_reconcile::ops::Health,
+    shutdown: CancellationToken,
+) -> (Mappings, tokio::task::JoinHandle<()>) {
+    let (store, writer) = reflector::store();
+    let (applied_tx, applied_rx) = watch::channel(AppliedVersions::new());
+    let view = Mappings {
+        store: store.clone(),
+        applied: applied_rx,
+    };
+    health.set(
+        "mappings-synced",
+        false,
+        "waiting for the first list of PortMappings",
+    );
+    let task = tokio::spawn(async move {
+        let events = reflector::reflector(
+            writer,
+            watcher::watcher(api, watcher::Config::default()).default_backoff(),
+        );
+        let mut events = std::pin::pin!(events);
+        let mut synced = false;
+        let mut next_deadline: Option<i64> = None;
+        // Also re-applies periodically: repairs drift in an external data plane (HAProxy restarted).
+        let mut repair = tokio::time::interval(Duration::from_secs(10));
+        repair.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            let sleep_for = next_deadline
+                .map(|d| Duration::from_millis(u64::try_from(d - now_millis()).unwrap_or(0)))
+                .unwrap_or(Duration::from_secs(3600));
+            let dirty = tokio::select! {
+                () = shutdown.cancelled() => break,
+                event = events.next() => match event {
+                    Some(Ok(Event::InitDone)) => {
+                        synced = true;
+                        health.set("mappings-synced", true, "PortMappings listed");
+                        true
+                    }
+                    Some(Ok(Event::Apply(_) | Event::Delete(_))) => true,
+                    Some(Ok(Event::Init | Event::InitApply(_))) => false,
+                    Some(Err(err)) => {
+                        tracing::warn!(error = %err, "watching PortMappings");
+                        false
+                    }
+                    None => break,
+                },
+                () = tokio::time::sleep(sleep_for) => true,
+                _ = repair.tick() => true,
+            };
+            if !dirty || !synced {
+                continue;
+            }
+            let now = now_millis();
+            let state = store.state();
+            let (desired, applied, deadline) = desired_state(&settings, &state, now);
+            next_deadline = deadline;
+            let errors = plane.sync(&desired).await;
+            for error in &errors {
+                metrics.listener_errors.inc();
+                tracing::error!(port = error.port, error = %error.message, "cannot program entry port");
+            }
+            metrics.set_mapping_counts(&state, now);
+            applied_tx.send_if_modified(|current| {
+                if *current == applied {
+                    false
+                } else {
+                    *current = applied;
+                    true
+                }
+            });
+        }
+    });
+    (view, task)
+}

@@ -1,0 +1,434 @@
+//! V2: every TCP port named `--port-name` of the Services in the allowed namespaces gets its own
+//! entry port from the range, recorded as a PortMapping `svc.<ns>.<service>.<port-name>`.
+//!
+//! The allocation is stable: the PortMapping keeps the port across restarts and Service updates,
+//! and it is released (and quarantined for a while before reuse) only when the Service, the
+//! port, its name or the namespace's admission goes away. A full range is reported as a Warning
+//! Event on the Service, a metric and a log line, and retried on every change.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::net::{IpAddr, SocketAddr};
+use std::pin::pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt as _;
+use futures::stream::{BoxStream, SelectAll};
+use k8s_openapi::api::core::v1::Service;
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use k8s_reconcile::{Applier, Context};
+use kube::ResourceExt as _;
+use kube::api::{Api, DeleteParams, Preconditions};
+use kube::runtime::WatchStreamExt as _;
+use kube::runtime::reflector::{self, Store};
+use kube::runtime::watcher::{self, Event};
+use tokio_util::sync::CancellationToken;
+
+use crate::config::V2Target;
+use crate::crd::{
+    KIND_LABEL, MappingKind, MappingTarget, PortMapping, PortMappingSpec, TARGET_NAME_LABEL,
+    TARGET_NAMESPACE_LABEL,
+};
+use crate::leader::LeaderWork;
+use crate::mappings::now_millis;
+use crate::v1::{FIELD_MANAGER, label_value};
+
+/// How long a released port is avoided, so a client of the old Service does not land on a new
+/// one at once.
+const QUARANTINE_MILLIS: i64 = 60_000;
+/// Changes arriving within this window are reconciled together.
+const DEBOUNCE: Duration = Duration::from_millis(50);
+/// EndpointSlices name their Service with this label.
+const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
+
+/// One Service port that should be published.
+#[derive(Debug, Clone)]
+struct Wanted {
+    service: Arc<Service>,
+    port_name: String,
+    port: i32,
+    upstreams: Vec<String>,
+}
+
+/// The PortMapping name of a Service port.
+pub fn mapping_name(namespace: &str, service: &str, port_name: &str) -> String {
+    format!("svc.{namespace}.{service}.{port_name}")
+}
+
+/// The V2 reconciler, run by the leader.
+pub struct V2Reconciler {
+    work: Arc<LeaderWork>,
+    applier: Applier,
+    events: Context,
+    services: BTreeMap<String, Store<Service>>,
+    slices: BTreeMap<String, Store<EndpointSlice>>,
+    /// Released ports and when.
+    quarantine: HashMap<u16, i64>,
+    /// Service ports already reported as unallocatable (reported again once allocated).
+    exhausted: HashSet<String>,
+    /// Our own writes the cache may not show yet: a second pass right after an allocation must
+    /// not allocate again.
+    written: HashMap<String, Arc<PortMapping>>,
+    /// Our own deletions the cache may not show yet.
+    deleted: HashSet<String>,
+}
+
+fn version(mapping: &PortMapping) -> u64 {
+    mapping
+        .resource_version()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
+
+impl V2Reconciler {
+    /// A reconciler for the leader's settings.
+    pub fn new(work: Arc<LeaderWork>) -> Self {
+        let client = work.client.clone();
+        Self {
+            applier: Applier::new(client.clone(), FIELD_MANAGER),
+            events: Context::new(client, crate::leader::CONTROLLER, FIELD_MANAGER),
+            work,
+            services: BTreeMap::new(),
+            slices: BTreeMap::new(),
+            quarantine: HashMap::new(),
+            exhausted: HashSet::new(),
+            written: HashMap::new(),
+            deleted: HashSet::new(),
+        }
+    }
+
+    /// Watches Services (and EndpointSlices) of every allowed namespace and reconciles on every
+    /// change and every resync period, until `stop`.
+    pub async fn run(mut self, stop: CancellationToken) {
+        let mut streams: SelectAll<BoxStream<'static, Result<bool, watcher::Error>>> =
+            SelectAll::new();
+        let settings = Arc::clone(&self.work.settings);
+        for namespace in &settings.allowed_namespaces {
+            let (store, writer) = reflector::store();
+            let api: Api<Service> = Api::namespaced(self.work.client.clone(), namespace);
+            streams.push(
+                reflector::reflector(
+                    writer,
+                    watcher::watcher(api, watcher::Config::default()).default_backoff(),
+                )
+                .map(|e| e.map(|e| matches!(e, Event::InitDone)))
+                .boxed(),
+            );
+            self.services.insert(namespace.clone(), store);
+            if settings.v2_target == V2Target::Endpoints {
+                let (store, writer) = reflector::store();
+                let api: Api<EndpointSlice> = Api::namespaced(self.work.client.clone(), namespace);
+                streams.push(
+                    reflector::reflector(
+                        writer,
+                        watcher::watcher(api, watcher::Config::default()).default_backoff(),
+                    )
+                    .map(|e| e.map(|e| matches!(e, Event::InitDone)))
+                    .boxed(),
+                );
+                self.slices.insert(namespace.clone(), store);
+            }
+        }
+        let watches = streams.len();
+        let mut initialised = 0usize;
+        let mut resync = pin!(tokio::time::sleep(settings.resync));
+        let mut pending: Option<tokio::time::Instant> = None;
+        loop {
+            let debounce = async {
+                match pending {
+                    Some(at) => tokio::time::sleep_until(at).await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                () = stop.cancelled() => return,
+                event = streams.next() => match event {
+                    Some(Ok(init_done)) => {
+                        if init_done {
+                            initialised += 1;
+                        }
+                        pending.get_or_insert_with(|| tokio::time::Instant::now() + DEBOUNCE);
+                    }
+                    Some(Err(err)) => tracing::warn!(error = %err, "watching Services or EndpointSlices"),
+                    None => return,
+                },
+                () = &mut resync => {
+                    resync.as_mut().reset(tokio::time::Instant::now() + settings.resync);
+                    pending = Some(tokio::time::Instant::now());
+                }
+                () = debounce => {
+                    pending = None;
+                    // Every watch must have listed once, or absent objects would look deleted.
+                    if initialised >= watches {
+                        self.reconcile().await;
+                    }
+                }
+            }
+        }
+    }
+
+    fn upstreams(&self, service: &Service, port_name: &str, port: i32) -> Vec<String> {
+        let settings = &self.work.settings;
+        let namespace = service.namespace().unwrap_or_default();
+        let mut upstreams = Vec::new();
+        match settings.v2_target {
+            V2Target::ClusterIp => {
+                let ips = service.spec.as_ref().and_then(|s| s.cluster_ip.clone());
+                if let (Some(ip), Ok(port)) = (ips, u16::try_from(port))
+                    && let Ok(ip) = ip.parse::<IpAddr>()
+                {
+                    upstreams.push(SocketAddr::new(ip, port).to_string());
+                }
+            }
+            V2Target::Endpoints => {
+                let Some(store) = self.slices.get(&namespace) else {
+                    return upstreams;
+                };
+                let name = service.name_any();
+                for slice in store.state() {
+                    if slice.labels().get(SERVICE_NAME_LABEL) != Some(&name) {
+                        continue;
+                    }
+                    let Some(slice_port) = slice
+                        .ports
+                        .iter()
+                        .flatten()
+                        .find(|p| p.name.as_deref() == Some(port_name))
+                        .and_then(|p| p.port)
+                        .and_then(|p| u16::try_from(p).ok())
+                    else {
+                        continue;
+                    };
+                    for endpoint in slice.endpoints.iter().flatten() {
+                        let ready = endpoint
+                            .conditions
+                            .as_ref()
+                            .and_then(|c| c.ready)
+                            .unwrap_or(true);
+                        if !ready {
+                            continue;
+                        }
+                        for address in &endpoint.addresses {
+                            if let Ok(ip) = address.parse::<IpAddr>() {
+                                upstreams.push(SocketAddr::new(ip, slice_port).to_string());
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        upstreams.sort();
+        upstreams.dedup();
+        upstreams
+    }
+
+    fn wanted(&self) -> BTreeMap<String, Wanted> {
+        let settings = &self.work.settings;
+        let mut wanted = BTreeMap::new();
+        for (namespace, store) in &self.services {
+            for service in store.state() {
+                let Some(spec) = service.spec.as_ref() else {
+                    continue;
+                };
+                if spec.type_.as_deref() == Some("ExternalName") {
+                    continue;
+                }
+                if settings.v2_target == V2Target::ClusterIp
+                    && matches!(spec.cluster_ip.as_deref(), None | Some("" | "None"))
+                {
+                    continue;
+                }
+                for port in spec.ports.iter().flatten() {
+                    let tcp = port.protocol.as_deref().is_none_or(|p| p == "TCP");
+                    if !tcp || port.name.as_deref() != Some(settings.v2_port_name.as_str()) {
+                        continue;
+                    }
+                    let name = mapping_name(namespace, &service.name_any(), &settings.v2_port_name);
+                    wanted.insert(
+                        name,
+                        Wanted {
+                            upstreams: self.upstreams(&service, &settings.v2_port_name, port.port),
+                            service: Arc::clone(&service),
+                            port_name: settings.v2_port_name.clone(),
+                            port: port.port,
+                        },
+                    );
+                }
+            }
+        }
+        wanted
+    }
+
+    fn mapping(&self, name: &str, wanted: &Wanted, entry_port: u16) -> PortMapping {
+        let namespace = wanted.service.namespace().unwrap_or_default();
+        let service = wanted.service.name_any();
+        let mut mapping = PortMapping::new(
+            name,
+            PortMappingSpec {
+                kind: MappingKind::Service,
+                target: MappingTarget {
+                    namespace: namespace.clone(),
+                    name: service.clone(),
+                    port_name: Some(wanted.port_name.clone()),
+                    port: Some(wanted.port),
+                },
+                entry_port: i32::from(entry_port),
+                upstreams: wanted.upstreams.clone(),
+                expires_at: None,
+                close_connections: false,
+                requested_by: None,
+            },
+        );
+        mapping.metadata.namespace = Some(self.work.settings.state_namespace.clone());
+        mapping.metadata.labels = Some(
+            [
+                (
+                    KIND_LABEL.to_owned(),
+                    MappingKind::Service.label().to_owned(),
+                ),
+                (TARGET_NAMESPACE_LABEL.to_owned(), namespace),
+                (TARGET_NAME_LABEL.to_owned(), label_value(&service)),
+            ]
+            .into(),
+        );
+        mapping
+    }
+
+    /// One full pass: release what is no longer wanted, update and allocate the rest.
+    async fn reconcile(&mut self) {
+        let settings = Arc::clone(&self.work.settings);
+        let (start, end) = settings.port_range;
+        let now = now_millis();
+        let wanted = self.wanted();
+        let mut existing: BTreeMap<String, Arc<PortMapping>> = self
+            .work
+            .mappings
+            .all()
+            .into_iter()
+            .filter(|m| m.spec.kind == MappingKind::Service)
+            .map(|m| (m.name_any(), m))
+            .collect();
+        self.deleted.retain(|name| existing.remove(name).is_some());
+        self.written.retain(|name, ours| match existing.get(name) {
+            Some(cached) if version(cached) >= version(ours) => false,
+            _ => {
+                existing.insert(name.clone(), Arc::clone(ours));
+                true
+            }
+        });
+        let mut used: HashSet<u16> = HashSet::new();
+        for (name, mapping) in &existing {
+            let port = u16::try_from(mapping.spec.entry_port).ok();
+            let keep = wanted.contains_key(name)
+                && port.is_some_and(|p| (start..=end).contains(&p))
+                && !port.is_some_and(|p| used.contains(&p));
+            if keep {
+                if let Some(port) = port {
+                    used.insert(port);
+                }
+                continue;
+            }
+            let params = DeleteParams {
+                preconditions: Some(Preconditions {
+                    resource_version: mapping.resource_version(),
+                    uid: None,
+                }),
+                ..DeleteParams::default()
+            };
+            match self.work.api.delete(name, &params).await {
+                Ok(_) => {
+                    self.deleted.insert(name.clone());
+                    self.written.remove(name);
+                    tracing::info!(mapping = %name, entry_port = mapping.spec.entry_port, "Service port unpublished, entry port released");
+                    if let Some(port) = port {
+                        self.quarantine.insert(port, now);
+                    }
+                }
+                Err(kube::Error::Api(status)) if status.code == 404 => {}
+                Err(err) => tracing::warn!(mapping = %name, error = %err, "releasing a V2 port"),
+            }
+        }
+        self.quarantine
+            .retain(|_, at| now - *at < QUARANTINE_MILLIS);
+        self.exhausted.retain(|key| wanted.contains_key(key));
+        for (name, want) in &wanted {
+            if let Some(current) = existing
+                .get(name)
+                .filter(|m| u16::try_from(m.spec.entry_port).is_ok_and(|p| used.contains(&p)))
+            {
+                let Ok(port) = u16::try_from(current.spec.entry_port) else {
+                    continue;
+                };
+                let desired = self.mapping(name, want, port);
+                if desired.spec != current.spec {
+                    match self.applier.apply(&desired).await {
+                        Ok(applied) => {
+                            self.written
+                                .insert(name.clone(), Arc::new(applied.into_inner()));
+                        }
+                        Err(err) => {
+                            tracing::warn!(mapping = %name, error = %err, "updating a V2 mapping")
+                        }
+                    }
+                }
+                continue;
+            }
+            let Some(port) = self.allocate(&used, now) else {
+                self.work.metrics.v2_port_exhausted.inc();
+                if self.exhausted.insert(name.clone()) {
+                    let note = format!(
+                        "no free port in the range {start}-{end} for port {:?}; it is published once a port is released or the range is widened",
+                        want.port_name
+                    );
+                    tracing::error!(service = %format!("{}/{}", want.service.namespace().unwrap_or_default(), want.service.name_any()), %note, "V2 port range exhausted");
+                    self.events
+                        .publish_event(want.service.as_ref(), true, "PortRangeExhausted", &note)
+                        .await;
+                }
+                continue;
+            };
+            let desired = self.mapping(name, want, port);
+            match self.applier.apply(&desired).await {
+                Ok(applied) => {
+                    self.written
+                        .insert(name.clone(), Arc::new(applied.into_inner()));
+                    used.insert(port);
+                    self.exhausted.remove(name);
+                    tracing::info!(mapping = %name, entry_port = port, upstreams = ?want.upstreams, "Service port published");
+                    self.events
+                        .publish_event(
+                            want.service.as_ref(),
+                            false,
+                            "PortPublished",
+                            &format!("port {:?} published on entry port {port}", want.port_name),
+                        )
+                        .await;
+                }
+                Err(err) => {
+                    tracing::warn!(mapping = %name, error = %err, "publishing a Service port")
+                }
+            }
+        }
+        let size = i64::from(end - start) + 1;
+        let used_count = i64::try_from(used.len()).unwrap_or(size);
+        self.work.metrics.v2_ports_free.set(size - used_count);
+    }
+
+    /// The lowest free port not quarantined, else the longest-quarantined free port.
+    fn allocate(&self, used: &HashSet<u16>, now: i64) -> Option<u16> {
+        let (start, end) = self.work.settings.port_range;
+        let free = (start..=end).filter(|p| !used.contains(p));
+        let mut oldest: Option<(i64, u16)> = None;
+        for port in free {
+            match self.quarantine.get(&port) {
+                Some(at) if now - *at < QUARANTINE_MILLIS => {
+                    if oldest.is_none_or(|(t, _)| *at < t) {
+                        oldest = Some((*at, port));
+                    }
+                }
+                _ => return Some(port),
+            }
+        }
+        oldest.map(|(_, port)| port)
+    }
+}

@@ -1,0 +1,153 @@
+//! The embedded data plane on its own (no API server): what V2 mappings rely on, with loopback
+//! upstreams that EndpointSlices cannot carry (the API server refuses loopback addresses there).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::collections::BTreeSet;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use pod_proxier::dataplane::embedded::EmbeddedPlane;
+use pod_proxier::dataplane::{DesiredPorts, PortRoute};
+use proxy_core::metrics::NoopObserver;
+use proxy_core::upstream::HealthCheck;
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+use tokio::net::{TcpListener, TcpStream};
+
+async fn backend(ip: &str, tag: &'static str) -> SocketAddr {
+    let listener = TcpListener::bind((ip, 0)).await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((mut conn, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let _ = conn.write_all(format!("{tag}\n").as_bytes()).await;
+                let (mut r, mut w) = conn.split();
+                let _ = tokio::io::copy(&mut r, &mut w).await;
+            });
+        }
+    });
+    addr
+}
+
+async fn greeting(addr: SocketAddr) -> Option<String> {
+    let mut stream = TcpStream::connect(addr).await.ok()?;
+    let mut buf = [0u8; 64];
+    let n = tokio::time::timeout(Duration::from_secs(2), stream.read(&mut buf))
+        .await
+        .ok()?
+        .ok()?;
+    (n > 0).then(|| String::from_utf8_lossy(&buf[..n]).trim().to_owned())
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn route(name: &str, upstreams: Vec<SocketAddr>, checked: bool, close: bool) -> PortRoute {
+    PortRoute {
+        name: name.into(),
+        upstreams,
+        health_checked: checked,
+        close_connections: close,
+    }
+}
+
+#[tokio::test]
+async fn a_service_route_balances_over_healthy_endpoints_only() {
+    let check =
+        HealthCheck::new(Duration::from_millis(100), Duration::from_millis(100), 1, 1).unwrap();
+    let plane = EmbeddedPlane::new(
+        "127.0.0.1".parse().unwrap(),
+        Arc::new(NoopObserver),
+        Some(check),
+        Duration::from_secs(1),
+    )
+    .unwrap();
+    let e1 = backend("127.0.0.41", "e1").await;
+    let e2 = backend("127.0.0.42", "e2").await;
+    // A ready endpoint whose server is gone: the health check takes it out.
+    let dead = SocketAddr::new("127.0.0.43".parse().unwrap(), free_port());
+    let port = free_port();
+    let entry = SocketAddr::from(([127, 0, 0, 1], port));
+    let desired: DesiredPorts = [(
+        port,
+        route("svc.ns.a.debug", vec![e1, e2, dead], true, false),
+    )]
+    .into();
+    assert!(plane.sync(&desired).await.is_empty());
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut seen = BTreeSet::new();
+    for _ in 0..12 {
+        seen.insert(greeting(entry).await.expect("every connection is served"));
+    }
+    assert_eq!(seen, BTreeSet::from(["e1".to_owned(), "e2".to_owned()]));
+
+    // Endpoints change: the next connection follows, an established one keeps its upstream.
+    let mut held = TcpStream::connect(entry).await.unwrap();
+    let mut line = [0u8; 3];
+    held.read_exact(&mut line).await.unwrap();
+    let e3 = backend("127.0.0.44", "e3").await;
+    let desired: DesiredPorts = [(port, route("svc.ns.a.debug", vec![e3], true, false))].into();
+    let started = Instant::now();
+    assert!(plane.sync(&desired).await.is_empty());
+    assert!(
+        started.elapsed() < Duration::from_millis(50),
+        "a route change took {:?}",
+        started.elapsed()
+    );
+    assert_eq!(greeting(entry).await.as_deref(), Some("e3"));
+    held.write_all(b"ping").await.unwrap();
+    let mut echo = [0u8; 4];
+    held.read_exact(&mut echo).await.unwrap();
+    assert_eq!(&echo, b"ping");
+
+    // No endpoints: connections are refused (closed at once), the port stays allocated.
+    let desired: DesiredPorts = [(port, route("svc.ns.a.debug", vec![], true, false))].into();
+    plane.sync(&desired).await;
+    assert_eq!(greeting(entry).await, None);
+    assert!(std::net::TcpListener::bind(entry).is_err());
+
+    // Removed from the desired state: the port is released.
+    plane.sync(&DesiredPorts::new()).await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(std::net::TcpListener::bind(entry).is_ok());
+    plane.shutdown(Duration::from_millis(100)).await;
+}
+
+#[tokio::test]
+async fn a_mapping_that_asks_for_it_cuts_established_connections() {
+    let plane = EmbeddedPlane::new(
+        "127.0.0.1".parse().unwrap(),
+        Arc::new(NoopObserver),
+        None,
+        Duration::from_secs(1),
+    )
+    .unwrap();
+    let a = backend("127.0.0.45", "a").await;
+    let b = backend("127.0.0.46", "b").await;
+    let port = free_port();
+    let entry = SocketAddr::from(([127, 0, 0, 1], port));
+    plane
+        .sync(&[(port, route("v1", vec![a], false, false))].into())
+        .await;
+    let mut held = TcpStream::connect(entry).await.unwrap();
+    let mut line = [0u8; 2];
+    held.read_exact(&mut line).await.unwrap();
+    plane
+        .sync(&[(port, route("v1", vec![b], false, true))].into())
+        .await;
+    assert_eq!(greeting(entry).await.as_deref(), Some("b"));
+    let mut rest = Vec::new();
+    let n = tokio::time::timeout(Duration::from_secs(2), held.read_to_end(&mut rest))
+        .await
+        .unwrap();
+    assert!(
+        n.is_err() || rest.is_empty(),
+        "the old connection stayed open"
+    );
+    plane.shutdown(Duration::from_millis(100)).await;
+}

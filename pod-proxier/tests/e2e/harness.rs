@@ -1,0 +1,692 @@
+//! Test harness: the real control plane, the chart's RBAC bound to pod-proxier's ServiceAccount,
+//! the binary as a child process, loopback backends posing as pods, and a tiny HTTP client.
+#![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
+
+use std::net::{IpAddr, SocketAddr, TcpListener as StdListener};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU16, Ordering};
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
+use k8s_openapi::api::core::v1::{Pod, ServiceAccount};
+use k8s_openapi::api::rbac::v1::{
+    ClusterRole, ClusterRoleBinding, PolicyRule, Role, RoleBinding, RoleRef, Subject,
+};
+use k8s_reconcile::testing::{ControlPlane, Identity};
+use kube::api::{Api, ObjectMeta, Patch, PatchParams, PostParams};
+use kube::{Client, CustomResourceExt as _};
+use pod_proxier::crd::PortMapping;
+use serde::Deserialize;
+use serde_json::{Value, json};
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::OnceCell;
+
+/// The rules of the chart, in its three scopes.
+#[derive(Deserialize)]
+pub struct ChartRules {
+    pub cluster: Vec<PolicyRule>,
+    pub state: Vec<PolicyRule>,
+    pub target: Vec<PolicyRule>,
+}
+
+pub fn chart_rules() -> ChartRules {
+    serde_yaml_ng::from_str(include_str!("../../chart/files/rbac-rules.yaml")).unwrap()
+}
+
+static CRD: OnceCell<()> = OnceCell::const_new();
+
+pub async fn plane() -> &'static ControlPlane {
+    let plane = ControlPlane::shared().await.unwrap();
+    CRD.get_or_init(|| async {
+        plane.install_crds(&[PortMapping::crd()]).await.unwrap();
+    })
+    .await;
+    plane
+}
+
+/// One test's world: a state namespace for pod-proxier and target namespaces it may serve.
+pub struct Env {
+    pub plane: &'static ControlPlane,
+    pub admin: Client,
+    pub state_ns: String,
+    pub targets: Vec<String>,
+    /// kubeconfig of the `pod-proxier` ServiceAccount bound to the chart's rules only.
+    pub kubeconfig: PathBuf,
+}
+
+fn meta(name: &str, namespace: Option<&str>) -> ObjectMeta {
+    ObjectMeta {
+        name: Some(name.to_owned()),
+        namespace: namespace.map(str::to_owned),
+        ..ObjectMeta::default()
+    }
+}
+
+fn sa_subject(namespace: &str, name: &str) -> Vec<Subject> {
+    vec![Subject {
+        kind: "ServiceAccount".to_owned(),
+        name: name.to_owned(),
+        namespace: Some(namespace.to_owned()),
+        ..Subject::default()
+    }]
+}
+
+fn role_ref(kind: &str, name: &str) -> RoleRef {
+    RoleRef {
+        api_group: Some("rbac.authorization.k8s.io".to_owned()),
+        kind: kind.to_owned(),
+        name: name.to_owned(),
+    }
+}
+
+async fn apply<K>(api: &Api<K>, name: &str, object: &K)
+where
+    K: kube::Resource + serde::Serialize + Clone + std::fmt::Debug + serde::de::DeserializeOwned,
+{
+    api.patch(
+        name,
+        &PatchParams::apply("pod-proxier-tests").force(),
+        &Patch::Apply(object),
+    )
+    .await
+    .unwrap();
+}
+
+impl Env {
+    /// A state namespace and `target_count` target namespaces, with the chart's RBAC bound.
+    pub async fn new(prefix: &str, target_count: usize) -> Env {
+        let plane = plane().await;
+        let admin = plane.client().await.unwrap();
+        let state_ns = plane
+            .create_namespace(&format!("{prefix}-state"))
+            .await
+            .unwrap();
+        let mut targets = Vec::new();
+        for i in 0..target_count {
+            targets.push(
+                plane
+                    .create_namespace(&format!("{prefix}-t{i}"))
+                    .await
+                    .unwrap(),
+            );
+        }
+        let rules = chart_rules();
+        let sa = "pod-proxier";
+        // Cluster scope.
+        let cluster_role = format!("pod-proxier-cluster-{state_ns}");
+        let mut cr = ClusterRole {
+            metadata: meta(&cluster_role, None),
+            rules: Some(rules.cluster.clone()),
+            ..ClusterRole::default()
+        };
+        cr.metadata.name = Some(cluster_role.clone());
+        apply(
+            &Api::all(admin.clone()),
+            &cluster_role,
+            &with_kind(cr, "ClusterRole"),
+        )
+        .await;
+        let crb = ClusterRoleBinding {
+            metadata: meta(&cluster_role, None),
+            role_ref: role_ref("ClusterRole", &cluster_role),
+            subjects: Some(sa_subject(&state_ns, sa)),
+        };
+        apply(
+            &Api::all(admin.clone()),
+            &cluster_role,
+            &with_kind(crb, "ClusterRoleBinding"),
+        )
+        .await;
+        // State namespace.
+        let role = Role {
+            metadata: meta("pod-proxier", Some(&state_ns)),
+            rules: Some(rules.state.clone()),
+        };
+        apply(
+            &Api::namespaced(admin.clone(), &state_ns),
+            "pod-proxier",
+            &with_kind(role, "Role"),
+        )
+        .await;
+        let rb = RoleBinding {
+            metadata: meta("pod-proxier", Some(&state_ns)),
+            role_ref: role_ref("Role", "pod-proxier"),
+            subjects: Some(sa_subject(&state_ns, sa)),
+        };
+        apply(
+            &Api::namespaced(admin.clone(), &state_ns),
+            "pod-proxier",
+            &with_kind(rb, "RoleBinding"),
+        )
+        .await;
+        // Target namespaces.
+        let target_role = format!("pod-proxier-target-{state_ns}");
+        let tr = ClusterRole {
+            metadata: meta(&target_role, None),
+            rules: Some(rules.target.clone()),
+            ..ClusterRole::default()
+        };
+        apply(
+            &Api::all(admin.clone()),
+            &target_role,
+            &with_kind(tr, "ClusterRole"),
+        )
+        .await;
+        for ns in &targets {
+            let rb = RoleBinding {
+                metadata: meta("pod-proxier", Some(ns)),
+                role_ref: role_ref("ClusterRole", &target_role),
+                subjects: Some(sa_subject(&state_ns, sa)),
+            };
+            apply(
+                &Api::namespaced(admin.clone(), ns),
+                "pod-proxier",
+                &with_kind(rb, "RoleBinding"),
+            )
+            .await;
+        }
+        let kubeconfig = plane
+            .kubeconfig_as(&Identity::service_account(&state_ns, sa))
+            .await
+            .unwrap();
+        Env {
+            plane,
+            admin,
+            state_ns,
+            targets,
+            kubeconfig,
+        }
+    }
+
+    /// A token of a new ServiceAccount `name` in `namespace`, granted `rules` there.
+    pub async fn caller(&self, namespace: &str, name: &str, rules: Vec<PolicyRule>) -> String {
+        let sas: Api<ServiceAccount> = Api::namespaced(self.admin.clone(), namespace);
+        let sa = ServiceAccount {
+            metadata: meta(name, Some(namespace)),
+            ..ServiceAccount::default()
+        };
+        match sas.create(&PostParams::default(), &sa).await {
+            Ok(_) => {}
+            Err(kube::Error::Api(s)) if s.code == 409 => {}
+            Err(e) => panic!("{e}"),
+        }
+        if !rules.is_empty() {
+            let role = Role {
+                metadata: meta(name, Some(namespace)),
+                rules: Some(rules),
+            };
+            apply(
+                &Api::namespaced(self.admin.clone(), namespace),
+                name,
+                &with_kind(role, "Role"),
+            )
+            .await;
+            let rb = RoleBinding {
+                metadata: meta(name, Some(namespace)),
+                role_ref: role_ref("Role", name),
+                subjects: Some(sa_subject(namespace, name)),
+            };
+            apply(
+                &Api::namespaced(self.admin.clone(), namespace),
+                name,
+                &with_kind(rb, "RoleBinding"),
+            )
+            .await;
+        }
+        let request = TokenRequest {
+            spec: Some(TokenRequestSpec {
+                expiration_seconds: Some(3600),
+                ..TokenRequestSpec::default()
+            }),
+            ..TokenRequest::default()
+        };
+        sas.create_token_request(name, &PostParams::default(), &request)
+            .await
+            .unwrap()
+            .status
+            .unwrap()
+            .token
+            .unwrap()
+    }
+
+    /// A caller allowed to port-forward to pods and get Services in `namespace`.
+    pub async fn debugger(&self, namespace: &str) -> String {
+        self.caller(
+            namespace,
+            "debugger",
+            vec![port_forward_rule(), get_services_rule()],
+        )
+        .await
+    }
+
+    /// A Running pod with `ip` and, optionally, a container port named `port_name`.
+    pub async fn pod(
+        &self,
+        namespace: &str,
+        name: &str,
+        ip: &str,
+        named_port: Option<(&str, u16)>,
+    ) {
+        let ports: Vec<Value> = named_port
+            .map(|(n, p)| vec![json!({"name": n, "containerPort": p})])
+            .unwrap_or_default();
+        let pod: Pod = serde_json::from_value(json!({
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": namespace},
+            "spec": {"containers": [{"name": "app", "image": "example", "ports": ports}]}
+        }))
+        .unwrap();
+        let pods: Api<Pod> = Api::namespaced(self.admin.clone(), namespace);
+        pods.create(&PostParams::default(), &pod).await.unwrap();
+        if !ip.is_empty() {
+            self.set_pod_ip(namespace, name, ip).await;
+        }
+    }
+
+    pub async fn set_pod_ip(&self, namespace: &str, name: &str, ip: &str) {
+        let pods: Api<Pod> = Api::namespaced(self.admin.clone(), namespace);
+        let status = json!({"status": {"phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}]}});
+        pods.patch_status(name, &PatchParams::default(), &Patch::Merge(&status))
+            .await
+            .unwrap();
+    }
+
+    pub fn mappings(&self) -> Api<PortMapping> {
+        Api::namespaced(self.admin.clone(), &self.state_ns)
+    }
+}
+
+fn with_kind<K: serde::Serialize + serde::de::DeserializeOwned>(object: K, kind: &str) -> K {
+    let mut value = serde_json::to_value(&object).unwrap();
+    value["apiVersion"] = json!("rbac.authorization.k8s.io/v1");
+    value["kind"] = json!(kind);
+    serde_json::from_value(value).unwrap()
+}
+
+pub fn port_forward_rule() -> PolicyRule {
+    PolicyRule {
+        api_groups: Some(vec![String::new()]),
+        resources: Some(vec!["pods/portforward".to_owned()]),
+        verbs: vec!["create".to_owned()],
+        ..PolicyRule::default()
+    }
+}
+
+pub fn get_services_rule() -> PolicyRule {
+    PolicyRule {
+        api_groups: Some(vec![String::new()]),
+        resources: Some(vec!["services".to_owned()]),
+        verbs: vec!["get".to_owned()],
+        ..PolicyRule::default()
+    }
+}
+
+/// A free loopback port (from the ephemeral range; the V2 ranges stay below it).
+pub fn free_port() -> u16 {
+    StdListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// `count` consecutive ports free on 127.0.0.1, from a range per test binary run.
+pub fn free_range(count: u16) -> (u16, u16) {
+    static NEXT: AtomicU16 = AtomicU16::new(0);
+    let base = 20000 + (std::process::id() % 100) as u16 * 100;
+    loop {
+        let offset = NEXT.fetch_add(count + 1, Ordering::Relaxed);
+        let start = base + offset;
+        let end = start + count - 1;
+        let all_free = (start..=end).all(|p| StdListener::bind(("127.0.0.1", p)).is_ok());
+        if all_free {
+            return (start, end);
+        }
+    }
+}
+
+/// The pod-proxier binary as a child process.
+pub struct Proxier {
+    child: Option<Child>,
+    pub api: SocketAddr,
+    pub entry: SocketAddr,
+    pub metrics: SocketAddr,
+    pub log: PathBuf,
+    args: Vec<String>,
+}
+
+impl Proxier {
+    /// Starts pod-proxier with the env's ServiceAccount, on loopback, plus `extra` flags.
+    pub async fn start(env: &Env, extra: &[&str]) -> Proxier {
+        let mut proxier = Self::prepare(env, extra);
+        proxier.spawn().await;
+        proxier
+    }
+
+    /// The configuration `pod-proxier haproxy-config` prints for these flags.
+    pub fn haproxy_config(&self) -> String {
+        let output = Command::new(env!("CARGO_BIN_EXE_pod-proxier"))
+            .arg("haproxy-config")
+            .args(&self.args)
+            .output()
+            .unwrap();
+        assert!(
+            output.status.success(),
+            "{}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        String::from_utf8(output.stdout).unwrap()
+    }
+
+    /// Like [`Self::start`], without starting.
+    pub fn prepare(env: &Env, extra: &[&str]) -> Proxier {
+        let api = SocketAddr::from(([127, 0, 0, 1], free_port()));
+        let entry = SocketAddr::from(([127, 0, 0, 1], free_port()));
+        let metrics = SocketAddr::from(([127, 0, 0, 1], free_port()));
+        let mut args: Vec<String> = vec![
+            "--kubeconfig".into(),
+            env.kubeconfig.display().to_string(),
+            "--state-namespace".into(),
+            env.state_ns.clone(),
+            "--identity".into(),
+            format!("replica-{}", env.state_ns),
+            "--listen-addr".into(),
+            "127.0.0.1".into(),
+            "--api-listen-addr".into(),
+            "127.0.0.1".into(),
+            "--listen-port".into(),
+            api.port().to_string(),
+            "--default-map-port".into(),
+            entry.port().to_string(),
+            "--metrics-addr".into(),
+            metrics.to_string(),
+            "--allowed-namespaces".into(),
+            env.targets.join(","),
+            "--log-level".into(),
+            "info,pod_proxier=debug".into(),
+            "--drain-timeout".into(),
+            "1".into(),
+        ];
+        args.extend(extra.iter().map(|s| (*s).to_owned()));
+        let log = env
+            .plane
+            .dir()
+            .join(format!("pod-proxier-{}.log", env.state_ns));
+        Proxier {
+            child: None,
+            api,
+            entry,
+            metrics,
+            log,
+            args,
+        }
+    }
+
+    pub async fn spawn(&mut self) {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)
+            .unwrap();
+        let child = Command::new(env!("CARGO_BIN_EXE_pod-proxier"))
+            .args(&self.args)
+            .env_remove("KUBECONFIG")
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .unwrap();
+        self.child = Some(child);
+        self.wait_ready().await;
+    }
+
+    async fn wait_ready(&mut self) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Some(status) = self.child.as_mut().unwrap().try_wait().unwrap() {
+                panic!("pod-proxier exited with {status}:\n{}", self.logs());
+            }
+            if let Ok((200, _)) = get_text(self.metrics, "/readyz").await {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "pod-proxier not ready:\n{}",
+                self.logs()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// A second replica with the same flags, bound on `ip` instead of 127.0.0.1 (same ports),
+    /// under another identity.
+    pub async fn replica(&self, ip: &str, identity: &str) -> Proxier {
+        let metrics = SocketAddr::from(([127, 0, 0, 1], free_port()));
+        let mut args = self.args.clone();
+        let mut i = 0;
+        while i < args.len() {
+            match args[i].as_str() {
+                "--listen-addr" | "--api-listen-addr" => args[i + 1] = ip.to_owned(),
+                "--metrics-addr" => args[i + 1] = metrics.to_string(),
+                "--identity" => args[i + 1] = identity.to_owned(),
+                _ => {}
+            }
+            i += 1;
+        }
+        let ip: IpAddr = ip.parse().unwrap();
+        let log = self.log.with_extension(format!("{identity}.log"));
+        let mut replica = Proxier {
+            child: None,
+            api: SocketAddr::new(ip, self.api.port()),
+            entry: SocketAddr::new(ip, self.entry.port()),
+            metrics,
+            log,
+            args,
+        };
+        replica.spawn().await;
+        replica
+    }
+
+    /// SIGKILL, no chance to clean up.
+    pub fn kill9(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// SIGTERM and wait for the exit status.
+    pub fn terminate(&mut self) -> std::process::ExitStatus {
+        let mut child = self.child.take().unwrap();
+        let pid = child.id().to_string();
+        Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+        child.wait().unwrap()
+    }
+
+    /// Starts again with the same flags and ports.
+    pub async fn restart(&mut self) {
+        self.kill9();
+        self.spawn().await;
+    }
+
+    pub fn logs(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Least privilege, proven: the binary never met a 403 from the API server.
+    pub fn assert_never_forbidden(&self) {
+        let logs = self.logs();
+        for line in logs.lines() {
+            let lower = line.to_ascii_lowercase();
+            assert!(
+                !(lower.contains("forbidden") || lower.contains(" 403")),
+                "pod-proxier met a permission error: {line}"
+            );
+        }
+    }
+
+    pub async fn call(
+        &self,
+        method: &str,
+        path: &str,
+        token: Option<&str>,
+        body: Option<Value>,
+    ) -> (u16, Value) {
+        let body = body.map(|b| b.to_string());
+        request(
+            self.api,
+            method,
+            path,
+            token,
+            body.as_ref().map(|_| "application/json"),
+            body.as_deref().unwrap_or("").as_bytes(),
+        )
+        .await
+    }
+}
+
+impl Drop for Proxier {
+    fn drop(&mut self) {
+        self.kill9();
+        // The control plane's directory goes away with the test binary; keep logs on request.
+        if let Ok(dir) = std::env::var("POD_PROXIER_TEST_LOGS")
+            && let Some(name) = self.log.file_name()
+        {
+            let _ = std::fs::create_dir_all(&dir);
+            let _ = std::fs::copy(&self.log, std::path::Path::new(&dir).join(name));
+        }
+    }
+}
+
+/// One HTTP/1.1 request over a fresh connection; the body parsed as JSON when it is.
+pub async fn request(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    token: Option<&str>,
+    content_type: Option<&str>,
+    body: &[u8],
+) -> (u16, Value) {
+    let (status, text) = raw_request(addr, method, path, token, content_type, body)
+        .await
+        .unwrap();
+    let value = serde_json::from_str(&text).unwrap_or(Value::String(text));
+    (status, value)
+}
+
+pub async fn get_text(addr: SocketAddr, path: &str) -> std::io::Result<(u16, String)> {
+    raw_request(addr, "GET", path, None, None, b"").await
+}
+
+pub async fn raw_request(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    token: Option<&str>,
+    content_type: Option<&str>,
+    body: &[u8],
+) -> std::io::Result<(u16, String)> {
+    let mut stream = TcpStream::connect(addr).await?;
+    let mut head = format!(
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Length: {}\r\n",
+        body.len()
+    );
+    if let Some(token) = token {
+        head.push_str(&format!("Authorization: Bearer {token}\r\n"));
+    }
+    if let Some(ct) = content_type {
+        head.push_str(&format!("Content-Type: {ct}\r\n"));
+    }
+    head.push_str("\r\n");
+    // The server may answer (e.g. 413) and close before reading everything.
+    let _ = stream.write_all(head.as_bytes()).await;
+    let _ = stream.write_all(body).await;
+    let mut response = Vec::new();
+    let read =
+        tokio::time::timeout(Duration::from_secs(20), stream.read_to_end(&mut response)).await;
+    if read.is_err() {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            "no answer",
+        ));
+    }
+    let text = String::from_utf8_lossy(&response).into_owned();
+    let status = text
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| std::io::Error::other(format!("not HTTP: {text:?}")))?;
+    let body = text
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_owned())
+        .unwrap_or_default();
+    Ok((status, body))
+}
+
+/// A "pod": a loopback server on `ip` that greets with `tag` and then echoes.
+pub async fn backend(ip: &str, tag: &str) -> SocketAddr {
+    backend_on(ip, 0, tag).await
+}
+
+pub async fn backend_on(ip: &str, port: u16, tag: &str) -> SocketAddr {
+    let ip: IpAddr = ip.parse().unwrap();
+    let listener = TcpListener::bind((ip, port)).await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let greeting = format!("{tag}\n");
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut conn, _)) = listener.accept().await else {
+                return;
+            };
+            let greeting = greeting.clone();
+            tokio::spawn(async move {
+                if conn.write_all(greeting.as_bytes()).await.is_err() {
+                    return;
+                }
+                let (mut r, mut w) = conn.split();
+                let _ = tokio::io::copy(&mut r, &mut w).await;
+            });
+        }
+    });
+    addr
+}
+
+/// The greeting of whoever answers on `addr`, or `None` if the connection is refused or closed
+/// without one.
+pub async fn greeting(addr: SocketAddr) -> Option<String> {
+    let mut stream = TcpStream::connect(addr).await.ok()?;
+    let mut buf = Vec::new();
+    let mut byte = [0u8; 1];
+    let read = tokio::time::timeout(Duration::from_secs(3), async {
+        loop {
+            match stream.read(&mut byte).await {
+                Ok(0) | Err(_) => return,
+                Ok(_) if byte[0] == b'\n' => return,
+                Ok(_) => buf.push(byte[0]),
+            }
+        }
+    })
+    .await;
+    if read.is_err() || buf.is_empty() {
+        return None;
+    }
+    Some(String::from_utf8_lossy(&buf).into_owned())
+}
+
+/// Polls `check` every 20 ms until it holds or `timeout` passes.
+pub async fn eventually<F, Fut>(what: &str, timeout: Duration, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = Instant::now() + timeout;
+    while !check().await {
+        assert!(
+            Instant::now() < deadline,
+            "timed out after {timeout:?}: {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}

@@ -1,0 +1,118 @@
+//! schemathesis, driven by /api/openapi.json, finds no server error. Installs its pinned
+//! version into ~/.cache/kube-netkit/python/schemathesis when missing.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+use crate::harness::{Env, Proxier, backend};
+
+const SCHEMATHESIS_VERSION: &str = "4.32.5";
+
+fn schemathesis() -> PathBuf {
+    let home = std::env::var_os("HOME")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("/root"));
+    let venv = home.join(".cache/kube-netkit/python/schemathesis");
+    let st = venv.join("bin/st");
+    let installed = Command::new(&st)
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).contains(SCHEMATHESIS_VERSION));
+    if !installed {
+        let status = Command::new("python3")
+            .arg("-m")
+            .arg("venv")
+            .arg(&venv)
+            .status()
+            .unwrap();
+        assert!(status.success(), "python3 -m venv failed");
+        let status = Command::new(venv.join("bin/pip"))
+            .args([
+                "install",
+                "--quiet",
+                &format!("schemathesis=={SCHEMATHESIS_VERSION}"),
+            ])
+            .status()
+            .unwrap();
+        assert!(status.success(), "installing schemathesis failed");
+    }
+    st
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn schemathesis_finds_no_server_error() {
+    let st = schemathesis();
+    let env = Env::new("fuzz", 1).await;
+    let ns = env.targets[0].clone();
+    let a = backend("127.0.0.71", "fuzz-pod").await;
+    env.pod(&ns, "web", "127.0.0.71", Some(("jprofiler-port", a.port())))
+        .await;
+    env.pod(&ns, "pending", "", None).await;
+    let (start, end) = crate::harness::free_range(2);
+    let px = Proxier::start(
+        &env,
+        &[
+            "--enable-v1",
+            "--enable-v2",
+            "--off-check",
+            "--port-range-start",
+            &start.to_string(),
+            "--port-range-end",
+            &end.to_string(),
+        ],
+    )
+    .await;
+    let token = env.debugger(&ns).await;
+    let schema = format!("http://{}/api/openapi.json", px.api);
+    // schemathesis keeps a cache in its working directory: not in the source tree.
+    let workdir = tempfile::tempdir().unwrap();
+    let cwd = workdir.path().to_owned();
+    let output = tokio::task::spawn_blocking(move || {
+        Command::new(st)
+            .current_dir(cwd)
+            .args([
+                "run",
+                &schema,
+                "--checks",
+                "not_a_server_error",
+                "--max-examples",
+                "25",
+                "--no-color",
+            ])
+            .args(["--header", &format!("Authorization: Bearer {token}")])
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    let report = format!(
+        "{}\n{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    // One worker: CPython 3.11's ast module is not thread-safe under schemathesis' workers.
+    let tail: String = report
+        .chars()
+        .rev()
+        .take(6000)
+        .collect::<Vec<_>>()
+        .into_iter()
+        .rev()
+        .collect();
+    assert!(
+        output.status.success(),
+        "schemathesis found problems:\n{tail}"
+    );
+    // "N generated, N passed": something was actually sent.
+    let summary = report
+        .lines()
+        .find(|l| l.contains(" generated, "))
+        .unwrap_or_default();
+    let generated: u32 = summary
+        .split_whitespace()
+        .next()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0);
+    assert!(generated >= 50 && !summary.contains("failed"), "{tail}");
+    px.assert_never_forbidden();
+}

@@ -1,0 +1,434 @@
+//! The tunnel agent: keeps one rstream tunnel up, forwards its streams to the target Service and
+//! reports the tunnel state into its RstreamTunnel's status.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use k8s_reconcile::ops::{self, Health};
+use kube::api::Api;
+use prometheus_client::registry::Registry;
+use proxy_core::copy::RelayCounters;
+use proxy_core::relay::{RelayConfig, relay_streams};
+use rstream_client::supervisor::{StableHostname, Supervisor, SupervisorConfig, SupervisorState};
+use rstream_client::tls::{ClientIdentity, TlsOptions};
+use rstream_client::{Client, RstreamStream};
+use tokio::net::TcpStream;
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::agent_config::{AgentConfig, ConfigError};
+use crate::api::{RstreamTunnel, RstreamTunnelStatus};
+use crate::names;
+use crate::status::{self, reasons, types};
+
+/// How long a dial to the target may take.
+const TARGET_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// Delay before a failed status report is tried again.
+const REPORT_RETRY: Duration = Duration::from_secs(2);
+
+/// Why the agent cannot run.
+#[derive(Debug, thiserror::Error)]
+pub enum AgentError {
+    /// The configuration file cannot be read.
+    #[error("reading {path}: {source}")]
+    ReadConfig {
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The configuration is invalid.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// The credentials or TLS settings cannot be used.
+    #[error("credentials: {0}")]
+    Credentials(String),
+    /// The Kubernetes client cannot be built.
+    #[error("Kubernetes client: {0}")]
+    Kube(#[from] kube::Error),
+    /// The health server cannot start.
+    #[error(transparent)]
+    Ops(#[from] k8s_reconcile::Error),
+}
+
+/// Runtime options (flags).
+#[derive(Clone, Debug, Default)]
+pub struct AgentOptions {
+    /// The configuration file.
+    pub config: PathBuf,
+    /// Where `/healthz`, `/readyz` and `/metrics` are served (`None`: not served).
+    pub health_bind_address: Option<SocketAddr>,
+    /// Forward to this `host:port` instead of the configured Service (tests, debugging).
+    pub target_override: Option<String>,
+    /// Extra CA bundle (PEM) to trust for the engine (self-hosted engines with a private CA).
+    pub ca_file: Option<PathBuf>,
+}
+
+/// Where and as whom to report.
+struct Reporter {
+    api: Option<Api<RstreamTunnel>>,
+    tunnel: String,
+    pod: String,
+    target: String,
+}
+
+impl Reporter {
+    async fn report(&self, state: &SupervisorState) -> Result<(), kube::Error> {
+        let Some(api) = &self.api else {
+            return Ok(());
+        };
+        let pod = self.pod.clone();
+        let target = self.target.clone();
+        match state {
+            // Later attempts keep the Disconnected report (and its error) visible.
+            SupervisorState::Connecting { attempt } if *attempt <= 1 => {
+                status::update_status(api, &self.tunnel, |t, s: &mut RstreamTunnelStatus| {
+                    let g = t.metadata.generation;
+                    s.observed_generation = g;
+                    s.last_error = None;
+                    status::set(
+                        &mut s.conditions,
+                        types::TUNNEL_READY,
+                        false,
+                        reasons::TUNNEL_CONNECTING,
+                        "Tunnel agent is connecting to rstream.",
+                        g,
+                    );
+                    status::set(
+                        &mut s.conditions,
+                        types::READY,
+                        false,
+                        reasons::WAITING_FOR_TUNNEL,
+                        "Waiting for the rstream tunnel to come online.",
+                        g,
+                    );
+                })
+                .await?;
+            }
+            SupervisorState::Online {
+                properties,
+                forwarding_address,
+            } => {
+                status::update_status(api, &self.tunnel, |t, s: &mut RstreamTunnelStatus| {
+                    let g = t.metadata.generation;
+                    s.observed_generation = g;
+                    s.last_error = None;
+                    s.tunnel_id = properties.id.clone().filter(|v| !v.is_empty());
+                    s.rstream_name = properties.name.clone().filter(|v| !v.is_empty());
+                    s.hostname = properties
+                        .hostname
+                        .clone()
+                        .filter(|v| !v.is_empty())
+                        .or_else(|| properties.host.clone().filter(|v| !v.is_empty()));
+                    s.forwarding_address = Some(forwarding_address.clone());
+                    s.target = Some(target.clone());
+                    let msg = format!("Tunnel is online from agent pod {pod}.");
+                    status::set(
+                        &mut s.conditions,
+                        types::TUNNEL_READY,
+                        true,
+                        reasons::TUNNEL_ONLINE,
+                        msg,
+                        g,
+                    );
+                    status::set(
+                        &mut s.conditions,
+                        types::READY,
+                        true,
+                        reasons::READY,
+                        "The tunnel is ready.",
+                        g,
+                    );
+                })
+                .await?;
+            }
+            SupervisorState::Disconnected { error, .. }
+            | SupervisorState::Stopped { error: Some(error) } => {
+                let text = error.to_string();
+                status::update_status(api, &self.tunnel, |t, s: &mut RstreamTunnelStatus| {
+                    let g = t.metadata.generation;
+                    s.observed_generation = g;
+                    s.last_error = Some(text.clone());
+                    status::set(
+                        &mut s.conditions,
+                        types::TUNNEL_READY,
+                        false,
+                        reasons::TUNNEL_DISCONNECTED,
+                        text.clone(),
+                        g,
+                    );
+                    status::set(
+                        &mut s.conditions,
+                        types::READY,
+                        false,
+                        reasons::WAITING_FOR_TUNNEL,
+                        "Waiting for the rstream tunnel to reconnect.",
+                        g,
+                    );
+                })
+                .await?;
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+}
+
+fn log_state(state: &SupervisorState, target: &str) {
+    match state {
+        SupervisorState::Connecting { attempt } => {
+            tracing::info!(component = "runner", attempt, %target, "Connecting to rstream")
+        }
+        SupervisorState::Online {
+            properties,
+            forwarding_address,
+        } => tracing::info!(
+            component = "runner",
+            tunnel_id = properties.id.as_deref().unwrap_or_default(),
+            forwarding_address = %forwarding_address,
+            %target,
+            "Tunnel online"
+        ),
+        SupervisorState::Disconnected { error, retry_in } => tracing::warn!(
+            component = "runner",
+            error = %error,
+            retry_in = ?retry_in,
+            %target,
+            "Tunnel disconnected; reconnecting"
+        ),
+        SupervisorState::Stopped { error } => tracing::info!(
+            component = "runner",
+            error = error.as_ref().map(ToString::to_string).unwrap_or_default(),
+            "Tunnel stopped"
+        ),
+        _ => {}
+    }
+}
+
+/// Follows the supervisor's state: readiness, logs and status reports (retried until they land or
+/// a newer state replaces them).
+async fn follow_state(
+    mut states: watch::Receiver<SupervisorState>,
+    reporter: Reporter,
+    health: Health,
+    shutdown: CancellationToken,
+) {
+    loop {
+        let state = states.borrow_and_update().clone();
+        let online = matches!(state, SupervisorState::Online { .. });
+        let stopping =
+            shutdown.is_cancelled() || matches!(state, SupervisorState::Stopped { error: None });
+        health.set(
+            "tunnel",
+            online,
+            if online { "online" } else { "not online" },
+        );
+        log_state(&state, &reporter.target);
+        // A shutdown is not a disconnection: nothing is reported.
+        if !stopping && let Err(error) = reporter.report(&state).await {
+            tracing::warn!(component = "runner", %error, "could not report the tunnel status");
+            tokio::select! {
+                () = shutdown.cancelled() => return,
+                _ = states.changed() => {}
+                () = tokio::time::sleep(REPORT_RETRY) => {}
+            }
+            continue;
+        }
+        tokio::select! {
+            () = shutdown.cancelled() => return,
+            changed = states.changed() => if changed.is_err() { return },
+        }
+    }
+}
+
+fn client_for(config: &AgentConfig, options: &AgentOptions) -> Result<Client, AgentError> {
+    let bad = |e: rstream_client::Error| AgentError::Credentials(e.to_string());
+    let mut tls = TlsOptions::new();
+    if let Some(transport) = &config.connection.transport {
+        if transport.use_quic == Some(true)
+            || transport.mode == Some(crate::api::TransportMode::Quic)
+        {
+            return Err(AgentError::Credentials(
+                "transport mode quic is not supported by this agent".into(),
+            ));
+        }
+        if let Some(name) = transport
+            .dns
+            .as_ref()
+            .and_then(|d| d.server_name.as_deref())
+        {
+            tls = tls.server_name(name);
+        }
+        if transport.proxy.is_some() || transport.bind.is_some() || transport.mptcp == Some(true) {
+            tracing::warn!(
+                component = "runner",
+                "transport proxy, bind and mptcp options are not supported by this agent and are ignored"
+            );
+        }
+    }
+    if let Some(ca) = &options.ca_file {
+        tls = tls.ca_file(ca).map_err(bad)?;
+    }
+    let token = std::env::var(names::TOKEN_ENV)
+        .ok()
+        .map(|t| t.trim().to_owned())
+        .filter(|t| !t.is_empty());
+    let mut builder = Client::builder()
+        .engine(config.connection.engine.trim())
+        .agent("rstream-operator-agent", env!("CARGO_PKG_VERSION"));
+    match (&token, &config.connection.mtls) {
+        (Some(_), Some(_)) => {
+            return Err(AgentError::Credentials(format!(
+                "both {} and mTLS are configured; use one",
+                names::TOKEN_ENV
+            )));
+        }
+        (None, None) => {
+            return Err(AgentError::Credentials(format!(
+                "no credentials: set {} or connection.mtls",
+                names::TOKEN_ENV
+            )));
+        }
+        (Some(token), None) => builder = builder.token(token),
+        (None, Some(m)) => {
+            let identity = ClientIdentity::from_files(&m.cert_file, &m.key_file).map_err(bad)?;
+            tls = tls.client_identity(identity);
+            if let Some(ca) = &m.ca_file {
+                tls = tls.ca_file(ca).map_err(bad)?;
+            }
+        }
+    }
+    builder.tls(tls).build().map_err(bad)
+}
+
+async fn forward(stream: RstreamStream, target: Arc<str>, cancel: CancellationToken) {
+    let upstream =
+        match tokio::time::timeout(TARGET_CONNECT_TIMEOUT, TcpStream::connect(&*target)).await {
+            Ok(Ok(s)) => s,
+            Ok(Err(error)) => {
+                tracing::warn!(component = "runner", %target, %error, "cannot reach the target");
+                return;
+            }
+            Err(_) => {
+                tracing::warn!(component = "runner", %target, "timed out connecting to the target");
+                return;
+            }
+        };
+    let _ = upstream.set_nodelay(true);
+    let counters = RelayCounters::new();
+    let summary = relay_streams(
+        stream,
+        upstream,
+        &RelayConfig::default(),
+        &counters,
+        &cancel,
+    )
+    .await;
+    tracing::debug!(
+        component = "runner",
+        to_target = summary.to_upstream,
+        to_client = summary.to_client,
+        ending = summary.ending.as_str(),
+        "stream finished"
+    );
+}
+
+/// Runs the agent until `shutdown`.
+pub async fn run(options: AgentOptions, shutdown: CancellationToken) -> Result<(), AgentError> {
+    let text =
+        std::fs::read_to_string(&options.config).map_err(|source| AgentError::ReadConfig {
+            path: options.config.clone(),
+            source,
+        })?;
+    let config = AgentConfig::from_yaml(&text)?;
+    let tunnel_options = config.tunnel_options()?;
+    let (initial, max) = config.retry()?;
+    let client = client_for(&config, &options)?;
+    let target: Arc<str> = options
+        .target_override
+        .clone()
+        .filter(|t| !t.trim().is_empty())
+        .unwrap_or_else(|| config.target_address())
+        .into();
+
+    let health = Health::new();
+    health.set("tunnel", false, "not online");
+    if let Some(addr) = options.health_bind_address {
+        let router = ops::router(health.clone(), Arc::new(Registry::default()));
+        ops::serve(addr, router, shutdown.clone()).await?;
+        tracing::info!(component = "health", %addr, "serving /healthz and /readyz");
+    }
+
+    let reporter = match config.kubernetes.as_ref().filter(|k| k.enabled) {
+        Some(k) => {
+            let namespace = k
+                .pod_namespace_env
+                .as_deref()
+                .and_then(|e| std::env::var(e).ok())
+                .filter(|n| !n.is_empty())
+                .unwrap_or_else(|| k.namespace.clone());
+            let pod = k
+                .pod_name_env
+                .as_deref()
+                .and_then(|e| std::env::var(e).ok())
+                .unwrap_or_default();
+            let kube = kube::Client::try_default().await?;
+            Reporter {
+                api: Some(Api::namespaced(kube, &namespace)),
+                tunnel: k.tunnel_name.clone(),
+                pod,
+                target: format!("{}:{}", config.target.host, config.target.port),
+            }
+        }
+        None => Reporter {
+            api: None,
+            tunnel: String::new(),
+            pod: String::new(),
+            target: target.to_string(),
+        },
+    };
+
+    let hostname = match &tunnel_options.hostname {
+        Some(h) => StableHostname::Fixed(h.clone()),
+        None => StableHostname::Off,
+    };
+    let supervisor_config = SupervisorConfig::default()
+        .backoff(initial, max)
+        .stable_hostname(hostname)
+        .retry_non_retryable(true);
+    let mut handle = Supervisor::spawn(client, tunnel_options, supervisor_config);
+    let stop_reports = CancellationToken::new();
+    let follower = tokio::spawn(follow_state(
+        handle.watch(),
+        reporter,
+        health.clone(),
+        stop_reports.clone(),
+    ));
+
+    let relays = TaskTracker::new();
+    let relay_cancel = CancellationToken::new();
+    loop {
+        tokio::select! {
+            () = shutdown.cancelled() => break,
+            next = handle.accept() => match next {
+                Some(stream) => {
+                    relays.spawn(forward(stream, Arc::clone(&target), relay_cancel.clone()));
+                }
+                None => break,
+            },
+        }
+    }
+    tracing::info!(component = "runner", "shutting down");
+    health.set("tunnel", false, "shutting down");
+    stop_reports.cancel();
+    let _ = follower.await;
+    handle.shutdown().await;
+    relay_cancel.cancel();
+    relays.close();
+    relays.wait().await;
+    Ok(())
+}

@@ -1,0 +1,538 @@
+//! The agent configuration file (`config.yaml` in the agent's ConfigMap).
+//!
+//! The manager renders it; the agent decodes it strictly (unknown keys are rejected) and validates it.
+//! It never holds a secret: the token and proxy credentials come from environment variables filled
+//! from Secrets, the mTLS material from mounted files.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use rstream_client::tunnel::{
+    HttpVersion as ClientHttpVersion, TlsMinVersion as ClientTlsMinVersion,
+    TlsMode as ClientTlsMode, TunnelOptions, TunnelProtocol, TunnelType as ClientTunnelType,
+};
+use serde::{Deserialize, Serialize};
+
+use crate::api::{BindSpec, DnsSpec, IpFamily, TransportMode};
+
+/// Why a configuration cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The YAML does not decode (syntax, unknown key, wrong type).
+    #[error("decoding the agent configuration: {0}")]
+    Decode(#[from] serde_yaml_ng::Error),
+    /// A value is missing or impossible.
+    #[error("invalid agent configuration: {0}")]
+    Invalid(String),
+}
+
+fn invalid(message: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid(message.into())
+}
+
+/// The whole file.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct AgentConfig {
+    /// How to reach the engine.
+    pub connection: ConnectionConfig,
+    /// The tunnel to create.
+    pub tunnel: TunnelConfig,
+    /// Where inbound streams go.
+    pub target: TargetConfig,
+    /// Status reporting into the RstreamTunnel.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kubernetes: Option<KubernetesConfig>,
+    /// Reconnect backoff.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retry: Option<RetryConfig>,
+}
+
+/// Engine connection.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct ConnectionConfig {
+    /// Engine `host:port`.
+    pub engine: String,
+    /// mTLS files (mTLS auth only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mtls: Option<MtlsFiles>,
+    /// Network options.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub transport: Option<TransportConfig>,
+}
+
+/// Mounted mTLS material.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct MtlsFiles {
+    /// Client certificate chain (PEM).
+    pub cert_file: String,
+    /// Private key (PEM).
+    pub key_file: String,
+    /// Engine CA bundle (PEM).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ca_file: Option<String>,
+}
+
+/// Network options of engine connections.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct TransportConfig {
+    /// `auto`, `tls` or `quic`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mode: Option<TransportMode>,
+    /// Local bind.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bind: Option<BindSpec>,
+    /// IP family.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ip_family: Option<IpFamily>,
+    /// DNS options.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dns: Option<DnsSpec>,
+    /// Multipath TCP.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mptcp: Option<bool>,
+    /// Outbound proxy (credentials by env var name).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub proxy: Option<ProxyConfig>,
+    /// Deprecated QUIC switch.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub use_quic: Option<bool>,
+}
+
+/// Outbound proxy.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct ProxyConfig {
+    /// Proxy URL.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub http: Option<String>,
+    /// Env var holding the user name.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub username_env: Option<String>,
+    /// Env var holding the password.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub password_env: Option<String>,
+    /// Extra proxy headers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub headers: Option<BTreeMap<String, String>>,
+}
+
+/// The tunnel to create.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct TunnelConfig {
+    /// rstream tunnel name.
+    pub name: String,
+    /// Published at the edge.
+    pub publish: bool,
+    /// `http`, `tls`, `dtls`, `quic` or `tcp`.
+    pub protocol: String,
+    /// `bytestream` or `datagram`.
+    #[serde(rename = "type")]
+    pub type_: String,
+    /// Stable hostname.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hostname: Option<String>,
+    /// Tunnel labels.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub labels: BTreeMap<String, String>,
+    /// Datagram reliable path.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub datagram_guaranteed_delivery: Option<bool>,
+    /// Cross-region routing.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub allow_cross_region_routing: Option<bool>,
+    /// Reserved public TCP port.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tcp_port: Option<u32>,
+    /// The upstream speaks TLS.
+    #[serde(
+        default,
+        rename = "upstreamTLS",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub upstream_tls: Option<bool>,
+    /// Allowed source CIDRs.
+    #[serde(default, rename = "trustedIPs", skip_serializing_if = "Vec::is_empty")]
+    pub trusted_ips: Vec<String>,
+    /// Allowed countries.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub geoip: Vec<String>,
+    /// HTTP options.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub http: Option<HttpConfig>,
+    /// Edge TLS options.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tls: Option<TlsConfig>,
+}
+
+/// HTTP options.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct HttpConfig {
+    /// `http/1.1`, `h2c` or `h3`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub version: Option<String>,
+    /// Edge authentication.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub auth: Option<HttpAuthConfig>,
+    /// Browser challenge.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gate: Option<HttpGateConfig>,
+}
+
+/// Edge authentication.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HttpAuthConfig {
+    /// Bearer token required.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token: Option<bool>,
+    /// rstream login required.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rstream: Option<bool>,
+}
+
+/// Browser challenge.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HttpGateConfig {
+    /// Challenge on.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub challenge: Option<bool>,
+}
+
+/// Edge TLS options.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct TlsConfig {
+    /// `terminated` or `passthrough`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mode: Option<String>,
+    /// `tls1.2` or `tls1.3`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub min_version: Option<String>,
+    /// Edge ALPNs.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub alpns: Vec<String>,
+    /// Downstream client certificates required.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mtls: Option<bool>,
+}
+
+/// Forwarding target.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TargetConfig {
+    /// `svc.ns.svc`.
+    pub host: String,
+    /// Port, as a string.
+    pub port: String,
+    /// `TCP` or `UDP`.
+    #[serde(default = "default_target_protocol")]
+    pub protocol: String,
+}
+
+fn default_target_protocol() -> String {
+    "TCP".to_owned()
+}
+
+/// Status reporting.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct KubernetesConfig {
+    /// Report into the RstreamTunnel.
+    #[serde(default)]
+    pub enabled: bool,
+    /// Its namespace (the pod's namespace env var wins).
+    #[serde(default)]
+    pub namespace: String,
+    /// Its name.
+    #[serde(default)]
+    pub tunnel_name: String,
+    /// Env var with the pod name.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pod_name_env: Option<String>,
+    /// Env var with the pod namespace.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pod_namespace_env: Option<String>,
+}
+
+/// Reconnect backoff, as Go durations (`1s`, `500ms`, `1m30s`).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RetryConfig {
+    /// First delay (default 1 s).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub initial: Option<String>,
+    /// Largest delay (default 30 s).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max: Option<String>,
+}
+
+/// Parses a Go duration: a sequence of `<number><unit>` with units `ns`, `us`, `ms`, `s`, `m`, `h`.
+pub fn parse_duration(input: &str) -> Result<Duration, ConfigError> {
+    let s = input.trim();
+    if s.is_empty() {
+        return Err(invalid("empty duration"));
+    }
+    if s == "0" {
+        return Ok(Duration::ZERO);
+    }
+    let mut total = 0f64;
+    let mut rest = s;
+    while !rest.is_empty() {
+        let num_len = rest
+            .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+            .ok_or_else(|| invalid(format!("duration '{s}' has a number without unit")))?;
+        let number: f64 = rest[..num_len]
+            .parse()
+            .map_err(|_| invalid(format!("invalid duration '{s}'")))?;
+        rest = &rest[num_len..];
+        let unit_len = rest
+            .find(|c: char| c.is_ascii_digit() || c == '.')
+            .unwrap_or(rest.len());
+        let factor = match &rest[..unit_len] {
+            "ns" => 1e-9,
+            "us" | "µs" => 1e-6,
+            "ms" => 1e-3,
+            "s" => 1.0,
+            "m" => 60.0,
+            "h" => 3600.0,
+            other => return Err(invalid(format!("unknown unit '{other}' in duration '{s}'"))),
+        };
+        total += number * factor;
+        rest = &rest[unit_len..];
+    }
+    Duration::try_from_secs_f64(total).map_err(|_| invalid(format!("invalid duration '{s}'")))
+}
+
+/// Formats a duration the way Go prints simple ones (`1s`, `500ms`, `30s`).
+pub fn format_duration(d: Duration) -> String {
+    if d.subsec_millis() == 0 && d.subsec_nanos() == 0 {
+        format!("{}s", d.as_secs())
+    } else {
+        format!("{}ms", d.as_millis())
+    }
+}
+
+impl AgentConfig {
+    /// Decodes (strictly) and validates.
+    pub fn from_yaml(text: &str) -> Result<Self, ConfigError> {
+        let config: Self = serde_yaml_ng::from_str(text)?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// The YAML the manager writes.
+    pub fn to_yaml(&self) -> Result<String, ConfigError> {
+        Ok(serde_yaml_ng::to_string(self)?)
+    }
+
+    /// Checks the required values, the retry timings and the tunnel options.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.connection.engine.trim().is_empty() {
+            return Err(invalid("connection.engine is required"));
+        }
+        if let Some(mtls) = &self.connection.mtls
+            && (mtls.cert_file.trim().is_empty() || mtls.key_file.trim().is_empty())
+        {
+            return Err(invalid("connection.mtls needs both certFile and keyFile"));
+        }
+        if self.tunnel.name.trim().is_empty() {
+            return Err(invalid("tunnel.name is required"));
+        }
+        if self.target.host.trim().is_empty() {
+            return Err(invalid("target.host is required"));
+        }
+        if self.target.port.trim().is_empty() {
+            return Err(invalid("target.port is required"));
+        }
+        if let Some(k) = &self.kubernetes
+            && k.enabled
+            && (k.namespace.trim().is_empty() || k.tunnel_name.trim().is_empty())
+        {
+            return Err(invalid(
+                "kubernetes.enabled needs kubernetes.namespace and kubernetes.tunnelName",
+            ));
+        }
+        self.retry()?;
+        self.tunnel_options()?;
+        Ok(())
+    }
+
+    /// `(initial, max)` backoff: defaults 1 s and 30 s, `initial > 0`, `max >= initial`.
+    pub fn retry(&self) -> Result<(Duration, Duration), ConfigError> {
+        let retry = self.retry.clone().unwrap_or_default();
+        let initial = match &retry.initial {
+            Some(s) => parse_duration(s)?,
+            None => Duration::from_secs(1),
+        };
+        let max = match &retry.max {
+            Some(s) => parse_duration(s)?,
+            None => Duration::from_secs(30),
+        };
+        if initial.is_zero() {
+            return Err(invalid("retry.initial must be positive"));
+        }
+        if max < initial {
+            return Err(invalid("retry.max must be at least retry.initial"));
+        }
+        Ok((initial, max))
+    }
+
+    /// The `host:port` streams are forwarded to.
+    pub fn target_address(&self) -> String {
+        format!("{}:{}", self.target.host.trim(), self.target.port.trim())
+    }
+
+    /// The rstream tunnel options, validated with the client rules (TCP tunnels are published
+    /// bytestreams; a private tunnel takes no public option; `upstreamTLS` is also sent as the
+    /// deprecated `http_use_tls` for HTTP tunnels by the client).
+    pub fn tunnel_options(&self) -> Result<TunnelOptions, ConfigError> {
+        let t = &self.tunnel;
+        let bad = |e: rstream_client::Error| invalid(format!("tunnel: {e}"));
+        let protocol: TunnelProtocol = t.protocol.parse().map_err(bad)?;
+        let tunnel_type: ClientTunnelType = t.type_.parse().map_err(bad)?;
+        let mut o = TunnelOptions::new()
+            .name(t.name.trim())
+            .publish(t.publish)
+            .protocol(protocol)
+            .tunnel_type(tunnel_type);
+        o.labels = t.labels.clone();
+        o.geoip = t.geoip.clone();
+        o.trusted_ips = t.trusted_ips.clone();
+        o.hostname = t.hostname.clone().filter(|h| !h.trim().is_empty());
+        o.port = t.tcp_port;
+        o.upstream_tls = t.upstream_tls;
+        o.datagram_guaranteed_delivery = t.datagram_guaranteed_delivery;
+        o.allow_cross_region_routing = t.allow_cross_region_routing;
+        if let Some(http) = &t.http {
+            if protocol != TunnelProtocol::Http {
+                return Err(invalid("tunnel: the http block requires protocol http"));
+            }
+            let version: ClientHttpVersion = http
+                .version
+                .as_deref()
+                .unwrap_or("http/1.1")
+                .parse()
+                .map_err(bad)?;
+            o.http_version = Some(version);
+            if let Some(auth) = &http.auth {
+                o.token_auth = auth.token;
+                o.rstream_auth = auth.rstream;
+            }
+            o.challenge_mode = http.gate.as_ref().and_then(|g| g.challenge);
+        }
+        if let Some(tls) = &t.tls {
+            o.tls_mode = tls
+                .mode
+                .as_deref()
+                .map(str::parse::<ClientTlsMode>)
+                .transpose()
+                .map_err(bad)?;
+            o.tls_min_version = tls
+                .min_version
+                .as_deref()
+                .map(str::parse::<ClientTlsMinVersion>)
+                .transpose()
+                .map_err(bad)?;
+            o.tls_alpns = tls.alpns.clone();
+            o.mtls_auth = tls.mtls;
+        }
+        if o.datagram_guaranteed_delivery == Some(true) && tunnel_type != ClientTunnelType::Datagram
+        {
+            return Err(invalid(
+                "tunnel: datagramGuaranteedDelivery requires type datagram",
+            ));
+        }
+        o.to_properties().map_err(bad)?;
+        Ok(o)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> AgentConfig {
+        AgentConfig {
+            connection: ConnectionConfig {
+                engine: "engine.example.com:443".into(),
+                ..Default::default()
+            },
+            tunnel: TunnelConfig {
+                name: "demo-web".into(),
+                publish: true,
+                protocol: "http".into(),
+                type_: "bytestream".into(),
+                ..Default::default()
+            },
+            target: TargetConfig {
+                host: "web.demo.svc".into(),
+                port: "8080".into(),
+                protocol: "TCP".into(),
+            },
+            kubernetes: None,
+            retry: None,
+        }
+    }
+
+    #[test]
+    fn round_trips_and_rejects_unknown_keys() {
+        let yaml = sample().to_yaml().unwrap();
+        assert_eq!(AgentConfig::from_yaml(&yaml).unwrap(), sample());
+        let err = AgentConfig::from_yaml(&format!("{yaml}surprise: 1\n")).unwrap_err();
+        assert!(err.to_string().contains("surprise"), "{err}");
+    }
+
+    #[test]
+    fn missing_values_are_named() {
+        let mut c = sample();
+        c.connection.engine = " ".into();
+        assert!(c.validate().unwrap_err().to_string().contains("engine"));
+        let mut c = sample();
+        c.kubernetes = Some(KubernetesConfig {
+            enabled: true,
+            ..Default::default()
+        });
+        assert!(c.validate().unwrap_err().to_string().contains("tunnelName"));
+        let mut c = sample();
+        c.retry = Some(RetryConfig {
+            initial: Some("10s".into()),
+            max: Some("1s".into()),
+        });
+        assert!(c.validate().unwrap_err().to_string().contains("retry.max"));
+    }
+
+    #[test]
+    fn client_rules_apply() {
+        let mut c = sample();
+        c.tunnel.protocol = "tcp".into();
+        c.tunnel.http = Some(HttpConfig::default());
+        assert!(c.validate().is_err());
+        let mut c = sample();
+        c.tunnel.publish = false;
+        c.tunnel.geoip = vec!["FR".into()];
+        assert!(c.validate().is_err());
+        let mut c = sample();
+        c.tunnel.protocol = "tcp".into();
+        c.tunnel.tcp_port = Some(10042);
+        let props = c.tunnel_options().unwrap().to_properties().unwrap();
+        assert_eq!(props.protocol.as_deref(), Some("tcp"));
+    }
+
+    #[test]
+    fn go_durations() {
+        assert_eq!(parse_duration("1s").unwrap(), Duration::from_secs(1));
+        assert_eq!(parse_duration("1m30s").unwrap(), Duration::from_secs(90));
+        assert_eq!(parse_duration("250ms").unwrap(), Duration::from_millis(250));
+        assert!(parse_duration("5").is_err());
+        assert!(parse_duration("3d").is_err());
+        assert_eq!(format_duration(Duration::from_millis(1500)), "1500ms");
+        assert_eq!(format_duration(Duration::from_secs(30)), "30s");
+    }
+}

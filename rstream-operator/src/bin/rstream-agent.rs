@@ -1,0 +1,70 @@
+//! The rstream tunnel agent: one per RstreamTunnel, run by the Deployment the manager creates.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::Parser;
+use k8s_reconcile::ops;
+use rstream_operator::agent::{self, AgentOptions};
+use rstream_operator::logging::{self, LogFormat};
+
+/// Keeps one rstream tunnel up, forwards its streams to the target Service and reports its state
+/// into the RstreamTunnel status.
+#[derive(Debug, Parser)]
+#[command(name = "rstream-agent", version)]
+struct Args {
+    /// Agent configuration file (rendered by the manager).
+    #[arg(
+        long,
+        env = "RSTREAM_AGENT_CONFIG",
+        default_value = "/etc/rstream-agent/config.yaml"
+    )]
+    config: PathBuf,
+    /// Address of /healthz, /readyz (ready only while the tunnel is online) and /metrics; "0" disables it.
+    #[arg(
+        long,
+        env = "RSTREAM_AGENT_HEALTH_BIND_ADDRESS",
+        default_value = ":8081"
+    )]
+    health_bind_address: String,
+    /// Forward streams to this host:port instead of the configured Service (tests, debugging).
+    #[arg(long, env = "RSTREAM_AGENT_TARGET_OVERRIDE")]
+    target_override: Option<String>,
+    /// Extra PEM CA bundle trusted for the engine (self-hosted engines with a private CA).
+    #[arg(long, env = "RSTREAM_AGENT_CA_FILE")]
+    ca_file: Option<PathBuf>,
+    /// Log format.
+    #[arg(long, env = "RSTREAM_LOG_FORMAT", value_enum, default_value = "json")]
+    log_format: LogFormat,
+    /// Log level or filter (RUST_LOG wins when set).
+    #[arg(long, env = "RSTREAM_LOG_LEVEL", default_value = "info")]
+    log_level: String,
+}
+
+async fn run(args: Args) -> Result<(), String> {
+    let health_bind_address = logging::parse_bind_address(&args.health_bind_address)?;
+    let shutdown = ops::shutdown_on_signals().map_err(|e| e.to_string())?;
+    let options = AgentOptions {
+        config: args.config,
+        health_bind_address,
+        target_override: args.target_override,
+        ca_file: args.ca_file,
+    };
+    agent::run(options, shutdown)
+        .await
+        .map_err(|e| e.to_string())
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let args = Args::parse();
+    logging::init(args.log_format, &args.log_level);
+    match run(args).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            tracing::error!(component = "runner", %error, "rstream-agent failed");
+            eprintln!("rstream-agent: {error}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,142 @@
+//! The rstream-operator manager.
+
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use clap::Parser;
+use k8s_reconcile::metrics::ControllerMetrics;
+use k8s_reconcile::ops::{self, Health};
+use prometheus_client::registry::Registry;
+use rstream_operator::agent_config::parse_duration;
+use rstream_operator::logging::{self, LogFormat};
+use rstream_operator::manager::{self, ManagerOptions};
+
+/// Default agent image (the original operator's).
+const DEFAULT_AGENT_IMAGE: &str = concat!(
+    "ghcr.io/kube-netkit/rstream-operator:",
+    env!("CARGO_PKG_VERSION")
+);
+const SA_NAMESPACE_FILE: &str = "/var/run/secrets/kubernetes.io/serviceaccount/namespace";
+
+/// Manages rstream tunnels from RstreamConnection and RstreamTunnel resources.
+#[derive(Debug, Parser)]
+#[command(name = "rstream-operator", version)]
+struct Args {
+    /// Address of /metrics (also /healthz, /readyz); "0" disables it.
+    #[arg(long, env = "RSTREAM_METRICS_BIND_ADDRESS", default_value = ":8080")]
+    metrics_bind_address: String,
+    /// Address of /healthz and /readyz (also /metrics); "0" disables it.
+    #[arg(
+        long,
+        env = "RSTREAM_HEALTH_PROBE_BIND_ADDRESS",
+        default_value = ":8081"
+    )]
+    health_probe_bind_address: String,
+    /// Run the controllers only while holding the Lease, so several replicas can run.
+    #[arg(long, env = "RSTREAM_LEADER_ELECT", default_value_t = false)]
+    leader_elect: bool,
+    /// Namespace of the Leases (default: the pod's namespace, else rstream-system).
+    #[arg(long, env = "POD_NAMESPACE")]
+    leader_election_namespace: Option<String>,
+    /// Image of the tunnel agent, unless a tunnel sets spec.agent.image.
+    #[arg(long, env = "RSTREAM_AGENT_IMAGE", default_value = DEFAULT_AGENT_IMAGE)]
+    agent_image: String,
+    /// Every object is reconciled at least this often (Go duration).
+    #[arg(long, env = "RSTREAM_RESYNC_PERIOD", default_value = "5m")]
+    resync_period: String,
+    /// Concurrent reconciles per controller.
+    #[arg(long, env = "RSTREAM_CONCURRENCY", default_value_t = 8)]
+    concurrency: u16,
+    /// Watch only this namespace (default: the whole cluster, needed for cross-namespace targets).
+    #[arg(long, env = "WATCH_NAMESPACE")]
+    namespace: Option<String>,
+    /// Log format.
+    #[arg(long, env = "RSTREAM_LOG_FORMAT", value_enum, default_value = "json")]
+    log_format: LogFormat,
+    /// Log level or filter (RUST_LOG wins when set).
+    #[arg(long, env = "RSTREAM_LOG_LEVEL", default_value = "info")]
+    log_level: String,
+}
+
+fn identity() -> String {
+    std::env::var("POD_NAME")
+        .ok()
+        .filter(|n| !n.is_empty())
+        .or_else(|| std::env::var("HOSTNAME").ok().filter(|n| !n.is_empty()))
+        .unwrap_or_else(|| format!("rstream-operator-{}", std::process::id()))
+}
+
+async fn run(args: Args) -> Result<(), String> {
+    let metrics_addr = logging::parse_bind_address(&args.metrics_bind_address)?;
+    let health_addr = logging::parse_bind_address(&args.health_probe_bind_address)?;
+    let resync =
+        parse_duration(&args.resync_period).map_err(|e| format!("--resync-period: {e}"))?;
+    if resync.is_zero() {
+        return Err("--resync-period must be positive".into());
+    }
+    if args.agent_image.trim().is_empty() {
+        return Err("--agent-image must not be empty".into());
+    }
+    let shutdown = ops::shutdown_on_signals().map_err(|e| e.to_string())?;
+    let client = kube::Client::try_default()
+        .await
+        .map_err(|e| format!("Kubernetes client: {e}"))?;
+
+    let mut registry = Registry::default();
+    let metrics = ControllerMetrics::register(&mut registry);
+    let registry = Arc::new(registry);
+    let health = Health::new();
+    let mut servers = Vec::new();
+    for addr in [metrics_addr, health_addr].into_iter().flatten() {
+        let router = ops::router(health.clone(), Arc::clone(&registry));
+        servers.push(
+            ops::serve(addr, router, shutdown.clone())
+                .await
+                .map_err(|e| e.to_string())?,
+        );
+        tracing::info!(%addr, "serving /healthz, /readyz and /metrics");
+    }
+
+    let leader_election = args.leader_elect.then(|| {
+        let namespace = args
+            .leader_election_namespace
+            .clone()
+            .filter(|n| !n.is_empty())
+            .or_else(|| {
+                std::fs::read_to_string(SA_NAMESPACE_FILE)
+                    .ok()
+                    .map(|s| s.trim().to_owned())
+            })
+            .unwrap_or_else(|| "rstream-system".to_owned());
+        (namespace, identity())
+    });
+    let options = ManagerOptions {
+        agent_image: args.agent_image.trim().to_owned(),
+        leader_election,
+        resync,
+        concurrency: args.concurrency,
+        namespace: args.namespace.clone().filter(|n| !n.is_empty()),
+    };
+    tracing::info!(agent_image = %options.agent_image, leader_elect = args.leader_elect, "starting the manager");
+    let result = manager::run(client, options, health, metrics, shutdown.clone()).await;
+    shutdown.cancel();
+    for server in servers {
+        let _ = server.await;
+    }
+    tracing::info!("stopped");
+    result.map_err(|e| e.to_string())
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let args = Args::parse();
+    logging::init(args.log_format, &args.log_level);
+    match run(args).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            tracing::error!(%error, "rstream-operator failed");
+            eprintln!("rstream-operator: {error}");
+            ExitCode::FAILURE
+        }
+    }
+}

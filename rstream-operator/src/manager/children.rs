@@ -1,0 +1,395 @@
+//! The objects created per RstreamTunnel: ConfigMap, ServiceAccount, Role, RoleBinding, Deployment.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::apps::v1::{Deployment, DeploymentSpec, DeploymentStrategy};
+use k8s_openapi::api::core::v1::{
+    Capabilities, ConfigMap, ConfigMapVolumeSource, Container, ContainerPort, EnvVar, EnvVarSource,
+    HTTPGetAction, KeyToPath, ObjectFieldSelector, PodSecurityContext, PodSpec, PodTemplateSpec,
+    Probe, ProjectedVolumeSource, ResourceRequirements, SeccompProfile, SecretKeySelector,
+    SecretProjection, SecurityContext, ServiceAccount, Volume, VolumeMount, VolumeProjection,
+};
+use k8s_openapi::api::rbac::v1::{PolicyRule, Role, RoleBinding, RoleRef, Subject};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, OwnerReference};
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+use kube::api::ObjectMeta;
+use sha2::{Digest as _, Sha256};
+
+use crate::api::{RstreamConnection, RstreamTunnelSpec, SecretKeyRef};
+use crate::names;
+
+/// Agent health port.
+pub const HEALTH_PORT: i32 = 8081;
+
+/// What every child shares.
+#[derive(Clone, Debug)]
+pub struct ChildContext {
+    /// Base name.
+    pub base: String,
+    /// Namespace.
+    pub namespace: String,
+    /// Tunnel name.
+    pub tunnel: String,
+    /// Tunnel UID.
+    pub uid: Option<String>,
+    /// Controller owner reference to the tunnel.
+    pub owner: Option<OwnerReference>,
+}
+
+impl ChildContext {
+    fn meta(&self, name: String, component: &str) -> ObjectMeta {
+        ObjectMeta {
+            name: Some(name),
+            namespace: Some(self.namespace.clone()),
+            labels: Some(self.labels(component)),
+            owner_references: self.owner.clone().map(|o| vec![o]),
+            ..ObjectMeta::default()
+        }
+    }
+
+    /// Labels of a child of `component`.
+    pub fn labels(&self, component: &str) -> BTreeMap<String, String> {
+        names::child_labels(
+            &self.base,
+            component,
+            &self.namespace,
+            &self.tunnel,
+            self.uid.as_deref(),
+        )
+    }
+
+    /// ConfigMap name.
+    pub fn configmap_name(&self) -> String {
+        format!("{}-config", self.base)
+    }
+}
+
+/// The agent ConfigMap.
+pub fn configmap(cx: &ChildContext, config_yaml: &str) -> ConfigMap {
+    ConfigMap {
+        metadata: cx.meta(cx.configmap_name(), "config"),
+        data: Some(BTreeMap::from([(
+            names::CONFIG_KEY.to_owned(),
+            config_yaml.to_owned(),
+        )])),
+        ..ConfigMap::default()
+    }
+}
+
+/// The agent ServiceAccount.
+pub fn service_account(cx: &ChildContext) -> ServiceAccount {
+    ServiceAccount {
+        metadata: cx.meta(cx.base.clone(), "agent-rbac"),
+        ..ServiceAccount::default()
+    }
+}
+
+/// The agent Role: its own RstreamTunnel only.
+pub fn role(cx: &ChildContext) -> Role {
+    let rule = |resource: &str, verbs: &[&str]| PolicyRule {
+        api_groups: Some(vec![crate::api::GROUP.to_owned()]),
+        resources: Some(vec![resource.to_owned()]),
+        resource_names: Some(vec![cx.tunnel.clone()]),
+        verbs: verbs.iter().map(|v| (*v).to_owned()).collect(),
+        ..PolicyRule::default()
+    };
+    Role {
+        metadata: cx.meta(cx.base.clone(), "agent-rbac"),
+        rules: Some(vec![
+            rule("rstreamtunnels", &["get"]),
+            rule("rstreamtunnels/status", &["get", "patch", "update"]),
+        ]),
+    }
+}
+
+/// The agent RoleBinding.
+pub fn role_binding(cx: &ChildContext) -> RoleBinding {
+    RoleBinding {
+        metadata: cx.meta(cx.base.clone(), "agent-rbac"),
+        role_ref: RoleRef {
+            api_group: Some("rbac.authorization.k8s.io".to_owned()),
+            kind: "Role".to_owned(),
+            name: cx.base.clone(),
+        },
+        subjects: Some(vec![Subject {
+            kind: "ServiceAccount".to_owned(),
+            name: cx.base.clone(),
+            namespace: Some(cx.namespace.clone()),
+            ..Subject::default()
+        }]),
+    }
+}
+
+/// First 16 hex digits of SHA-256 over the config and each agent Secret `name:resourceVersion`,
+/// each followed by a NUL byte (as the original operator computes it).
+pub fn config_hash(config_yaml: &str, secret_versions: &[String]) -> String {
+    let mut hasher = Sha256::new();
+    hasher.update(config_yaml.as_bytes());
+    hasher.update([0u8]);
+    for v in secret_versions {
+        hasher.update(v.as_bytes());
+        hasher.update([0u8]);
+    }
+    let mut hex = hex::encode(hasher.finalize());
+    hex.truncate(16);
+    hex
+}
+
+fn secret_env(name: &str, r: &SecretKeyRef) -> EnvVar {
+    EnvVar {
+        name: name.to_owned(),
+        value_from: Some(EnvVarSource {
+            secret_key_ref: Some(SecretKeySelector {
+                name: r.name.clone(),
+                key: r.key.clone(),
+                optional: None,
+            }),
+            ..EnvVarSource::default()
+        }),
+        ..EnvVar::default()
+    }
+}
+
+fn field_env(name: &str, path: &str) -> EnvVar {
+    EnvVar {
+        name: name.to_owned(),
+        value_from: Some(EnvVarSource {
+            field_ref: Some(ObjectFieldSelector {
+                field_path: path.to_owned(),
+                api_version: None,
+            }),
+            ..EnvVarSource::default()
+        }),
+        ..EnvVar::default()
+    }
+}
+
+fn default_resources() -> ResourceRequirements {
+    ResourceRequirements {
+        requests: Some(BTreeMap::from([
+            ("cpu".to_owned(), Quantity("25m".to_owned())),
+            ("memory".to_owned(), Quantity("64Mi".to_owned())),
+        ])),
+        limits: Some(BTreeMap::from([(
+            "memory".to_owned(),
+            Quantity("256Mi".to_owned()),
+        )])),
+        ..ResourceRequirements::default()
+    }
+}
+
+fn probe(path: &str) -> Probe {
+    Probe {
+        http_get: Some(HTTPGetAction {
+            path: Some(path.to_owned()),
+            port: IntOrString::String("health".to_owned()),
+            ..HTTPGetAction::default()
+        }),
+        ..Probe::default()
+    }
+}
+
+/// The agent Deployment: one replica, Recreate, restricted pod security, token from the Secret.
+pub fn deployment(
+    cx: &ChildContext,
+    spec: &RstreamTunnelSpec,
+    connection: &RstreamConnection,
+    image: &str,
+    hash: &str,
+) -> Deployment {
+    let agent = spec.agent.clone().unwrap_or_default();
+    let selector = cx.labels("agent");
+    let mut pod_labels = selector.clone();
+    // User labels never override the selector's (the pods would leave their Deployment).
+    for (k, v) in agent.pod_labels.clone().unwrap_or_default() {
+        pod_labels.entry(k).or_insert(v);
+    }
+    let mut annotations = agent.pod_annotations.clone().unwrap_or_default();
+    annotations.insert(names::CONFIG_HASH_ANNOTATION.to_owned(), hash.to_owned());
+
+    let mut env = vec![
+        field_env(names::POD_NAME_ENV, "metadata.name"),
+        field_env(names::POD_NAMESPACE_ENV, "metadata.namespace"),
+    ];
+    let cspec = &connection.spec;
+    if let Some(r) = &cspec.token_secret_ref {
+        env.push(secret_env(names::TOKEN_ENV, r));
+    }
+    if let Some(proxy) = cspec.transport.as_ref().and_then(|t| t.proxy.as_ref()) {
+        if let Some(r) = &proxy.username_secret_ref {
+            env.push(secret_env(names::PROXY_USERNAME_ENV, r));
+        }
+        if let Some(r) = &proxy.password_secret_ref {
+            env.push(secret_env(names::PROXY_PASSWORD_ENV, r));
+        }
+    }
+
+    let mut volumes = vec![Volume {
+        name: "config".to_owned(),
+        config_map: Some(ConfigMapVolumeSource {
+            name: cx.configmap_name(),
+            items: Some(vec![KeyToPath {
+                key: names::CONFIG_KEY.to_owned(),
+                path: names::CONFIG_KEY.to_owned(),
+                mode: None,
+                ..KeyToPath::default()
+            }]),
+            ..ConfigMapVolumeSource::default()
+        }),
+        ..Volume::default()
+    }];
+    let mut mounts = vec![VolumeMount {
+        name: "config".to_owned(),
+        mount_path: names::CONFIG_DIR.to_owned(),
+        read_only: Some(true),
+        ..VolumeMount::default()
+    }];
+    if let Some(m) = &cspec.mtls {
+        let project = |r: &SecretKeyRef, path: &str| VolumeProjection {
+            secret: Some(SecretProjection {
+                name: r.name.clone(),
+                items: Some(vec![KeyToPath {
+                    key: r.key.clone(),
+                    path: path.to_owned(),
+                    mode: None,
+                    ..KeyToPath::default()
+                }]),
+                optional: None,
+            }),
+            ..VolumeProjection::default()
+        };
+        let mut sources = vec![
+            project(&m.cert_secret_ref, "tls.crt"),
+            project(&m.key_secret_ref, "tls.key"),
+        ];
+        if let Some(ca) = &m.ca_secret_ref {
+            sources.push(project(ca, "ca.crt"));
+        }
+        volumes.push(Volume {
+            name: "mtls".to_owned(),
+            projected: Some(ProjectedVolumeSource {
+                sources: Some(sources),
+                ..ProjectedVolumeSource::default()
+            }),
+            ..Volume::default()
+        });
+        mounts.push(VolumeMount {
+            name: "mtls".to_owned(),
+            mount_path: names::MTLS_DIR.to_owned(),
+            read_only: Some(true),
+            ..VolumeMount::default()
+        });
+    }
+
+    let container = Container {
+        name: "agent".to_owned(),
+        image: Some(
+            agent
+                .image
+                .clone()
+                .filter(|i| !i.trim().is_empty())
+                .unwrap_or_else(|| image.to_owned()),
+        ),
+        image_pull_policy: Some("IfNotPresent".to_owned()),
+        command: Some(vec!["/rstream-agent".to_owned()]),
+        args: Some(vec![
+            format!("--config={}/{}", names::CONFIG_DIR, names::CONFIG_KEY),
+            format!("--health-bind-address=:{HEALTH_PORT}"),
+        ]),
+        ports: Some(vec![ContainerPort {
+            name: Some("health".to_owned()),
+            container_port: HEALTH_PORT,
+            protocol: Some("TCP".to_owned()),
+            ..ContainerPort::default()
+        }]),
+        liveness_probe: Some(Probe {
+            initial_delay_seconds: Some(5),
+            period_seconds: Some(10),
+            timeout_seconds: Some(2),
+            failure_threshold: Some(6),
+            ..probe("/healthz")
+        }),
+        readiness_probe: Some(Probe {
+            period_seconds: Some(5),
+            timeout_seconds: Some(2),
+            failure_threshold: Some(3),
+            ..probe("/readyz")
+        }),
+        resources: Some(agent.resources.clone().unwrap_or_else(default_resources)),
+        security_context: Some(SecurityContext {
+            allow_privilege_escalation: Some(false),
+            read_only_root_filesystem: Some(true),
+            run_as_non_root: Some(true),
+            capabilities: Some(Capabilities {
+                drop: Some(vec!["ALL".to_owned()]),
+                add: None,
+            }),
+            seccomp_profile: Some(SeccompProfile {
+                type_: "RuntimeDefault".to_owned(),
+                localhost_profile: None,
+            }),
+            ..SecurityContext::default()
+        }),
+        env: Some(env),
+        volume_mounts: Some(mounts),
+        ..Container::default()
+    };
+
+    Deployment {
+        metadata: cx.meta(cx.base.clone(), "agent"),
+        spec: DeploymentSpec {
+            replicas: Some(agent.replicas.unwrap_or(1).clamp(1, 1)),
+            selector: LabelSelector {
+                match_labels: Some(selector),
+                match_expressions: None,
+            },
+            strategy: Some(DeploymentStrategy {
+                type_: Some("Recreate".to_owned()),
+                rolling_update: None,
+            }),
+            template: PodTemplateSpec {
+                metadata: Some(ObjectMeta {
+                    labels: Some(pod_labels),
+                    annotations: Some(annotations),
+                    ..ObjectMeta::default()
+                }),
+                spec: Some(PodSpec {
+                    service_account_name: Some(cx.base.clone()),
+                    automount_service_account_token: Some(true),
+                    security_context: Some(PodSecurityContext {
+                        run_as_non_root: Some(true),
+                        seccomp_profile: Some(SeccompProfile {
+                            type_: "RuntimeDefault".to_owned(),
+                            localhost_profile: None,
+                        }),
+                        ..PodSecurityContext::default()
+                    }),
+                    node_selector: agent.node_selector.clone(),
+                    tolerations: agent.tolerations.clone(),
+                    affinity: agent.affinity.clone(),
+                    priority_class_name: agent.priority_class_name.clone(),
+                    containers: vec![container],
+                    volumes: Some(volumes),
+                    ..PodSpec::default()
+                }),
+            },
+            ..DeploymentSpec::default()
+        },
+        status: None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hash_follows_config_and_secret_versions() {
+        let a = config_hash("cfg", &["tok:1".into()]);
+        assert_eq!(a.len(), 16);
+        assert_eq!(a, config_hash("cfg", &["tok:1".into()]));
+        assert_ne!(a, config_hash("cfg", &["tok:2".into()]));
+        assert_ne!(a, config_hash("cfg2", &["tok:1".into()]));
+    }
+}

@@ -1,0 +1,89 @@
+//! The RstreamConnection controller: checks the Secrets, resolves the engine, reports `Ready`.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use k8s_reconcile::{Action, Context, Reconciler};
+use kube::ResourceExt as _;
+use kube::api::Api;
+
+use super::ManagerError;
+use super::resolve::{ResolveError, resolve};
+use crate::api::{RstreamConnection, RstreamConnectionStatus};
+use crate::status::{self, reasons, types};
+
+/// Retry delay of a connection whose control-plane lookup failed (it may be transient).
+const RETRY_UNRESOLVED: Duration = Duration::from_secs(60);
+
+/// Reconciles RstreamConnections.
+#[derive(Debug, Default)]
+pub struct ConnectionReconciler;
+
+impl Reconciler for ConnectionReconciler {
+    type Resource = RstreamConnection;
+    type Error = ManagerError;
+
+    async fn reconcile(
+        &self,
+        connection: Arc<RstreamConnection>,
+        ctx: &Context,
+    ) -> Result<Action, ManagerError> {
+        let namespace = connection.namespace().unwrap_or_default();
+        let name = connection.name_any();
+        let generation = connection.metadata.generation;
+        let api: Api<RstreamConnection> = Api::namespaced(ctx.client().clone(), &namespace);
+        let outcome = resolve(ctx.client(), connection.as_ref().clone()).await;
+        let (action, result) = match outcome {
+            Ok(resolved) => (Action::Done, Ok(resolved)),
+            Err(ResolveError::Kube(e)) => return Err(e.into()),
+            Err(e @ ResolveError::SecretMissing(_)) => {
+                (Action::Done, Err((reasons::SECRET_MISSING, e.to_string())))
+            }
+            Err(e) => (
+                Action::RequeueAfter(RETRY_UNRESOLVED),
+                Err((reasons::INVALID_SPEC, e.to_string())),
+            ),
+        };
+        status::update_status(&api, &name, |_, s: &mut RstreamConnectionStatus| {
+            s.observed_generation = generation;
+            match &result {
+                Ok(r) => {
+                    let spec = &r.connection.spec;
+                    s.api_url = r.api_url.clone();
+                    s.project_id = spec.project_id.clone().filter(|_| r.api_url.is_some());
+                    s.project_endpoint = spec
+                        .project_endpoint
+                        .clone()
+                        .filter(|_| r.api_url.is_some());
+                    s.region = r.region.clone();
+                    s.engine = Some(r.engine.to_string());
+                    status::set(
+                        &mut s.conditions,
+                        types::READY,
+                        true,
+                        reasons::READY,
+                        "Connection settings are ready.",
+                        generation,
+                    );
+                }
+                Err((reason, message)) => {
+                    s.api_url = None;
+                    s.project_id = None;
+                    s.project_endpoint = None;
+                    s.region = None;
+                    s.engine = None;
+                    status::set(
+                        &mut s.conditions,
+                        types::READY,
+                        false,
+                        reason,
+                        message.clone(),
+                        generation,
+                    );
+                }
+            }
+        })
+        .await?;
+        Ok(action)
+    }
+}

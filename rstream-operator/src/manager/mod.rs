@@ -1,0 +1,297 @@
+//! The manager: the RstreamConnection and RstreamTunnel controllers, with the watches that make a
+//! change of a Secret, Service or connection re-reconcile what depends on it.
+
+pub mod children;
+pub mod connection;
+pub mod resolve;
+pub mod tunnel;
+
+use std::time::Duration;
+
+use futures::StreamExt as _;
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::{ConfigMap, Secret, Service, ServiceAccount};
+use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
+use k8s_reconcile::ControllerBuilder;
+use k8s_reconcile::leader::LeaseConfig;
+use k8s_reconcile::metrics::ControllerMetrics;
+use k8s_reconcile::ops::Health;
+use kube::api::Api;
+use kube::runtime::reflector::{self, ObjectRef, Store};
+use kube::runtime::{WatchStreamExt as _, watcher};
+use kube::{Client, ResourceExt as _};
+use tokio_util::sync::CancellationToken;
+
+use crate::api::{RstreamConnection, RstreamTunnel};
+
+pub use connection::ConnectionReconciler;
+pub use tunnel::TunnelReconciler;
+
+/// Errors of a reconcile (retried with backoff).
+#[derive(Debug, thiserror::Error)]
+pub enum ManagerError {
+    /// A Kubernetes API call failed.
+    #[error("Kubernetes API: {0}")]
+    Kube(#[from] kube::Error),
+    /// The framework (apply, finalizer) failed.
+    #[error(transparent)]
+    Framework(#[from] k8s_reconcile::Error),
+    /// The agent configuration could not be rendered.
+    #[error("rendering the agent configuration: {0}")]
+    Render(String),
+}
+
+/// Name of the tunnel controller (metrics, field manager).
+pub const TUNNEL_CONTROLLER: &str = "rstreamtunnel";
+/// Name of the connection controller.
+pub const CONNECTION_CONTROLLER: &str = "rstreamconnection";
+/// Server-side-apply field manager of the children.
+pub const FIELD_MANAGER: &str = "rstream-operator";
+/// Lease of the original operator (the tunnel controller); the connection controller uses
+/// `<lease>-connections`.
+pub const LEASE_NAME: &str = "rstream-operator.tunnels.rstream.io";
+
+/// How the manager runs.
+#[derive(Clone, Debug)]
+pub struct ManagerOptions {
+    /// Default agent image.
+    pub agent_image: String,
+    /// Namespace and identity of the Leases, when leader election is on.
+    pub leader_election: Option<(String, String)>,
+    /// Resync period.
+    pub resync: Duration,
+    /// Concurrent reconciles per controller.
+    pub concurrency: u16,
+    /// Watch only this namespace (tunnels, connections, Secrets, Services, children); `None`
+    /// watches the whole cluster, which cross-namespace Service targets need.
+    pub namespace: Option<String>,
+}
+
+fn api<K>(client: &Client, namespace: Option<&str>) -> Api<K>
+where
+    K: kube::Resource<DynamicType = (), Scope = k8s_openapi::NamespaceResourceScope>,
+{
+    match namespace {
+        Some(ns) => Api::namespaced(client.clone(), ns),
+        None => Api::all(client.clone()),
+    }
+}
+
+fn tunnels_targeting(store: &Store<RstreamTunnel>, svc: &Service) -> Vec<ObjectRef<RstreamTunnel>> {
+    let (name, namespace) = (svc.name_any(), svc.namespace().unwrap_or_default());
+    store
+        .state()
+        .iter()
+        .filter(|t| {
+            let target = &t.spec.target.service;
+            let tns = target
+                .namespace
+                .clone()
+                .filter(|n| !n.is_empty())
+                .unwrap_or_else(|| t.namespace().unwrap_or_default());
+            target.name == name && tns == namespace
+        })
+        .map(|t| ObjectRef::from_obj(t.as_ref()))
+        .collect()
+}
+
+fn tunnels_using(
+    store: &Store<RstreamTunnel>,
+    namespace: &str,
+    connection: &str,
+) -> Vec<ObjectRef<RstreamTunnel>> {
+    store
+        .state()
+        .iter()
+        .filter(|t| {
+            t.namespace().as_deref() == Some(namespace) && t.spec.connection_name() == connection
+        })
+        .map(|t| ObjectRef::from_obj(t.as_ref()))
+        .collect()
+}
+
+/// Whether `connection` reads Secret `name`.
+pub fn references_secret(connection: &RstreamConnection, name: &str) -> bool {
+    let spec = &connection.spec;
+    let mut refs = Vec::new();
+    refs.extend(spec.token_secret_ref.iter());
+    if let Some(m) = &spec.mtls {
+        refs.push(&m.cert_secret_ref);
+        refs.push(&m.key_secret_ref);
+        refs.extend(m.ca_secret_ref.iter());
+    }
+    if let Some(p) = spec.transport.as_ref().and_then(|t| t.proxy.as_ref()) {
+        refs.extend(p.username_secret_ref.iter());
+        refs.extend(p.password_secret_ref.iter());
+    }
+    refs.extend(
+        spec.control_plane_headers
+            .iter()
+            .flatten()
+            .map(|h| &h.value_secret_ref),
+    );
+    refs.iter().any(|r| r.name == name)
+}
+
+fn connections_reading(
+    store: &Store<RstreamConnection>,
+    secret: &Secret,
+) -> Vec<std::sync::Arc<RstreamConnection>> {
+    let (name, namespace) = (secret.name_any(), secret.namespace());
+    store
+        .state()
+        .into_iter()
+        .filter(|c| c.namespace() == namespace && references_secret(c, &name))
+        .collect()
+}
+
+/// Runs a reflector into a store until `shutdown`.
+fn spawn_reflector<K>(api: Api<K>, shutdown: CancellationToken) -> Store<K>
+where
+    K: kube::Resource<DynamicType = ()>
+        + Clone
+        + std::fmt::Debug
+        + serde::de::DeserializeOwned
+        + Send
+        + Sync
+        + 'static,
+{
+    let (store, writer) = reflector::store();
+    let stream = reflector::reflector(writer, watcher(api, watcher::Config::default()))
+        .default_backoff()
+        .touched_objects()
+        .for_each(|_| futures::future::ready(()));
+    tokio::spawn(async move {
+        tokio::select! {
+            () = shutdown.cancelled() => {}
+            () = stream => {}
+        }
+    });
+    store
+}
+
+/// Copies the readiness checks of a controller into the process-wide set, prefixed.
+fn mirror_health(from: Health, into: Health, prefix: &'static str, shutdown: CancellationToken) {
+    tokio::spawn(async move {
+        loop {
+            for (name, check) in from.checks() {
+                into.set(&format!("{prefix}/{name}"), check.ok, check.detail);
+            }
+            tokio::select! {
+                () = shutdown.cancelled() => return,
+                () = tokio::time::sleep(Duration::from_millis(250)) => {}
+            }
+        }
+    });
+}
+
+/// Runs both controllers until `shutdown`; `health` gets their readiness checks.
+pub async fn run(
+    client: Client,
+    options: ManagerOptions,
+    health: Health,
+    metrics: ControllerMetrics,
+    shutdown: CancellationToken,
+) -> Result<(), ManagerError> {
+    let ns = options.namespace.as_deref();
+    let tunnels = spawn_reflector(api::<RstreamTunnel>(&client, ns), shutdown.clone());
+    let connections = spawn_reflector(api::<RstreamConnection>(&client, ns), shutdown.clone());
+    let owned = watcher::Config::default().labels(&tunnel::managed_selector());
+
+    let tunnel_health = Health::new();
+    mirror_health(
+        tunnel_health.clone(),
+        health.clone(),
+        "tunnels",
+        shutdown.clone(),
+    );
+    let mut tunnel_controller = ControllerBuilder::new(
+        client.clone(),
+        TUNNEL_CONTROLLER,
+        TunnelReconciler {
+            agent_image: options.agent_image.clone(),
+        },
+    )
+    .field_manager(FIELD_MANAGER)
+    .resync(options.resync)
+    .concurrency(options.concurrency)
+    .health(tunnel_health)
+    .metrics(metrics.clone())
+    .owns(api::<Deployment>(&client, ns), owned.clone())
+    .owns(api::<ConfigMap>(&client, ns), owned.clone())
+    .owns(api::<ServiceAccount>(&client, ns), owned.clone())
+    .owns(api::<Role>(&client, ns), owned.clone())
+    .owns(api::<RoleBinding>(&client, ns), owned)
+    .watches(api::<Service>(&client, ns), watcher::Config::default(), {
+        let tunnels = tunnels.clone();
+        move |svc: Service| tunnels_targeting(&tunnels, &svc)
+    })
+    .watches(
+        api::<RstreamConnection>(&client, ns),
+        watcher::Config::default(),
+        {
+            let tunnels = tunnels.clone();
+            move |c: RstreamConnection| {
+                tunnels_using(&tunnels, &c.namespace().unwrap_or_default(), &c.name_any())
+            }
+        },
+    )
+    .watches(api::<Secret>(&client, ns), watcher::Config::default(), {
+        let tunnels = tunnels.clone();
+        let connections = connections.clone();
+        move |secret: Secret| {
+            connections_reading(&connections, &secret)
+                .iter()
+                .flat_map(|c| {
+                    tunnels_using(&tunnels, &c.namespace().unwrap_or_default(), &c.name_any())
+                })
+                .collect()
+        }
+    });
+
+    let connection_health = Health::new();
+    mirror_health(
+        connection_health.clone(),
+        health.clone(),
+        "connections",
+        shutdown.clone(),
+    );
+    let mut connection_controller =
+        ControllerBuilder::new(client.clone(), CONNECTION_CONTROLLER, ConnectionReconciler)
+            .field_manager(FIELD_MANAGER)
+            .resync(options.resync)
+            .concurrency(options.concurrency)
+            .health(connection_health)
+            .metrics(metrics)
+            .watches(api::<Secret>(&client, ns), watcher::Config::default(), {
+                let connections = connections.clone();
+                move |secret: Secret| {
+                    connections_reading(&connections, &secret)
+                        .iter()
+                        .map(|c| ObjectRef::from_obj(c.as_ref()))
+                        .collect()
+                }
+            });
+
+    if let Some(ns) = ns {
+        tunnel_controller = tunnel_controller.namespaced(ns);
+        connection_controller = connection_controller.namespaced(ns);
+    }
+    if let Some((namespace, identity)) = &options.leader_election {
+        tunnel_controller =
+            tunnel_controller.leader_election(LeaseConfig::new(namespace, LEASE_NAME, identity));
+        connection_controller = connection_controller.leader_election(LeaseConfig::new(
+            namespace,
+            format!("{LEASE_NAME}-connections"),
+            identity,
+        ));
+    }
+    let (a, b) = tokio::join!(
+        tunnel_controller.run(shutdown.clone()),
+        connection_controller.run(shutdown.clone())
+    );
+    shutdown.cancel();
+    a?;
+    b?;
+    Ok(())
+}

@@ -1,0 +1,623 @@
+//! The RstreamTunnel controller: validate, resolve the connection and the Service, render the agent
+//! configuration, apply the children and report the conditions.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::{ConfigMap, Service, ServiceAccount};
+use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+use k8s_reconcile::{Action, Context, Reconciler};
+use kube::ResourceExt as _;
+use kube::api::{Api, DeleteParams};
+use rstream_client::tunnel::generate_stable_hostname;
+
+use super::ManagerError;
+use super::children::{self, ChildContext};
+use super::resolve::{ResolveError, Resolved, resolve_by_name};
+use crate::agent_config::{
+    AgentConfig, ConnectionConfig, HttpAuthConfig, HttpConfig, HttpGateConfig, KubernetesConfig,
+    MtlsFiles, ProxyConfig, RetryConfig, TargetConfig, TlsConfig, TransportConfig, TunnelConfig,
+};
+use crate::api::{Protocol, RstreamTunnel, RstreamTunnelSpec, RstreamTunnelStatus, TunnelType};
+use crate::names;
+use crate::status::{self, reasons, types};
+
+/// Retry delay of a tunnel blocked on its connection (the control plane may be back soon).
+const RETRY_BLOCKED: Duration = Duration::from_secs(60);
+
+/// Reconciles RstreamTunnels.
+#[derive(Debug, Clone)]
+pub struct TunnelReconciler {
+    /// Default agent image.
+    pub agent_image: String,
+}
+
+/// A state that stops the reconcile before the children are applied.
+struct Blocked {
+    accepted: Option<(&'static str, String)>,
+    resolved: Option<(&'static str, String)>,
+    reason: &'static str,
+    message: String,
+}
+
+/// The Service port the tunnel forwards to.
+struct ResolvedTarget {
+    host: String,
+    port: i32,
+    protocol: String,
+}
+
+impl ResolvedTarget {
+    fn display(&self) -> String {
+        format!("{}:{}", self.host, self.port)
+    }
+}
+
+/// Builds the tunnel part of the agent configuration (and checks it with the client rules).
+pub fn tunnel_config(
+    tunnel: &RstreamTunnel,
+    hostname: Option<String>,
+) -> Result<TunnelConfig, String> {
+    let spec = &tunnel.spec;
+    let namespace = tunnel.namespace().unwrap_or_default();
+    let name = tunnel.name_any();
+    let protocol = spec.protocol();
+    let mut labels = spec.labels.clone().unwrap_or_default();
+    labels.insert("rstream.managed-by".into(), "kubernetes-operator".into());
+    labels.insert("rstream.source".into(), "kubernetes".into());
+    labels.insert("rstream.kubernetes.namespace".into(), namespace.clone());
+    labels.insert("rstream.kubernetes.name".into(), name.clone());
+    if let Some(uid) = tunnel.uid() {
+        labels.insert("rstream.kubernetes.uid".into(), uid);
+    }
+    let config = TunnelConfig {
+        name: spec
+            .tunnel_name
+            .as_deref()
+            .map(str::trim)
+            .filter(|n| !n.is_empty())
+            .map(str::to_owned)
+            .unwrap_or_else(|| names::default_tunnel_name(&namespace, &name)),
+        publish: spec.publish.unwrap_or(true),
+        protocol: protocol.as_str().to_owned(),
+        type_: spec.tunnel_type().as_str().to_owned(),
+        hostname,
+        labels,
+        datagram_guaranteed_delivery: spec.datagram_guaranteed_delivery,
+        allow_cross_region_routing: spec.allow_cross_region_routing,
+        tcp_port: spec.tcp_port.and_then(|p| u32::try_from(p).ok()),
+        upstream_tls: spec.upstream_tls,
+        trusted_ips: spec.trusted_ips.clone().unwrap_or_default(),
+        geoip: spec.geoip.clone().unwrap_or_default(),
+        http: spec.http.as_ref().map(|h| HttpConfig {
+            version: Some(h.version.unwrap_or_default().as_str().to_owned()),
+            auth: h.auth.as_ref().map(|a| HttpAuthConfig {
+                token: a.token,
+                rstream: a.rstream,
+            }),
+            gate: h.gate.as_ref().map(|g| HttpGateConfig {
+                challenge: g.challenge,
+            }),
+        }),
+        tls: spec.tls.as_ref().map(|t| TlsConfig {
+            mode: t.mode.map(|m| {
+                serde_json::to_value(m)
+                    .ok()
+                    .and_then(|v| v.as_str().map(str::to_owned))
+                    .unwrap_or_default()
+            }),
+            min_version: t.min_version.map(|m| {
+                serde_json::to_value(m)
+                    .ok()
+                    .and_then(|v| v.as_str().map(str::to_owned))
+                    .unwrap_or_default()
+            }),
+            alpns: t.alpns.clone().unwrap_or_default(),
+            mtls: t.mtls,
+        }),
+    };
+    if spec.protocol() == Protocol::Tcp && spec.datagram_guaranteed_delivery == Some(true) {
+        return Err("protocol tcp forbids datagramGuaranteedDelivery".into());
+    }
+    // The client rules (private tunnels take no public option, datagram support...) decide.
+    let probe = AgentConfig {
+        connection: ConnectionConfig {
+            engine: "engine.invalid:443".into(),
+            ..ConnectionConfig::default()
+        },
+        tunnel: config.clone(),
+        target: TargetConfig {
+            host: "target.invalid".into(),
+            port: "1".into(),
+            protocol: "TCP".into(),
+        },
+        kubernetes: None,
+        retry: None,
+    };
+    probe.tunnel_options().map_err(|e| e.to_string())?;
+    Ok(config)
+}
+
+/// Renders the whole agent configuration.
+fn agent_config(
+    tunnel: &RstreamTunnel,
+    resolved: &Resolved,
+    target: &ResolvedTarget,
+    tunnel_part: TunnelConfig,
+) -> AgentConfig {
+    let cspec = &resolved.connection.spec;
+    let mtls = cspec.mtls.as_ref().map(|m| MtlsFiles {
+        cert_file: format!("{}/tls.crt", names::MTLS_DIR),
+        key_file: format!("{}/tls.key", names::MTLS_DIR),
+        ca_file: m
+            .ca_secret_ref
+            .as_ref()
+            .map(|_| format!("{}/ca.crt", names::MTLS_DIR)),
+    });
+    let transport = cspec.transport.as_ref().map(|t| TransportConfig {
+        mode: t.mode,
+        bind: t.bind.clone(),
+        ip_family: t.ip_family,
+        dns: t.dns.clone(),
+        mptcp: t.mptcp,
+        proxy: t.proxy.as_ref().map(|p| ProxyConfig {
+            http: p.http.clone(),
+            username_env: p
+                .username_secret_ref
+                .as_ref()
+                .map(|_| names::PROXY_USERNAME_ENV.to_owned()),
+            password_env: p
+                .password_secret_ref
+                .as_ref()
+                .map(|_| names::PROXY_PASSWORD_ENV.to_owned()),
+            headers: p.headers.clone(),
+        }),
+        use_quic: t.use_quic,
+    });
+    AgentConfig {
+        connection: ConnectionConfig {
+            engine: resolved.engine.to_string(),
+            mtls,
+            transport,
+        },
+        tunnel: tunnel_part,
+        target: TargetConfig {
+            host: target.host.clone(),
+            port: target.port.to_string(),
+            protocol: target.protocol.clone(),
+        },
+        kubernetes: Some(KubernetesConfig {
+            enabled: true,
+            namespace: tunnel.namespace().unwrap_or_default(),
+            tunnel_name: tunnel.name_any(),
+            pod_name_env: Some(names::POD_NAME_ENV.to_owned()),
+            pod_namespace_env: Some(names::POD_NAMESPACE_ENV.to_owned()),
+        }),
+        retry: Some(RetryConfig {
+            initial: Some("1s".into()),
+            max: Some("30s".into()),
+        }),
+    }
+}
+
+/// Finds the Service port the tunnel targets; checks its protocol.
+async fn resolve_target(
+    ctx: &Context,
+    tunnel: &RstreamTunnel,
+) -> Result<Result<ResolvedTarget, Blocked>, kube::Error> {
+    let spec = &tunnel.spec;
+    let svc = &spec.target.service;
+    let namespace = svc
+        .namespace
+        .clone()
+        .filter(|n| !n.is_empty())
+        .unwrap_or_else(|| tunnel.namespace().unwrap_or_default());
+    let api: Api<Service> = Api::namespaced(ctx.client().clone(), &namespace);
+    let blocked = |reason: &'static str, message: String| Blocked {
+        accepted: None,
+        resolved: Some((reason, message.clone())),
+        reason,
+        message,
+    };
+    let Some(service) = api.get_opt(&svc.name).await? else {
+        return Ok(Err(blocked(
+            reasons::SERVICE_MISSING,
+            format!("Service {namespace}/{} not found", svc.name),
+        )));
+    };
+    let ports = service
+        .spec
+        .as_ref()
+        .and_then(|s| s.ports.clone())
+        .unwrap_or_default();
+    let found = ports.iter().find(|p| match &svc.port {
+        IntOrString::Int(n) => p.port == *n,
+        IntOrString::String(s) => p.name.as_deref() == Some(s.as_str()) || s == &p.port.to_string(),
+    });
+    let port_text = match &svc.port {
+        IntOrString::Int(n) => n.to_string(),
+        IntOrString::String(s) => s.clone(),
+    };
+    let Some(port) = found else {
+        return Ok(Err(blocked(
+            reasons::SERVICE_PORT_MISSING,
+            format!("Service {namespace}/{} has no port {port_text}", svc.name),
+        )));
+    };
+    let expected = if spec.tunnel_type() == TunnelType::Datagram {
+        "UDP"
+    } else {
+        "TCP"
+    };
+    let actual = port
+        .protocol
+        .clone()
+        .filter(|p| !p.is_empty())
+        .unwrap_or_else(|| "TCP".into());
+    if actual != expected {
+        return Ok(Err(blocked(
+            reasons::SERVICE_PORT_MISSING,
+            format!(
+                "Service {namespace}/{} port {port_text} is {actual}, the tunnel needs {expected}",
+                svc.name
+            ),
+        )));
+    }
+    Ok(Ok(ResolvedTarget {
+        host: format!("{}.{namespace}.svc", svc.name),
+        port: port.port,
+        protocol: expected.to_owned(),
+    }))
+}
+
+/// The hostname to request: none for private or TCP tunnels; the spec's; a stable one generated
+/// earlier for this engine; or a new one.
+fn choose_hostname(
+    spec: &RstreamTunnelSpec,
+    status: Option<&RstreamTunnelStatus>,
+    engine_host: &str,
+) -> Option<String> {
+    if spec.publish == Some(false) || spec.protocol() == Protocol::Tcp {
+        return None;
+    }
+    if let Some(h) = spec
+        .hostname
+        .as_deref()
+        .map(str::trim)
+        .filter(|h| !h.is_empty())
+    {
+        return Some(h.to_owned());
+    }
+    // Reuse only a hostname generated for this engine: the agent also writes the engine's answer
+    // (e.g. an IP) into status.hostname, which must not become a requested hostname.
+    let (endpoint, domain) = engine_host.split_once('.')?;
+    let suffix = format!("-{endpoint}.t.{domain}");
+    if let Some(existing) = status
+        .and_then(|s| s.hostname.as_deref())
+        .filter(|h| h.ends_with(&suffix))
+    {
+        return Some(existing.to_owned());
+    }
+    generate_stable_hostname(engine_host)
+}
+
+fn child_context(tunnel: &RstreamTunnel) -> ChildContext {
+    let namespace = tunnel.namespace().unwrap_or_default();
+    let name = tunnel.name_any();
+    let uid = tunnel.uid();
+    ChildContext {
+        base: names::base_name(&namespace, &name, uid.as_deref()),
+        namespace,
+        tunnel: name,
+        uid,
+        owner: k8s_reconcile::apply::controller_owner_ref(tunnel),
+    }
+}
+
+impl TunnelReconciler {
+    async fn write_blocked(
+        &self,
+        api: &Api<RstreamTunnel>,
+        tunnel: &RstreamTunnel,
+        blocked: &Blocked,
+    ) -> Result<(), ManagerError> {
+        let generation = tunnel.metadata.generation;
+        status::update_status(api, &tunnel.name_any(), |_, s: &mut RstreamTunnelStatus| {
+            s.observed_generation = generation;
+            s.last_error = Some(blocked.message.clone());
+            match &blocked.accepted {
+                Some((reason, message)) => status::set(
+                    &mut s.conditions,
+                    types::ACCEPTED,
+                    false,
+                    reason,
+                    message.clone(),
+                    generation,
+                ),
+                None => status::set(
+                    &mut s.conditions,
+                    types::ACCEPTED,
+                    true,
+                    reasons::ACCEPTED,
+                    "The tunnel spec is valid.",
+                    generation,
+                ),
+            }
+            if let Some((reason, message)) = &blocked.resolved {
+                status::set(
+                    &mut s.conditions,
+                    types::RESOLVED,
+                    false,
+                    reason,
+                    message.clone(),
+                    generation,
+                );
+            }
+            status::set(
+                &mut s.conditions,
+                types::READY,
+                false,
+                blocked.reason,
+                blocked.message.clone(),
+                generation,
+            );
+        })
+        .await?;
+        Ok(())
+    }
+}
+
+impl Reconciler for TunnelReconciler {
+    type Resource = RstreamTunnel;
+    type Error = ManagerError;
+
+    fn finalizer(&self) -> Option<&str> {
+        Some(names::FINALIZER)
+    }
+
+    async fn reconcile(
+        &self,
+        tunnel: Arc<RstreamTunnel>,
+        ctx: &Context,
+    ) -> Result<Action, ManagerError> {
+        let namespace = tunnel.namespace().unwrap_or_default();
+        let name = tunnel.name_any();
+        let generation = tunnel.metadata.generation;
+        let api: Api<RstreamTunnel> = Api::namespaced(ctx.client().clone(), &namespace);
+
+        // 1. The spec, beyond what the schema checks.
+        if let Err(message) = tunnel_config(&tunnel, None) {
+            let message = format!("invalid spec: {message}");
+            let blocked = Blocked {
+                accepted: Some((reasons::INVALID_SPEC, message.clone())),
+                resolved: None,
+                reason: reasons::INVALID_SPEC,
+                message,
+            };
+            self.write_blocked(&api, &tunnel, &blocked).await?;
+            return Ok(Action::Done);
+        }
+
+        // 2. The connection and its Secrets; the engine.
+        let resolved =
+            match resolve_by_name(ctx.client(), &namespace, tunnel.spec.connection_name()).await {
+                Ok(r) => r,
+                Err(ResolveError::Kube(e)) => return Err(e.into()),
+                Err(e) => {
+                    let message = format!("connection {}: {e}", tunnel.spec.connection_name());
+                    // Resolved also names what is missing (Secret, connection); resolution errors of
+                    // an existing connection leave it as it was.
+                    let resolved = match &e {
+                        ResolveError::SecretMissing(_) => {
+                            Some((reasons::SECRET_MISSING, message.clone()))
+                        }
+                        ResolveError::ConnectionNotFound(_) => {
+                            Some((reasons::CONNECTION_MISSING, message.clone()))
+                        }
+                        _ => None,
+                    };
+                    let blocked = Blocked {
+                        accepted: Some((reasons::CONNECTION_MISSING, message.clone())),
+                        resolved,
+                        reason: reasons::CONNECTION_MISSING,
+                        message,
+                    };
+                    self.write_blocked(&api, &tunnel, &blocked).await?;
+                    return Ok(Action::RequeueAfter(RETRY_BLOCKED));
+                }
+            };
+
+        // 3. The target Service and port.
+        let target = match resolve_target(ctx, &tunnel).await? {
+            Ok(t) => t,
+            Err(blocked) => {
+                self.write_blocked(&api, &tunnel, &blocked).await?;
+                return Ok(Action::Done);
+            }
+        };
+
+        // 4. The hostname, recorded at once so that it stays stable whatever happens next.
+        let hostname =
+            choose_hostname(&tunnel.spec, tunnel.status.as_ref(), resolved.engine.host());
+        if let Some(h) = &hostname
+            && tunnel.status.as_ref().and_then(|s| s.hostname.as_ref()) != Some(h)
+        {
+            status::update_status(&api, &name, |_, s: &mut RstreamTunnelStatus| {
+                s.hostname = Some(h.clone());
+            })
+            .await?;
+        }
+        let tunnel_part = tunnel_config(&tunnel, hostname.clone()).map_err(ManagerError::Render)?;
+        let rstream_name = tunnel_part.name.clone();
+        let config = agent_config(&tunnel, &resolved, &target, tunnel_part);
+        let yaml = config
+            .to_yaml()
+            .map_err(|e| ManagerError::Render(e.to_string()))?;
+        let hash = children::config_hash(&yaml, &resolved.agent_secret_versions);
+
+        // 5. The children, each owned by the tunnel.
+        let cx = child_context(&tunnel);
+        let applier = ctx.applier();
+        applier.apply(&children::configmap(&cx, &yaml)).await?;
+        applier.apply(&children::service_account(&cx)).await?;
+        applier.apply(&children::role(&cx)).await?;
+        applier.apply(&children::role_binding(&cx)).await?;
+        let deployment = applier
+            .apply(&children::deployment(
+                &cx,
+                &tunnel.spec,
+                &resolved.connection,
+                &self.agent_image,
+                &hash,
+            ))
+            .await?
+            .into_inner();
+
+        // 6. Conditions.
+        let dstatus = deployment.status.clone().unwrap_or_default();
+        let agent_ready = dstatus.available_replicas.unwrap_or(0) >= 1
+            && dstatus.ready_replicas.unwrap_or(0) >= 1;
+        let target_text = target.display();
+        status::update_status(&api, &name, |_, s: &mut RstreamTunnelStatus| {
+            s.observed_generation = generation;
+            s.agent_deployment = Some(cx.base.clone());
+            s.target = Some(target_text.clone());
+            s.rstream_name = Some(rstream_name.clone());
+            if let Some(h) = &hostname {
+                s.hostname = Some(h.clone());
+            }
+            let set = |s: &mut RstreamTunnelStatus, t: &str, ok: bool, reason: &str, msg: &str| {
+                status::set(&mut s.conditions, t, ok, reason, msg, generation);
+            };
+            set(
+                s,
+                types::ACCEPTED,
+                true,
+                reasons::ACCEPTED,
+                "The tunnel spec is valid.",
+            );
+            set(
+                s,
+                types::RESOLVED,
+                true,
+                reasons::RESOLVED,
+                "The Service, port, connection and Secret keys exist.",
+            );
+            if agent_ready {
+                set(
+                    s,
+                    types::AGENT_READY,
+                    true,
+                    reasons::DEPLOYMENT_AVAILABLE,
+                    "The agent Deployment is available.",
+                );
+            } else {
+                set(
+                    s,
+                    types::AGENT_READY,
+                    false,
+                    reasons::DEPLOYMENT_PENDING,
+                    "Waiting for the agent Deployment to become available.",
+                );
+                if status::find(&s.conditions, types::TUNNEL_READY).is_none() {
+                    set(
+                        s,
+                        types::TUNNEL_READY,
+                        false,
+                        reasons::TUNNEL_CONNECTING,
+                        "Tunnel agent is connecting to rstream.",
+                    );
+                }
+            }
+            let tunnel_ready = status::is_true(&s.conditions, types::TUNNEL_READY);
+            // The agent's own error stays visible while it reconnects; ours are cleared.
+            let disconnected = status::find(&s.conditions, types::TUNNEL_READY)
+                .is_some_and(|c| c.reason == reasons::TUNNEL_DISCONNECTED);
+            if !disconnected {
+                s.last_error = None;
+            }
+            if !agent_ready {
+                set(
+                    s,
+                    types::READY,
+                    false,
+                    reasons::WAITING_FOR_DEPLOYMENT,
+                    "Waiting for the agent Deployment to become available.",
+                );
+            } else if !tunnel_ready {
+                let message = if disconnected {
+                    "Waiting for the rstream tunnel to reconnect."
+                } else {
+                    "Waiting for the rstream tunnel to come online."
+                };
+                set(s, types::READY, false, reasons::WAITING_FOR_TUNNEL, message);
+            } else {
+                set(
+                    s,
+                    types::READY,
+                    true,
+                    reasons::READY,
+                    "The tunnel is ready.",
+                );
+            }
+        })
+        .await?;
+        Ok(Action::Done)
+    }
+
+    async fn cleanup(
+        &self,
+        tunnel: Arc<RstreamTunnel>,
+        ctx: &Context,
+    ) -> Result<Action, ManagerError> {
+        let namespace = tunnel.namespace().unwrap_or_default();
+        let generation = tunnel.metadata.generation;
+        let api: Api<RstreamTunnel> = Api::namespaced(ctx.client().clone(), &namespace);
+        status::update_status(
+            &api,
+            &tunnel.name_any(),
+            |_, s: &mut RstreamTunnelStatus| {
+                status::set(
+                    &mut s.conditions,
+                    types::READY,
+                    false,
+                    reasons::FINALIZING,
+                    "Deleting the agent and its objects.",
+                    generation,
+                );
+            },
+        )
+        .await?;
+        // No garbage collector is assumed: the children are deleted here, agent first.
+        let cx = child_context(&tunnel);
+        let client = ctx.client().clone();
+        delete::<Deployment>(&client, &namespace, &cx.base).await?;
+        delete::<ConfigMap>(&client, &namespace, &cx.configmap_name()).await?;
+        delete::<RoleBinding>(&client, &namespace, &cx.base).await?;
+        delete::<Role>(&client, &namespace, &cx.base).await?;
+        delete::<ServiceAccount>(&client, &namespace, &cx.base).await?;
+        Ok(Action::Done)
+    }
+}
+
+async fn delete<K>(client: &kube::Client, namespace: &str, name: &str) -> Result<(), kube::Error>
+where
+    K: kube::Resource<DynamicType = (), Scope = k8s_openapi::NamespaceResourceScope>
+        + Clone
+        + serde::de::DeserializeOwned
+        + std::fmt::Debug,
+{
+    let api: Api<K> = Api::namespaced(client.clone(), namespace);
+    match api.delete(name, &DeleteParams::background()).await {
+        Ok(_) => Ok(()),
+        Err(kube::Error::Api(s)) if s.code == 404 => Ok(()),
+        Err(e) => Err(e),
+    }
+}
+
+/// Labels the operator puts on the tunnel's children (for owned watches).
+pub fn managed_selector() -> String {
+    format!("app.kubernetes.io/managed-by={}", names::MANAGED_BY)
+}

@@ -1,0 +1,445 @@
+//! `cargo xtask image`: release OCI images without a container engine (the approach of ko/jib).
+//!
+//! One uncompressed layer holds the binaries, the shared libraries `ldd` says they need, CA
+//! certificates and a passwd/group with the non-root user 65532. Every tar entry has a fixed
+//! owner and mtime (`SOURCE_DATE_EPOCH`, else 0) and the entries are sorted, so the same binaries
+//! always give the same digest. Written under `target/images/<name>/` as an OCI image layout and
+//! as `target/images/<name>.tar`, which `docker load` (classic `manifest.json`) and OCI tools
+//! (`oci-layout`, `index.json`) both read.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{Context as _, bail};
+use sha2::{Digest as _, Sha256};
+
+/// The default registry path, as the charts reference it.
+pub const DEFAULT_REPOSITORY: &str = "ghcr.io/kube-netkit";
+/// The non-root user and group of every image.
+pub const NONROOT: u32 = 65532;
+
+#[derive(clap::Args, Clone)]
+pub struct Args {
+    /// Which image: steward-tcp-proxy, rstream-operator, pod-proxier, or all.
+    #[arg(default_value = "all")]
+    pub which: String,
+    /// Registry path the image names start with.
+    #[arg(long, default_value = DEFAULT_REPOSITORY)]
+    pub repository: String,
+    /// Image tag (default: the workspace version).
+    #[arg(long)]
+    pub tag: Option<String>,
+    /// Package the existing release binaries instead of building them.
+    #[arg(long)]
+    pub skip_build: bool,
+}
+
+/// One image: its name, crate, and binaries (file in target/release -> path in the image).
+pub struct ImageSpec {
+    pub name: &'static str,
+    pub package: &'static str,
+    pub binaries: &'static [(&'static str, &'static str)],
+}
+
+pub const IMAGES: &[ImageSpec] = &[
+    ImageSpec {
+        name: "steward-tcp-proxy",
+        package: "steward-tcp-proxy",
+        binaries: &[("steward-tcp-proxy", "/steward-tcp-proxy")],
+    },
+    ImageSpec {
+        name: "rstream-operator",
+        package: "rstream-operator",
+        binaries: &[
+            ("rstream-operator", "/manager"),
+            ("rstream-agent", "/rstream-agent"),
+        ],
+    },
+    ImageSpec {
+        name: "pod-proxier",
+        package: "pod-proxier",
+        binaries: &[("pod-proxier", "/pod-proxier")],
+    },
+];
+
+/// What was written for one image.
+#[derive(Debug, Clone)]
+pub struct Built {
+    pub name: String,
+    pub reference: String,
+    pub manifest_digest: String,
+    pub layout: PathBuf,
+    pub tarball: PathBuf,
+}
+
+pub fn run(args: &Args) -> anyhow::Result<Vec<Built>> {
+    let specs: Vec<&ImageSpec> = match args.which.as_str() {
+        "all" => IMAGES.iter().collect(),
+        name => vec![IMAGES.iter().find(|s| s.name == name).with_context(|| {
+            format!(
+                "unknown image {name:?}: steward-tcp-proxy, rstream-operator, pod-proxier or all"
+            )
+        })?],
+    };
+    let root = crate::workspace_root();
+    if !args.skip_build {
+        let mut cmd = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned()));
+        cmd.current_dir(&root).args(["build", "--release"]);
+        for spec in &specs {
+            cmd.args(["-p", spec.package]);
+        }
+        let status = cmd.status().context("running cargo build --release")?;
+        if !status.success() {
+            bail!("release build failed ({status})");
+        }
+    }
+    let tag = args
+        .tag
+        .clone()
+        .unwrap_or_else(|| env!("CARGO_PKG_VERSION").to_owned());
+    let mut built = Vec::new();
+    for spec in specs {
+        let image = build_image(&root, spec, &args.repository, &tag)?;
+        println!(
+            "{}  {}  {}",
+            image.reference,
+            image.manifest_digest,
+            image.tarball.display()
+        );
+        built.push(image);
+    }
+    Ok(built)
+}
+
+fn build_image(
+    root: &Path,
+    spec: &ImageSpec,
+    repository: &str,
+    tag: &str,
+) -> anyhow::Result<Built> {
+    let release = target_dir(root).join("release");
+    let mut files: BTreeMap<String, (Vec<u8>, u32)> = BTreeMap::new();
+    for (file, path) in spec.binaries {
+        let binary = release.join(file);
+        let bytes = std::fs::read(&binary).with_context(|| {
+            format!(
+                "reading {} (build it with cargo build --release)",
+                binary.display()
+            )
+        })?;
+        files.insert(path.trim_start_matches('/').to_owned(), (bytes, 0o755));
+        for library in shared_libraries(&binary)? {
+            let bytes = std::fs::read(&library)
+                .with_context(|| format!("reading {}", library.display()))?;
+            let path = library.to_string_lossy().trim_start_matches('/').to_owned();
+            files.insert(path, (bytes, 0o755));
+        }
+    }
+    let certs = Path::new("/etc/ssl/certs/ca-certificates.crt");
+    let ca = std::fs::read(certs)
+        .context("reading /etc/ssl/certs/ca-certificates.crt (install ca-certificates)")?;
+    files.insert("etc/ssl/certs/ca-certificates.crt".to_owned(), (ca, 0o644));
+    files.insert(
+        "etc/passwd".to_owned(),
+        (
+            format!("root:x:0:0:root:/root:/sbin/nologin\nnonroot:x:{NONROOT}:{NONROOT}:nonroot:/home/nonroot:/sbin/nologin\n").into_bytes(),
+            0o644,
+        ),
+    );
+    files.insert(
+        "etc/group".to_owned(),
+        (
+            format!("root:x:0:\nnonroot:x:{NONROOT}:\n").into_bytes(),
+            0o644,
+        ),
+    );
+    let mtime = source_date_epoch();
+    let layer = layer_tar(&files, mtime)?;
+    let layer_digest = sha256(&layer);
+
+    let version = env!("CARGO_PKG_VERSION");
+    let revision = git_revision(root);
+    let labels = serde_json::json!({
+        "org.opencontainers.image.title": spec.name,
+        "org.opencontainers.image.version": version,
+        "org.opencontainers.image.revision": revision,
+        "org.opencontainers.image.source": "https://github.com/kube-netkit/kube-netkit",
+        "org.opencontainers.image.licenses": "Apache-2.0",
+    });
+    let created = format_epoch(mtime);
+    let config = serde_json::json!({
+        "architecture": "amd64",
+        "os": "linux",
+        "created": created,
+        "config": {
+            "User": format!("{NONROOT}:{NONROOT}"),
+            "Entrypoint": [spec.binaries[0].1],
+            "Env": ["PATH=/", "SSL_CERT_FILE=/etc/ssl/certs/ca-certificates.crt"],
+            "WorkingDir": "/",
+            "Labels": labels,
+        },
+        "rootfs": {"type": "layers", "diff_ids": [format!("sha256:{layer_digest}")]},
+        "history": [{"created": created, "created_by": "cargo xtask image"}],
+    });
+    let config_bytes = serde_json::to_vec(&config)?;
+    let config_digest = sha256(&config_bytes);
+    let manifest = serde_json::json!({
+        "schemaVersion": 2,
+        "mediaType": "application/vnd.oci.image.manifest.v1+json",
+        "config": {
+            "mediaType": "application/vnd.oci.image.config.v1+json",
+            "digest": format!("sha256:{config_digest}"),
+            "size": config_bytes.len(),
+        },
+        "layers": [{
+            "mediaType": "application/vnd.oci.image.layer.v1.tar",
+            "digest": format!("sha256:{layer_digest}"),
+            "size": layer.len(),
+        }],
+        "annotations": labels,
+    });
+    let manifest_bytes = serde_json::to_vec(&manifest)?;
+    let manifest_digest = sha256(&manifest_bytes);
+    let reference = format!("{repository}/{}:{tag}", spec.name);
+    let index = serde_json::json!({
+        "schemaVersion": 2,
+        "mediaType": "application/vnd.oci.image.index.v1+json",
+        "manifests": [{
+            "mediaType": "application/vnd.oci.image.manifest.v1+json",
+            "digest": format!("sha256:{manifest_digest}"),
+            "size": manifest_bytes.len(),
+            "annotations": {
+                "org.opencontainers.image.ref.name": tag,
+                "io.containerd.image.name": reference,
+            },
+        }],
+    });
+    let docker_manifest = serde_json::json!([{
+        "Config": format!("blobs/sha256/{config_digest}"),
+        "RepoTags": [reference],
+        "Layers": [format!("blobs/sha256/{layer_digest}")],
+    }]);
+
+    let mut entries: BTreeMap<String, (Vec<u8>, u32)> = BTreeMap::new();
+    entries.insert(
+        "oci-layout".to_owned(),
+        (br#"{"imageLayoutVersion":"1.0.0"}"#.to_vec(), 0o644),
+    );
+    entries.insert(
+        "index.json".to_owned(),
+        (serde_json::to_vec(&index)?, 0o644),
+    );
+    entries.insert(format!("blobs/sha256/{layer_digest}"), (layer, 0o644));
+    entries.insert(
+        format!("blobs/sha256/{config_digest}"),
+        (config_bytes, 0o644),
+    );
+    entries.insert(
+        format!("blobs/sha256/{manifest_digest}"),
+        (manifest_bytes, 0o644),
+    );
+
+    let out = target_dir(root).join("images");
+    let layout = out.join(spec.name);
+    if layout.exists() {
+        std::fs::remove_dir_all(&layout)?;
+    }
+    for (path, (bytes, _)) in &entries {
+        let file = layout.join(path);
+        if let Some(parent) = file.parent() {
+            std::fs::create_dir_all(parent)?;
+        }
+        std::fs::write(&file, bytes)?;
+    }
+    entries.insert(
+        "manifest.json".to_owned(),
+        (serde_json::to_vec(&docker_manifest)?, 0o644),
+    );
+    let tarball = out.join(format!("{}.tar", spec.name));
+    std::fs::write(&tarball, layer_tar(&entries, mtime)?)?;
+    Ok(Built {
+        name: spec.name.to_owned(),
+        reference,
+        manifest_digest: format!("sha256:{manifest_digest}"),
+        layout,
+        tarball,
+    })
+}
+
+/// A tar of `files` (parents created as directories), deterministic for the same input.
+fn layer_tar(files: &BTreeMap<String, (Vec<u8>, u32)>, mtime: u64) -> anyhow::Result<Vec<u8>> {
+    let mut dirs: BTreeMap<String, ()> = BTreeMap::new();
+    for path in files.keys() {
+        let mut parent = Path::new(path).parent();
+        while let Some(dir) = parent.filter(|d| !d.as_os_str().is_empty()) {
+            dirs.insert(format!("{}/", dir.display()), ());
+            parent = dir.parent();
+        }
+    }
+    let mut builder = tar::Builder::new(Vec::new());
+    for dir in dirs.keys() {
+        let mut h = header(0, 0o755, tar::EntryType::Directory, mtime);
+        builder.append_data(&mut h, dir, std::io::empty())?;
+    }
+    for (path, (bytes, mode)) in files {
+        let mut h = header(bytes.len() as u64, *mode, tar::EntryType::Regular, mtime);
+        builder.append_data(&mut h, path, bytes.as_slice())?;
+    }
+    Ok(builder.into_inner()?)
+}
+
+/// A root-owned entry header with a fixed mtime.
+fn header(size: u64, mode: u32, kind: tar::EntryType, mtime: u64) -> tar::Header {
+    let mut h = tar::Header::new_gnu();
+    h.set_entry_type(kind);
+    h.set_size(size);
+    h.set_mode(mode);
+    h.set_uid(0);
+    h.set_gid(0);
+    h.set_mtime(mtime);
+    h
+}
+
+/// The shared libraries (and dynamic loader) `binary` needs, resolved to real files.
+fn shared_libraries(binary: &Path) -> anyhow::Result<Vec<PathBuf>> {
+    let output = Command::new("ldd")
+        .arg(binary)
+        .output()
+        .context("running ldd")?;
+    let text = String::from_utf8_lossy(&output.stdout);
+    if text.contains("not a dynamic executable") || text.contains("statically linked") {
+        return Ok(Vec::new());
+    }
+    let mut libraries = Vec::new();
+    for line in text.lines() {
+        // "libc.so.6 => /lib/x86_64-linux-gnu/libc.so.6 (0x...)" or "/lib64/ld-linux-x86-64.so.2 (0x...)"
+        let path = match line.split_once("=>") {
+            Some((_, rest)) => rest.split_whitespace().next(),
+            None => line.split_whitespace().next(),
+        };
+        if let Some(path) = path.filter(|p| p.starts_with('/')) {
+            libraries.push(PathBuf::from(path));
+        }
+    }
+    Ok(libraries)
+}
+
+fn target_dir(root: &Path) -> PathBuf {
+    std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| root.join("target"))
+}
+
+fn source_date_epoch() -> u64 {
+    std::env::var("SOURCE_DATE_EPOCH")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
+
+fn format_epoch(seconds: u64) -> String {
+    k8s_openapi::jiff::Timestamp::from_second(i64::try_from(seconds).unwrap_or(0))
+        .map(|t| t.strftime("%Y-%m-%dT%H:%M:%SZ").to_string())
+        .unwrap_or_else(|_| "1970-01-01T00:00:00Z".to_owned())
+}
+
+fn git_revision(root: &Path) -> String {
+    Command::new("git")
+        .current_dir(root)
+        .args(["rev-parse", "HEAD"])
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
+        .unwrap_or_else(|| "unknown".to_owned())
+}
+
+fn sha256(bytes: &[u8]) -> String {
+    hex::encode(Sha256::digest(bytes))
+}
+
+/// Checks built images the way a user would meet them: unpack with umoci, read the runtime
+/// config (user 65532, entrypoint), run each binary inside the unpacked root filesystem with
+/// `--version` and `--help`, and rebuild to prove the digest is reproducible.
+pub fn verify(args: &Args) -> anyhow::Result<()> {
+    let first = run(args)?;
+    let again = run(&Args {
+        skip_build: true,
+        ..args.clone()
+    })?;
+    for (a, b) in first.iter().zip(&again) {
+        if a.manifest_digest != b.manifest_digest {
+            bail!(
+                "{} is not reproducible: {} then {}",
+                a.name,
+                a.manifest_digest,
+                b.manifest_digest
+            );
+        }
+    }
+    let umoci =
+        which("umoci").context("umoci is needed to verify images (apt-get install umoci)")?;
+    let chroot = which("chroot").context("chroot (coreutils) is needed to verify images")?;
+    for image in &first {
+        let spec = IMAGES
+            .iter()
+            .find(|s| s.name == image.name)
+            .context("unknown image")?;
+        let bundle = tempfile::tempdir()?;
+        let bundle_dir = bundle.path().join("bundle");
+        let tag = image.reference.rsplit(':').next().unwrap_or_default();
+        let status = Command::new(&umoci)
+            .arg("unpack")
+            .arg("--image")
+            .arg(format!("{}:{tag}", image.layout.display()))
+            .arg(&bundle_dir)
+            .status()?;
+        if !status.success() {
+            bail!("umoci unpack of {} failed", image.name);
+        }
+        let config: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(bundle_dir.join("config.json"))?)?;
+        let user = &config["process"]["user"];
+        if user["uid"] != NONROOT || user["gid"] != NONROOT {
+            bail!("{}: runs as {user}, not {NONROOT}", image.name);
+        }
+        let entrypoint = config["process"]["args"][0].as_str().unwrap_or_default();
+        if entrypoint != spec.binaries[0].1 {
+            bail!("{}: entrypoint {entrypoint:?}", image.name);
+        }
+        let rootfs = bundle_dir.join("rootfs");
+        for (_, path) in spec.binaries {
+            for flag in ["--version", "--help"] {
+                // Nothing from the host but the kernel: an empty environment and the image's root.
+                let output = Command::new(&chroot)
+                    .arg(&rootfs)
+                    .arg(path)
+                    .arg(flag)
+                    .env_clear()
+                    .output()
+                    .context("running chroot")?;
+                if !output.status.success() {
+                    bail!(
+                        "{}: {path} {flag} failed inside the image: {}",
+                        image.name,
+                        String::from_utf8_lossy(&output.stderr)
+                    );
+                }
+            }
+        }
+        println!(
+            "verified {} ({}): user {NONROOT}, entrypoint {entrypoint}, binaries run",
+            image.reference, image.manifest_digest
+        );
+    }
+    Ok(())
+}
+
+fn which(name: &str) -> Option<PathBuf> {
+    std::env::var_os("PATH")?
+        .to_string_lossy()
+        .split(':')
+        .map(|dir| Path::new(dir).join(name))
+        .find(|p| p.is_file())
+}
