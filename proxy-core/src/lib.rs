@@ -37,6 +37,11 @@
 //! to 16 KiB and 256 KiB as bytes flow, so idle connections cost little. Pipes are created on
 //! the first byte of each direction, so idle spliced connections hold no pipe either.
 //!
+//! # Feature flags
+//!
+//! None. The splice path is compiled on Linux only; elsewhere every connection uses the buffered
+//! path.
+//!
 //! # Example
 //!
 //! ```no_run

@@ -9,6 +9,7 @@ mod cluster;
 mod crds;
 mod envtest;
 mod image;
+mod readme_flags;
 mod test;
 mod tools;
 
@@ -35,6 +36,8 @@ enum Task {
     /// Lint and render every chart (with a matrix of values) and kustomize tree, and dry-run
     /// every object against a real API server.
     Charts,
+    /// Check that each binary's README flag table matches its --help.
+    ReadmeFlags,
     /// Write the CRD YAML of the kustomize trees and charts from the Rust types (--check: verify).
     Crds(crds::Args),
     /// Build release OCI images (no container engine needed) under target/images/.
@@ -60,6 +63,7 @@ fn main() -> anyhow::Result<()> {
         Task::Cluster => cluster::run(),
         Task::Charts => charts::run(),
         Task::Crds(args) => crds::run(&args),
+        Task::ReadmeFlags => readme_flags::run(),
         Task::Image(args) => image::run(&args).map(|_| ()),
         Task::VerifyImages(args) => image::verify(&args),
         Task::Test(args) => test::run(&args),

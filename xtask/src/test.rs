@@ -80,6 +80,25 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
             vec![("RUSTDOCFLAGS", "-D warnings")],
         ),
         (
+            "cargo package (libraries)",
+            vec![
+                "package",
+                "--allow-dirty",
+                "-p",
+                "proxy-core",
+                "-p",
+                "k8s-reconcile",
+                "-p",
+                "rstream-client",
+            ],
+            vec![],
+        ),
+        (
+            "README flag tables",
+            vec!["run", "--quiet", "-p", "xtask", "--", "readme-flags"],
+            vec![],
+        ),
+        (
             "charts and kustomize trees",
             vec!["run", "--quiet", "-p", "xtask", "--", "charts"],
             vec![],

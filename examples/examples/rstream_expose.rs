@@ -1,7 +1,7 @@
 //! Exposes a local TCP port as a published rstream TCP tunnel, reconnecting as needed.
 //!
 //! ```text
-//! cargo run -p rstream-client --example rstream_expose -- \
+//! cargo run -p examples --example rstream_expose -- \
 //!     --engine HOST:PORT --token "$RSTREAM_AUTHENTICATION_TOKEN" --target 127.0.0.1:8080 [--insecure | --ca-file ca.pem]
 //! ```
 
