@@ -8,7 +8,7 @@
 //!   Runtime API ([`dataplane::haproxy`]).
 //! * [`v1`], [`v2`]: the two features; [`leader`]: what only the Lease holder does.
 //! * [`api`], [`auth`], [`error`], [`openapi`]: the HTTP API.
-//! * [`app`]: wiring and shutdown; [`bench`]: POST-to-first-byte measurement.
+//! * [`app`]: wiring and shutdown; [`bench`](mod@bench): POST-to-first-byte measurement.
 #![deny(missing_docs)]
 
 pub mod api;

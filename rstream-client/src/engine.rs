@@ -693,6 +693,8 @@ async fn accept_loop(
                 }
             },
         };
+        // Small frames (requests, acknowledgements) must not wait for Nagle and delayed ACKs.
+        let _ = tcp.set_nodelay(true);
         let task_shared = shared.clone();
         let acceptor = acceptor.clone();
         shared.tracker.spawn(async move {

@@ -4,9 +4,11 @@
 //! * `cluster`: run a local control plane until Ctrl-C and print its kubeconfig.
 //! * `test`: everything CI checks (format, lints, tests, docs).
 
+mod bench;
 mod charts;
 mod cluster;
 mod crds;
+mod demo;
 mod envtest;
 mod image;
 mod readme_flags;
@@ -33,6 +35,9 @@ enum Task {
     Helm,
     /// Start a local control plane (etcd + kube-apiserver), print its kubeconfig, run until Ctrl-C.
     Cluster,
+    /// Run the three binaries against a local control plane and show traffic through each,
+    /// until Ctrl-C.
+    Demo(demo::Args),
     /// Lint and render every chart (with a matrix of values) and kustomize tree, and dry-run
     /// every object against a real API server.
     Charts,
@@ -46,6 +51,8 @@ enum Task {
     VerifyImages(image::Args),
     /// Run every check CI runs: fmt, clippy, tests, docs.
     Test(test::Args),
+    /// Benchmark the relays on loopback (proxy-core vs HAProxy, steward, rstream); see bench/mod.rs.
+    Bench(bench::Args),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -61,12 +68,14 @@ fn main() -> anyhow::Result<()> {
             Ok(())
         }
         Task::Cluster => cluster::run(),
+        Task::Demo(args) => demo::run(&args),
         Task::Charts => charts::run(),
         Task::Crds(args) => crds::run(&args),
         Task::ReadmeFlags => readme_flags::run(),
         Task::Image(args) => image::run(&args).map(|_| ()),
         Task::VerifyImages(args) => image::verify(&args),
         Task::Test(args) => test::run(&args),
+        Task::Bench(args) => bench::run(&args),
     }
 }
 

@@ -104,6 +104,19 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
             vec![],
         ),
         (
+            "demo (smoke run)",
+            vec![
+                "run",
+                "--quiet",
+                "-p",
+                "xtask",
+                "--",
+                "demo",
+                "--exit-after-check",
+            ],
+            vec![],
+        ),
+        (
             "release images",
             vec![
                 "run",

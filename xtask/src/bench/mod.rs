@@ -1,0 +1,161 @@
+//! `cargo xtask bench <proxy|steward|rstream|operator|pod-proxier|all>`: benchmarks on loopback.
+//!
+//! Every bench measures its baseline in the same run, alternates its contenders (A B C A B C ...)
+//! over several rounds, reports medians with min/max, prints a Markdown table and writes
+//! `<out>/<bench>.json`; `all` also writes `<out>/summary.md`. The load generator is in-process
+//! ([`load`]), pinned to CPU 0; relays run on CPU 1 (see `shared/STYLE.md` section 9).
+
+mod load;
+mod operator;
+mod pod_proxier;
+mod proxy;
+mod report;
+mod rstream;
+mod steward;
+mod system;
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{Context as _, bail};
+
+use report::{Figure, Goal, Machine, Report};
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// Which bench to run.
+    #[arg(value_enum)]
+    bench: Which,
+    /// Rounds of alternated contenders [default: 5, or 2 with --quick].
+    #[arg(long)]
+    rounds: Option<usize>,
+    /// A short smoke run: small transfers, short phases, few rounds.
+    #[arg(long)]
+    quick: bool,
+    /// Where JSON and summary.md go (relative paths are under the workspace root).
+    #[arg(long, default_value = "target/bench")]
+    out: PathBuf,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum Which {
+    Proxy,
+    Steward,
+    Rstream,
+    Operator,
+    PodProxier,
+    All,
+}
+
+/// What every bench is told.
+pub struct Settings {
+    rounds: usize,
+    quick: bool,
+    /// The open-file limit in force (children inherit it).
+    fd_limit: u64,
+}
+
+/// What a bench hands back; [`run`] adds the machine's state and writes it out.
+pub struct Outcome {
+    figures: Vec<Figure>,
+    goals: Vec<Goal>,
+    notes: Vec<String>,
+}
+
+type Bench = fn(&Settings) -> anyhow::Result<Outcome>;
+
+const BENCHES: [(&str, Which, Bench); 5] = [
+    ("proxy", Which::Proxy, proxy::run),
+    ("steward", Which::Steward, steward::run),
+    ("rstream", Which::Rstream, rstream::run),
+    ("operator", Which::Operator, operator::run),
+    ("pod-proxier", Which::PodProxier, pod_proxier::run),
+];
+
+/// Set in the release build of xtask that a debug build hands the bench to.
+const RELEASE_ENV: &str = "NETKIT_BENCH_RELEASE";
+
+pub fn run(args: &Args) -> anyhow::Result<()> {
+    // `cargo xtask` is a debug build: a debug load generator would measure itself, not the relays.
+    if cfg!(debug_assertions) && std::env::var_os(RELEASE_ENV).is_none() {
+        return rerun_in_release();
+    }
+    let settings = Settings {
+        rounds: args.rounds.unwrap_or(if args.quick { 2 } else { 5 }).max(1),
+        quick: args.quick,
+        fd_limit: system::raise_fd_limit(),
+    };
+    let out = crate::workspace_root().join(&args.out);
+    eprintln!(
+        "bench: open-file limit {}, {}",
+        settings.fd_limit,
+        system::loadavg()
+    );
+
+    let mut reports = Vec::new();
+    let mut failures = Vec::new();
+    for (name, which, bench) in BENCHES {
+        if args.bench != which && args.bench != Which::All {
+            continue;
+        }
+        match run_one(name, bench, &settings) {
+            Ok(report) => {
+                println!("{}", report::markdown(&report));
+                report::write_json(&out.join(format!("{name}.json")), &report)?;
+                reports.push(report);
+            }
+            // `all` goes on with the other benches and reports the failure in the summary.
+            Err(error) if args.bench == Which::All => {
+                eprintln!("bench {name} failed: {error:#}");
+                failures.push((name.to_owned(), format!("{error:#}")));
+            }
+            Err(error) => return Err(error.context(format!("bench {name}"))),
+        }
+    }
+    if args.bench == Which::All {
+        let summary = report::summary_markdown(&reports, &failures);
+        let path = out.join("summary.md");
+        std::fs::create_dir_all(&out)?;
+        std::fs::write(&path, &summary)?;
+        println!("{summary}");
+        eprintln!("wrote {}", path.display());
+    }
+    if !failures.is_empty() {
+        bail!("{} bench(es) failed", failures.len());
+    }
+    Ok(())
+}
+
+fn rerun_in_release() -> anyhow::Result<()> {
+    let xtask = system::cargo_build_release(&["-p", "xtask", "--bin", "xtask"])?;
+    let status = std::process::Command::new(xtask)
+        .args(std::env::args_os().skip(1))
+        .env(RELEASE_ENV, "1")
+        .status()
+        .context("running the release build of xtask")?;
+    if !status.success() {
+        bail!("bench failed ({status})");
+    }
+    Ok(())
+}
+
+fn run_one(name: &str, bench: Bench, settings: &Settings) -> anyhow::Result<Report> {
+    let load_at_start = system::loadavg();
+    let started = Instant::now();
+    let outcome = bench(settings)?;
+    eprintln!("bench {name}: {:.1?}", started.elapsed());
+    Ok(Report {
+        bench: name.to_owned(),
+        quick: settings.quick,
+        rounds: settings.rounds,
+        machine: Machine {
+            cpus: std::thread::available_parallelism().map_or(1, usize::from),
+            load_at_start,
+            load_at_end: system::loadavg(),
+            pinning: system::pinning_note(),
+        },
+        figures: outcome.figures,
+        goals: outcome.goals,
+        notes: outcome.notes,
+    })
+}

@@ -1,0 +1,388 @@
+//! `bench operator`: the rstream-operator manager as a process against a real etcd +
+//! kube-apiserver. Many RstreamTunnels exist before it starts; measured are the time until every
+//! tunnel has its five children, the manager's peak RSS, and its write calls (from the API
+//! server's audit log) during a steady-state window, where the goal is none at all.
+
+use std::collections::{BTreeMap, HashSet};
+use std::fmt::Debug;
+use std::net::{Ipv4Addr, SocketAddr};
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, bail};
+use futures::{StreamExt as _, TryStreamExt as _};
+use k8s_openapi::NamespaceResourceScope;
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::{ConfigMap, Secret, Service, ServiceAccount};
+use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
+use k8s_reconcile::testing::{AuditEvent, ControlPlane, Identity};
+use kube::api::{Api, ListParams, PostParams};
+use rstream_operator::api::{RstreamConnection, RstreamTunnel};
+use serde::de::DeserializeOwned;
+
+use super::report::{Goal, Metric, Recorder};
+use super::system;
+use super::{Outcome, Settings};
+
+const MANAGER: &str = "rstream-operator";
+/// The manager's client-certificate user: its writes are counted by this name.
+const MANAGER_USER: &str = "bench-manager";
+
+const CONVERGE: Metric = Metric::lower("manager start to every tunnel's 5 children", "s");
+const PEAK_RSS: Metric = Metric::lower("manager peak RSS (VmHWM)", "MiB");
+const CONVERGE_WRITES: Metric =
+    Metric::lower("manager write calls to converge, per tunnel", "calls");
+const STEADY_WRITES: Metric =
+    Metric::lower("manager write calls in the steady-state window", "calls");
+
+/// ConfigMap, ServiceAccount, Role, RoleBinding and Deployment.
+const CHILD_KINDS: usize = 5;
+/// Tunnels created at once: enough to keep the API server busy, few enough not to hit its limits.
+const CREATE_CONCURRENCY: usize = 16;
+/// The manager has converged once its write count has not moved for this long.
+const QUIET: Duration = Duration::from_secs(5);
+const POLL: Duration = Duration::from_millis(250);
+
+struct Sizes {
+    tunnels: usize,
+    steady: Duration,
+    converge_timeout: Duration,
+}
+
+impl Sizes {
+    fn new(quick: bool) -> Self {
+        if quick {
+            Self {
+                tunnels: 50,
+                steady: Duration::from_secs(10),
+                converge_timeout: Duration::from_secs(120),
+            }
+        } else {
+            Self {
+                tunnels: 500,
+                steady: Duration::from_secs(60),
+                converge_timeout: Duration::from_secs(600),
+            }
+        }
+    }
+}
+
+/// What one run of the manager measured.
+struct Run {
+    converge: Duration,
+    peak_rss_after_converge_kib: u64,
+    peak_rss_kib: u64,
+    settle: Duration,
+    converge_writes: usize,
+    steady_writes: Vec<AuditEvent>,
+}
+
+pub fn run(settings: &Settings) -> anyhow::Result<Outcome> {
+    let binary = system::cargo_build_release(&["-p", "rstream-operator", "--bin", MANAGER])?;
+    let sizes = Sizes::new(settings.quick);
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    let measured = runtime.block_on(async {
+        eprintln!("operator: starting etcd and kube-apiserver");
+        let plane = ControlPlane::builder().start().await?;
+        let measured = measure(&plane, &binary, &sizes).await;
+        plane.stop();
+        measured
+    })?;
+    Ok(outcome(&sizes, &measured))
+}
+
+async fn measure(plane: &ControlPlane, binary: &Path, sizes: &Sizes) -> anyhow::Result<Run> {
+    plane.install_crds(&rstream_operator::crds()).await?;
+    let client = plane.client().await?;
+    let namespace = plane.create_namespace("bench-operator").await?;
+    create_prerequisites(&client, &namespace).await?;
+    eprintln!("operator: creating {} RstreamTunnels", sizes.tunnels);
+    create_tunnels(&client, &namespace, sizes.tunnels).await?;
+
+    let dir = tempfile::Builder::new()
+        .prefix("netkit-bench-operator-")
+        .tempdir()?;
+    let kubeconfig = plane
+        .kubeconfig_as(&Identity::User {
+            name: MANAGER_USER.into(),
+            group: Some("system:masters".into()),
+        })
+        .await?;
+    let started = Instant::now();
+    let mut manager = start_manager(binary, &kubeconfig, &namespace, dir.path())?;
+    eprintln!("operator: waiting for every tunnel's children");
+    wait_children(&client, &namespace, sizes, &mut manager).await?;
+    let converge = started.elapsed();
+    let peak_rss_after_converge_kib = peak_rss_kib(manager.pid())?;
+
+    let settled = Instant::now();
+    let converge_writes = wait_quiet(plane, sizes.converge_timeout, &mut manager).await?;
+    let settle = settled.elapsed();
+    eprintln!(
+        "operator: converged after {converge:.1?}, quiet after {settle:.1?} more; {:?} of steady state",
+        sizes.steady
+    );
+    tokio::time::sleep(sizes.steady).await;
+    manager.check_running()?;
+    let steady_writes = plane
+        .writes_by(MANAGER_USER)
+        .await?
+        .split_off(converge_writes);
+    Ok(Run {
+        converge,
+        peak_rss_after_converge_kib,
+        peak_rss_kib: peak_rss_kib(manager.pid())?,
+        settle,
+        converge_writes,
+        steady_writes,
+    })
+}
+
+fn outcome(sizes: &Sizes, run: &Run) -> Outcome {
+    let mut recorder = Recorder::default();
+    let mib = |kib: u64| kib as f64 / 1024.0;
+    recorder.record(CONVERGE, MANAGER, run.converge.as_secs_f64());
+    recorder.record(PEAK_RSS, MANAGER, mib(run.peak_rss_kib));
+    recorder.record(
+        CONVERGE_WRITES,
+        MANAGER,
+        run.converge_writes as f64 / sizes.tunnels as f64,
+    );
+    recorder.record(STEADY_WRITES, MANAGER, run.steady_writes.len() as f64);
+    let steady = run.steady_writes.len();
+    Outcome {
+        figures: recorder.finish(&[]),
+        goals: vec![Goal {
+            goal: format!("0 write calls in {:?} of steady state", sizes.steady),
+            measured: format!("{steady} write calls"),
+            met: Some(steady == 0),
+        }],
+        notes: vec![
+            format!(
+                "{} RstreamTunnels (one direct-engine RstreamConnection, one target Service), all created before the manager starts; time from spawning the manager (process start and cache sync included) until every tunnel has its ConfigMap, ServiceAccount, Role, RoleBinding and Deployment, polled every {POLL:?} with metadata-only lists. One run per bench (the control plane and {} tunnels are too costly to repeat): median = min = max.",
+                sizes.tunnels, sizes.tunnels
+            ),
+            format!(
+                "Peak RSS: VmHWM of the manager, {:.1} MiB when the children were complete, {:.1} MiB at the end.",
+                mib(run.peak_rss_after_converge_kib),
+                mib(run.peak_rss_kib)
+            ),
+            format!(
+                "Steady state: starts once the manager's write count (audit log, user {MANAGER_USER}) has not moved for {QUIET:?} ({:.1?} after the children were complete; {} writes until then), then {:?} of counting. Writes in the window: {}.",
+                run.settle,
+                run.converge_writes,
+                sizes.steady,
+                describe_writes(&run.steady_writes)
+            ),
+            "No agent runs and no controller-manager: Deployments never become available, so tunnels stay at Ready=False/WaitingForDeployment, which is a stable state. The manager is not pinned; it shares both CPUs with etcd and kube-apiserver.".to_owned(),
+        ],
+    }
+}
+
+/// `verb resource[/subresource]: count` for each kind of write, or "none".
+fn describe_writes(writes: &[AuditEvent]) -> String {
+    let mut counts: BTreeMap<String, usize> = BTreeMap::new();
+    for write in writes {
+        let object = write.object_ref.as_ref();
+        let resource = object.map_or("?", |o| o.resource.as_str());
+        let sub = object
+            .and_then(|o| o.subresource.as_deref())
+            .map(|s| format!("/{s}"))
+            .unwrap_or_default();
+        *counts
+            .entry(format!("{} {resource}{sub}", write.verb))
+            .or_default() += 1;
+    }
+    if counts.is_empty() {
+        return "none".to_owned();
+    }
+    let parts: Vec<String> = counts.iter().map(|(k, n)| format!("{k}: {n}")).collect();
+    parts.join(", ")
+}
+
+/// The token Secret, the RstreamConnection (a direct engine address: nothing has to listen there
+/// for the manager to create children) and the target Service with its named port.
+async fn create_prerequisites(client: &kube::Client, namespace: &str) -> anyhow::Result<()> {
+    let params = PostParams::default();
+    let secret: Secret = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": "creds"},
+        "stringData": {"token": "bench-token"},
+    }))?;
+    Api::<Secret>::namespaced(client.clone(), namespace)
+        .create(&params, &secret)
+        .await?;
+    let engine = SocketAddr::from((Ipv4Addr::LOCALHOST, system::free_port()?));
+    let connection: RstreamConnection = serde_json::from_value(serde_json::json!({
+        "apiVersion": "tunnels.rstream.io/v1alpha1", "kind": "RstreamConnection",
+        "metadata": {"name": "default"},
+        "spec": {"engine": engine.to_string(), "tokenSecretRef": {"name": "creds", "key": "token"}},
+    }))?;
+    Api::<RstreamConnection>::namespaced(client.clone(), namespace)
+        .create(&params, &connection)
+        .await?;
+    let service: Service = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": "web"},
+        "spec": {"ports": [{"name": "http", "port": 8080}]},
+    }))?;
+    Api::<Service>::namespaced(client.clone(), namespace)
+        .create(&params, &service)
+        .await?;
+    Ok(())
+}
+
+fn tunnel_name(i: usize) -> String {
+    format!("tunnel-{i:04}")
+}
+
+async fn create_tunnels(
+    client: &kube::Client,
+    namespace: &str,
+    count: usize,
+) -> anyhow::Result<()> {
+    let api: Api<RstreamTunnel> = Api::namespaced(client.clone(), namespace);
+    futures::stream::iter(0..count)
+        .map(|i| {
+            let api = api.clone();
+            async move {
+                let tunnel: RstreamTunnel = serde_json::from_value(serde_json::json!({
+                    "apiVersion": "tunnels.rstream.io/v1alpha1", "kind": "RstreamTunnel",
+                    "metadata": {"name": tunnel_name(i)},
+                    "spec": {"target": {"service": {"name": "web", "port": "http"}}},
+                }))?;
+                api.create(&PostParams::default(), &tunnel)
+                    .await
+                    .with_context(|| format!("creating {}", tunnel_name(i)))?;
+                anyhow::Ok(())
+            }
+        })
+        .buffer_unordered(CREATE_CONCURRENCY)
+        .try_collect()
+        .await
+}
+
+fn start_manager(
+    binary: &Path,
+    kubeconfig: &Path,
+    namespace: &str,
+    log_dir: &Path,
+) -> anyhow::Result<system::Service> {
+    let address = || -> anyhow::Result<String> {
+        Ok(SocketAddr::from((Ipv4Addr::LOCALHOST, system::free_port()?)).to_string())
+    };
+    let mut cmd = std::process::Command::new(binary);
+    cmd.env("KUBECONFIG", kubeconfig)
+        .env_remove("RUST_LOG")
+        .arg(format!("--namespace={namespace}"))
+        .arg("--leader-elect=false")
+        .arg(format!("--metrics-bind-address={}", address()?))
+        .arg(format!("--health-probe-bind-address={}", address()?))
+        .arg("--log-format=text")
+        .arg("--log-level=warn");
+    system::Service::spawn(MANAGER, cmd, log_dir)
+}
+
+/// Polls until every tunnel has all of its children; fails if the manager exits or time runs out.
+async fn wait_children(
+    client: &kube::Client,
+    namespace: &str,
+    sizes: &Sizes,
+    manager: &mut system::Service,
+) -> anyhow::Result<()> {
+    let deadline = Instant::now() + sizes.converge_timeout;
+    loop {
+        let complete = complete_tunnels(client, namespace).await?;
+        if complete >= sizes.tunnels {
+            return Ok(());
+        }
+        manager.check_running()?;
+        if Instant::now() > deadline {
+            bail!(
+                "only {complete} of {} tunnels had all children after {:?}",
+                sizes.tunnels,
+                sizes.converge_timeout
+            );
+        }
+        tokio::time::sleep(POLL).await;
+    }
+}
+
+/// How many tunnels have all five children (by their `rstream.io/tunnel-name` label).
+async fn complete_tunnels(client: &kube::Client, namespace: &str) -> anyhow::Result<usize> {
+    let kinds = [
+        tunnels_with::<ConfigMap>(client, namespace).await?,
+        tunnels_with::<ServiceAccount>(client, namespace).await?,
+        tunnels_with::<Role>(client, namespace).await?,
+        tunnels_with::<RoleBinding>(client, namespace).await?,
+        tunnels_with::<Deployment>(client, namespace).await?,
+    ];
+    debug_assert_eq!(kinds.len(), CHILD_KINDS);
+    let [first, rest @ ..] = &kinds;
+    Ok(first
+        .iter()
+        .filter(|name| rest.iter().all(|kind| kind.contains(*name)))
+        .count())
+}
+
+/// The tunnels that have a child of kind `K`.
+async fn tunnels_with<K>(client: &kube::Client, namespace: &str) -> anyhow::Result<HashSet<String>>
+where
+    K: kube::Resource<Scope = NamespaceResourceScope, DynamicType = ()>
+        + Clone
+        + DeserializeOwned
+        + Debug,
+{
+    let selector = format!(
+        "app.kubernetes.io/managed-by={}",
+        rstream_operator::names::MANAGED_BY
+    );
+    let list = Api::<K>::namespaced(client.clone(), namespace)
+        .list_metadata(&ListParams::default().labels(&selector))
+        .await
+        .with_context(|| format!("listing {}", K::plural(&())))?;
+    Ok(list
+        .items
+        .into_iter()
+        .filter_map(|item| item.metadata.labels?.remove("rstream.io/tunnel-name"))
+        .collect())
+}
+
+/// Waits until the manager's write count has not moved for [`QUIET`]; returns that count.
+async fn wait_quiet(
+    plane: &ControlPlane,
+    timeout: Duration,
+    manager: &mut system::Service,
+) -> anyhow::Result<usize> {
+    let deadline = Instant::now() + timeout;
+    let mut last = plane.writes_by(MANAGER_USER).await?.len();
+    loop {
+        tokio::time::sleep(QUIET).await;
+        manager.check_running()?;
+        let now = plane.writes_by(MANAGER_USER).await?.len();
+        if now == last {
+            return Ok(now);
+        }
+        if Instant::now() > deadline {
+            bail!("the manager still writes after {timeout:?} ({now} writes so far)");
+        }
+        last = now;
+    }
+}
+
+/// The peak resident memory of a process in KiB (`VmHWM` of `/proc/<pid>/status`).
+fn peak_rss_kib(pid: u32) -> anyhow::Result<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .with_context(|| format!("reading /proc/{pid}/status"))?;
+    let value = status
+        .lines()
+        .find_map(|line| line.strip_prefix("VmHWM:"))
+        .with_context(|| format!("no VmHWM in /proc/{pid}/status"))?;
+    value
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .context("parsing VmHWM")
+}

@@ -1,0 +1,444 @@
+//! Figures measured over rounds, their medians and ratios, and how they are printed (Markdown) and
+//! stored (JSON).
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::path::Path;
+
+use anyhow::Context as _;
+use serde::Serialize;
+
+/// What one figure measures.
+#[derive(Clone, Copy)]
+pub struct Metric {
+    pub name: &'static str,
+    pub unit: &'static str,
+    pub higher_is_better: bool,
+}
+
+impl Metric {
+    pub const fn higher(name: &'static str, unit: &'static str) -> Self {
+        Self {
+            name,
+            unit,
+            higher_is_better: true,
+        }
+    }
+
+    pub const fn lower(name: &'static str, unit: &'static str) -> Self {
+        Self {
+            name,
+            unit,
+            higher_is_better: false,
+        }
+    }
+}
+
+/// One contender's values of a figure: one sample per round.
+#[derive(Serialize, Clone)]
+pub struct Series {
+    pub contender: String,
+    pub samples: Vec<f64>,
+    pub median: Option<f64>,
+    pub min: Option<f64>,
+    pub max: Option<f64>,
+    /// `contender median / reference median` for each reference contender of the figure.
+    pub ratios: BTreeMap<String, f64>,
+    /// Why there is no number, or how the number came about when it was not measured.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub note: Option<String>,
+}
+
+impl Series {
+    fn new(contender: &str) -> Self {
+        Self {
+            contender: contender.to_owned(),
+            samples: Vec::new(),
+            median: None,
+            min: None,
+            max: None,
+            ratios: BTreeMap::new(),
+            note: None,
+        }
+    }
+}
+
+/// A figure: every contender's series, and the contenders the ratios are taken against.
+#[derive(Serialize, Clone)]
+pub struct Figure {
+    pub name: String,
+    pub unit: String,
+    pub higher_is_better: bool,
+    pub references: Vec<String>,
+    pub series: Vec<Series>,
+}
+
+impl Figure {
+    /// The median of one contender, if measured.
+    pub fn median(&self, contender: &str) -> Option<f64> {
+        self.series
+            .iter()
+            .find(|s| s.contender == contender)
+            .and_then(|s| s.median)
+    }
+}
+
+/// A goal and whether this run met it (`None`: could not be judged).
+#[derive(Serialize, Clone)]
+pub struct Goal {
+    pub goal: String,
+    pub measured: String,
+    pub met: Option<bool>,
+}
+
+/// The machine as it was during a bench.
+#[derive(Serialize, Clone)]
+pub struct Machine {
+    pub cpus: usize,
+    pub load_at_start: String,
+    pub load_at_end: String,
+    pub pinning: String,
+}
+
+/// Everything one bench measured.
+#[derive(Serialize, Clone)]
+pub struct Report {
+    pub bench: String,
+    pub quick: bool,
+    pub rounds: usize,
+    pub machine: Machine,
+    pub figures: Vec<Figure>,
+    pub goals: Vec<Goal>,
+    pub notes: Vec<String>,
+}
+
+/// Collects samples while a bench runs; [`Recorder::finish`] turns them into figures.
+#[derive(Default)]
+pub struct Recorder {
+    figures: Vec<Figure>,
+}
+
+impl Recorder {
+    /// Adds one round's value of `metric` for `contender`.
+    pub fn record(&mut self, metric: Metric, contender: &str, value: f64) {
+        self.series(metric, contender).samples.push(value);
+    }
+
+    /// Says why `contender` has no value for `metric` (or how a non-measured value came about).
+    pub fn note(&mut self, metric: Metric, contender: &str, note: impl Into<String>) {
+        self.series(metric, contender).note = Some(note.into());
+    }
+
+    /// A value that was not measured but derived (e.g. from a configured period), with the note
+    /// that says so; it has no samples.
+    pub fn model(&mut self, metric: Metric, contender: &str, median: f64, note: impl Into<String>) {
+        let series = self.series(metric, contender);
+        series.median = Some(median);
+        series.note = Some(note.into());
+    }
+
+    fn series(&mut self, metric: Metric, contender: &str) -> &mut Series {
+        let index = match self.figures.iter().position(|f| f.name == metric.name) {
+            Some(index) => index,
+            None => {
+                self.figures.push(Figure {
+                    name: metric.name.to_owned(),
+                    unit: metric.unit.to_owned(),
+                    higher_is_better: metric.higher_is_better,
+                    references: Vec::new(),
+                    series: Vec::new(),
+                });
+                self.figures.len() - 1
+            }
+        };
+        let figure = &mut self.figures[index];
+        let index = match figure.series.iter().position(|s| s.contender == contender) {
+            Some(index) => index,
+            None => {
+                figure.series.push(Series::new(contender));
+                figure.series.len() - 1
+            }
+        };
+        &mut figure.series[index]
+    }
+
+    /// Medians, extremes and ratios against `references` (e.g. `["direct", "haproxy"]`).
+    pub fn finish(mut self, references: &[&str]) -> Vec<Figure> {
+        for figure in &mut self.figures {
+            figure.references = references.iter().map(|r| (*r).to_owned()).collect();
+            for series in &mut figure.series {
+                summarize(series);
+            }
+            let medians: BTreeMap<String, f64> = figure
+                .series
+                .iter()
+                .filter_map(|s| Some((s.contender.clone(), s.median?)))
+                .collect();
+            for series in &mut figure.series {
+                let Some(median) = series.median else {
+                    continue;
+                };
+                for reference in references {
+                    if let Some(base) = medians.get(*reference).filter(|b| **b != 0.0) {
+                        series
+                            .ratios
+                            .insert(format!("vs {reference}"), median / base);
+                    }
+                }
+            }
+        }
+        self.figures
+    }
+}
+
+fn summarize(series: &mut Series) {
+    if series.samples.is_empty() {
+        return;
+    }
+    let mut sorted = series.samples.clone();
+    sorted.sort_by(f64::total_cmp);
+    series.median = Some(median_of_sorted(&sorted));
+    series.min = sorted.first().copied();
+    series.max = sorted.last().copied();
+}
+
+/// The median of ascending values (the mean of the middle two for an even count).
+pub fn median_of_sorted(sorted: &[f64]) -> f64 {
+    let mid = sorted.len() / 2;
+    if sorted.len() % 2 == 1 {
+        sorted[mid]
+    } else {
+        (sorted[mid - 1] + sorted[mid]) / 2.0
+    }
+}
+
+/// Compact number formatting: three significant digits for small values, no exponent.
+pub fn format_value(value: f64) -> String {
+    let magnitude = value.abs();
+    if magnitude >= 100.0 {
+        format!("{value:.0}")
+    } else if magnitude >= 10.0 {
+        format!("{value:.1}")
+    } else if magnitude >= 1.0 {
+        format!("{value:.2}")
+    } else {
+        format!("{value:.3}")
+    }
+}
+
+/// A ratio with two decimals, or two significant digits when it is tiny.
+fn format_ratio(ratio: f64) -> String {
+    if ratio.abs() >= 0.1 || ratio == 0.0 {
+        format!("{ratio:.2}x")
+    } else {
+        format!("{ratio:.1e}x")
+    }
+}
+
+fn format_option(value: Option<f64>) -> String {
+    value.map(format_value).unwrap_or_else(|| "—".to_owned())
+}
+
+/// The bench's Markdown: machine, figures table, goals, notes.
+pub fn markdown(report: &Report) -> String {
+    let mut out = String::new();
+    let m = &report.machine;
+    let _ = writeln!(
+        out,
+        "## bench {}{}\n\n{} CPUs; {}; at start: {}; at end: {}; {} round(s), contenders alternated.\n",
+        report.bench,
+        if report.quick { " (quick)" } else { "" },
+        m.cpus,
+        m.pinning,
+        m.load_at_start,
+        m.load_at_end,
+        report.rounds
+    );
+    let mut references: Vec<String> = Vec::new();
+    for reference in report.figures.iter().flat_map(|f| &f.references) {
+        if !references.contains(reference) {
+            references.push(reference.clone());
+        }
+    }
+    let mut header = "| figure | contender | median | min | max |".to_owned();
+    let mut rule = "|---|---|---:|---:|---:|".to_owned();
+    for reference in &references {
+        let _ = write!(header, " vs {reference} |");
+        rule.push_str("---:|");
+    }
+    header.push_str(" note |");
+    rule.push_str("---|");
+    let _ = writeln!(out, "{header}\n{rule}");
+    for figure in &report.figures {
+        for series in &figure.series {
+            let mut row = format!(
+                "| {} ({}{}) | {} | {} | {} | {} |",
+                figure.name,
+                figure.unit,
+                if figure.higher_is_better {
+                    ", higher is better"
+                } else {
+                    ""
+                },
+                series.contender,
+                format_option(series.median),
+                format_option(series.min),
+                format_option(series.max)
+            );
+            for reference in &references {
+                let ratio = series.ratios.get(&format!("vs {reference}")).copied();
+                let shown = if series.contender == *reference {
+                    "—".to_owned()
+                } else {
+                    ratio.map(format_ratio).unwrap_or_else(|| "—".to_owned())
+                };
+                let _ = write!(row, " {shown} |");
+            }
+            let _ = writeln!(row, " {} |", series.note.as_deref().unwrap_or(""));
+            out.push_str(&row);
+        }
+    }
+    if !report.goals.is_empty() {
+        let _ = writeln!(out, "\n| goal | measured | met |\n|---|---|---|");
+        for goal in &report.goals {
+            let met = match goal.met {
+                Some(true) => "yes",
+                Some(false) => "NO",
+                None => "not judged",
+            };
+            let _ = writeln!(out, "| {} | {} | {met} |", goal.goal, goal.measured);
+        }
+    }
+    if !report.notes.is_empty() {
+        out.push('\n');
+        for note in &report.notes {
+            let _ = writeln!(out, "- {note}");
+        }
+    }
+    out
+}
+
+/// One table over every bench: each figure, its baseline in the same run, and the ratio.
+pub fn summary_markdown(reports: &[Report], failures: &[(String, String)]) -> String {
+    let mut out = String::from("# cargo xtask bench all\n\n");
+    let _ = writeln!(
+        out,
+        "| bench | figure | contender | median | baseline | baseline median | ratio |\n|---|---|---|---:|---|---:|---:|"
+    );
+    for report in reports {
+        for figure in &report.figures {
+            for series in &figure.series {
+                // The first reference with a number (relay-only figures have no direct value).
+                let baseline = figure
+                    .references
+                    .iter()
+                    .find(|r| **r != series.contender && figure.median(r).is_some());
+                let Some(baseline) = baseline else {
+                    continue;
+                };
+                if figure.references.first() == Some(&series.contender) {
+                    continue;
+                }
+                let ratio = series
+                    .ratios
+                    .get(&format!("vs {baseline}"))
+                    .map(|r| format_ratio(*r))
+                    .unwrap_or_else(|| "—".to_owned());
+                let _ = writeln!(
+                    out,
+                    "| {} | {} ({}) | {} | {} | {} | {} | {ratio} |",
+                    report.bench,
+                    figure.name,
+                    figure.unit,
+                    series.contender,
+                    format_option(series.median),
+                    baseline,
+                    format_option(figure.median(baseline)),
+                );
+            }
+        }
+    }
+    for report in reports {
+        let _ = writeln!(
+            out,
+            "\n{}: {}; {} → {}",
+            report.bench,
+            report.machine.pinning,
+            report.machine.load_at_start,
+            report.machine.load_at_end
+        );
+    }
+    for (bench, error) in failures {
+        let _ = writeln!(out, "\n**{bench} failed:** {error}");
+    }
+    out
+}
+
+/// Writes `value` as pretty JSON to `path`, creating its directory.
+pub fn write_json(path: &Path, value: &impl Serialize) -> anyhow::Result<()> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    let text = serde_json::to_string_pretty(value)?;
+    std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SPEED: Metric = Metric::higher("speed", "Gbit/s");
+
+    #[test]
+    fn medians_of_odd_and_even_counts() {
+        assert_eq!(median_of_sorted(&[1.0, 2.0, 9.0]), 2.0);
+        assert_eq!(median_of_sorted(&[1.0, 2.0, 4.0, 9.0]), 3.0);
+    }
+
+    #[test]
+    fn ratios_are_taken_against_each_reference_median() {
+        let mut recorder = Recorder::default();
+        for (direct, relay) in [(10.0, 4.0), (30.0, 6.0), (20.0, 5.0)] {
+            recorder.record(SPEED, "direct", direct);
+            recorder.record(SPEED, "relay", relay);
+        }
+        recorder.note(SPEED, "other", "not installed");
+        let figures = recorder.finish(&["direct"]);
+        let relay = &figures[0].series[1];
+        assert_eq!(
+            (relay.median, relay.min, relay.max),
+            (Some(5.0), Some(4.0), Some(6.0))
+        );
+        assert_eq!(relay.ratios["vs direct"], 0.25);
+        let other = &figures[0].series[2];
+        assert!(other.median.is_none() && other.ratios.is_empty());
+    }
+
+    #[test]
+    fn markdown_shows_notes_instead_of_numbers() {
+        let mut recorder = Recorder::default();
+        recorder.record(SPEED, "direct", 1.0);
+        recorder.note(SPEED, "haproxy", "not installed");
+        let report = Report {
+            bench: "demo".to_owned(),
+            quick: true,
+            rounds: 1,
+            machine: Machine {
+                cpus: 2,
+                load_at_start: "load 0".to_owned(),
+                load_at_end: "load 0".to_owned(),
+                pinning: "none".to_owned(),
+            },
+            figures: recorder.finish(&["direct"]),
+            goals: Vec::new(),
+            notes: Vec::new(),
+        };
+        let text = markdown(&report);
+        assert!(
+            text.contains(
+                "| speed (Gbit/s, higher is better) | haproxy | — | — | — | — | not installed |"
+            ),
+            "{text}"
+        );
+    }
+}

@@ -1,0 +1,432 @@
+//! `bench steward`: how fast steward-tcp-proxy repairs edits of the `default/kubernetes`
+//! EndpointSlice (next to the seed's 30 s poll), and API server LIST throughput through its relay
+//! versus straight to the API server. Runs against a real etcd + kube-apiserver started with
+//! `--endpoint-reconciler-type=none`.
+
+use std::net::{Ipv4Addr, SocketAddr};
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, bail};
+use futures::StreamExt as _;
+use k8s_openapi::api::core::v1::{ConfigMap, Service};
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use k8s_reconcile::testing::ControlPlane;
+use kube::api::{Api, Patch, PatchParams, PostParams};
+use kube::config::{KubeConfigOptions, Kubeconfig};
+use kube::runtime::watcher;
+use tokio::sync::mpsc;
+
+use super::report::{Metric, Recorder};
+use super::system::{self, RELAY_CPU};
+use super::{Outcome, Settings};
+
+const DIRECT: &str = "direct";
+const STEWARD: &str = "steward-tcp-proxy";
+const SEED: &str = "seed: 30 s poll (model)";
+
+const REPAIR: Metric = Metric::lower("drift repair latency, per edit", "ms");
+const REPAIR_P99: Metric = Metric::lower("drift repair latency, p99", "ms");
+const LIST: Metric = Metric::higher("LIST of ConfigMaps over TLS (response bytes)", "MiB/s");
+const RELAY_CPU_PER_GIB: Metric = Metric::lower("relay CPU per GiB of LIST responses", "CPU s/GiB");
+
+/// The seed polled every 30 s: an edit waits for the next poll, uniformly 0 to 30 s.
+const SEED_POLL: Duration = Duration::from_secs(30);
+/// The binary treats 60 foreign repairs a minute as a fight; stay below.
+const EDIT_SPACING: Duration = Duration::from_millis(1_100);
+const SERVICE_PORT: i32 = 6443;
+
+struct Sizes {
+    edits: usize,
+    config_maps: usize,
+    lists_per_round: usize,
+}
+
+impl Sizes {
+    fn new(quick: bool) -> Self {
+        if quick {
+            Self {
+                edits: 5,
+                config_maps: 5,
+                lists_per_round: 3,
+            }
+        } else {
+            Self {
+                edits: 50,
+                config_maps: 20,
+                lists_per_round: 10,
+            }
+        }
+    }
+}
+
+pub fn run(settings: &Settings) -> anyhow::Result<Outcome> {
+    let binary =
+        system::cargo_build_release(&["-p", "steward-tcp-proxy", "--bin", "steward-tcp-proxy"])?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    runtime.block_on(async {
+        eprintln!("steward: starting etcd and kube-apiserver");
+        let plane = ControlPlane::builder()
+            .apiserver_arg("--endpoint-reconciler-type=none")
+            .start()
+            .await?;
+        let outcome = measure(settings, &plane, &binary).await;
+        plane.stop();
+        outcome
+    })
+}
+
+async fn measure(
+    settings: &Settings,
+    plane: &ControlPlane,
+    binary: &Path,
+) -> anyhow::Result<Outcome> {
+    let sizes = Sizes::new(settings.quick);
+    let client = plane.client().await?;
+    let namespace = plane.create_namespace("bench").await?;
+    let cluster_ip = create_proxy_service(&client, &namespace).await?;
+    let dir = tempfile::Builder::new()
+        .prefix("netkit-bench-steward-")
+        .tempdir()?;
+    let mut steward = Steward::start(plane, binary, &namespace, dir.path())?;
+    let expected = vec![cluster_ip];
+    wait_published(&client, &expected).await?;
+
+    let mut recorder = Recorder::default();
+    eprintln!("steward: {} edits of default/kubernetes", sizes.edits);
+    let repairs = drift_repairs(&client, &expected, sizes.edits).await?;
+    steward.process.check_running()?;
+    record_repairs(&mut recorder, &repairs);
+    let repairs_metric = steward.metric("steward_endpoint_repairs_total").await;
+    let fight_metric = steward.metric("steward_endpoint_fight").await;
+
+    eprintln!("steward: LIST throughput");
+    let mut throughput = Recorder::default();
+    create_config_maps(&client, &namespace, sizes.config_maps).await?;
+    let through_steward = client_via(plane, steward.listen).await?;
+    let contenders = [
+        (DIRECT, &client, None),
+        (STEWARD, &through_steward, Some(&steward)),
+    ];
+    let path = format!("/api/v1/namespaces/{namespace}/configmaps");
+    let mut cpu_seconds = 0.0;
+    let mut relayed_bytes = 0.0;
+    for _ in 0..settings.rounds {
+        for (name, client, relay) in &contenders {
+            let cpu_before = relay
+                .map(|r| system::cpu_seconds(r.process.pid()))
+                .transpose()?;
+            let (bytes, elapsed) = timed_lists(client, &path, sizes.lists_per_round).await?;
+            throughput.record(
+                LIST,
+                name,
+                bytes as f64 / elapsed.as_secs_f64() / f64::from(1u32 << 20),
+            );
+            if let (Some(relay), Some(before)) = (relay, cpu_before) {
+                cpu_seconds += system::cpu_seconds(relay.process.pid())? - before;
+                relayed_bytes += bytes as f64;
+            }
+        }
+    }
+    if cpu_seconds >= system::MIN_CPU_SECONDS {
+        let gib = relayed_bytes / f64::from(1u32 << 30);
+        throughput.record(RELAY_CPU_PER_GIB, STEWARD, cpu_seconds / gib);
+    } else {
+        throughput.note(RELAY_CPU_PER_GIB, STEWARD, "too little CPU time to resolve");
+    }
+    throughput.note(RELAY_CPU_PER_GIB, DIRECT, "no relay process");
+    steward.process.check_running()?;
+
+    let mut figures = recorder.finish(&[SEED]);
+    figures.extend(throughput.finish(&[DIRECT]));
+    Ok(Outcome {
+        figures,
+        goals: Vec::new(),
+        notes: vec![
+            format!(
+                "Drift repair: {} merge patches of default/kubernetes (a wrong address), {:?} apart; latency from the watch event showing the edit to the watch event showing the repair, both seen by one watch of the bench (ms resolution of arrival, not of the server). Steward's metrics after the edits: repairs_total {repairs_metric}, fight {fight_metric}.",
+                sizes.edits, EDIT_SPACING
+            ),
+            format!(
+                "Seed baseline: not measured; the seed repaired only at its next {SEED_POLL:?} poll, so an edit waits uniformly 0-30 s (median 15 s, p99 29.7 s, worst 30 s)."
+            ),
+            format!(
+                "LIST: {} ConfigMaps of 100 KiB each; {} sequential GETs of the list per round over a kept-alive TLS connection (kube client), response bytes / elapsed. The API server and the client are not pinned (the API server dominates); steward relays raw TLS bytes on CPU {RELAY_CPU}.",
+                sizes.config_maps, sizes.lists_per_round
+            ),
+        ],
+    })
+}
+
+fn record_repairs(recorder: &mut Recorder, repairs: &[Duration]) {
+    let mut millis: Vec<f64> = repairs.iter().map(|d| d.as_secs_f64() * 1e3).collect();
+    for value in &millis {
+        recorder.record(REPAIR, STEWARD, *value);
+    }
+    millis.sort_by(f64::total_cmp);
+    let p99_index = ((millis.len() as f64 * 0.99).ceil() as usize).saturating_sub(1);
+    if let Some(p99) = millis.get(p99_index) {
+        recorder.record(REPAIR_P99, STEWARD, *p99);
+    }
+    let seed_ms = SEED_POLL.as_secs_f64() * 1e3;
+    recorder.model(
+        REPAIR,
+        SEED,
+        seed_ms / 2.0,
+        "model: uniform 0-30 s, not measured",
+    );
+    recorder.model(
+        REPAIR_P99,
+        SEED,
+        seed_ms * 0.99,
+        "model: uniform 0-30 s, not measured",
+    );
+}
+
+/// The steward-tcp-proxy child process, pinned to the relay CPU.
+struct Steward {
+    process: system::Service,
+    listen: SocketAddr,
+    metrics: SocketAddr,
+}
+
+impl Steward {
+    fn start(
+        plane: &ControlPlane,
+        binary: &Path,
+        namespace: &str,
+        log_dir: &Path,
+    ) -> anyhow::Result<Self> {
+        let address = || -> anyhow::Result<SocketAddr> {
+            Ok(SocketAddr::from((
+                Ipv4Addr::LOCALHOST,
+                system::free_port()?,
+            )))
+        };
+        let (listen, health, metrics) = (address()?, address()?, address()?);
+        let upstream = plane.server_url().trim_start_matches("https://").to_owned();
+        let mut cmd = system::pinned_command(RELAY_CPU, binary);
+        cmd.arg(format!(
+            "--kubeconfig={}",
+            plane.kubeconfig_path().display()
+        ))
+        .arg(format!("--upstream-addr={upstream}"))
+        .arg(format!("--listen-addr={listen}"))
+        .arg(format!("--health-addr={health}"))
+        .arg(format!("--metrics-addr={metrics}"))
+        .arg(format!("--service-namespace={namespace}"))
+        .arg("--service-name=proxy")
+        .arg("--endpoint-mode=cluster-ip")
+        .arg(format!("--service-port={SERVICE_PORT}"))
+        .env_remove("KUBECONFIG")
+        .env("RUST_LOG", "warn");
+        let mut process = system::Service::spawn("steward-tcp-proxy", cmd, log_dir)?;
+        process.wait_listening(listen, Duration::from_secs(30))?;
+        Ok(Self {
+            process,
+            listen,
+            metrics,
+        })
+    }
+
+    /// One sample of the metrics endpoint, as text ("?" if unavailable).
+    async fn metric(&self, name: &str) -> String {
+        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+        let fetch = async {
+            let mut stream = tokio::net::TcpStream::connect(self.metrics).await.ok()?;
+            let request = "GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n";
+            stream.write_all(request.as_bytes()).await.ok()?;
+            let mut response = String::new();
+            stream.read_to_string(&mut response).await.ok()?;
+            response.lines().find_map(|line| {
+                let (key, value) = line.split_once(' ')?;
+                (key == name).then(|| value.to_owned())
+            })
+        };
+        tokio::time::timeout(Duration::from_secs(5), fetch)
+            .await
+            .ok()
+            .flatten()
+            .unwrap_or_else(|| "?".to_owned())
+    }
+}
+
+/// The steward's own Service; its ClusterIP is what `default/kubernetes` must point at.
+async fn create_proxy_service(client: &kube::Client, namespace: &str) -> anyhow::Result<String> {
+    let service: Service = serde_json::from_value(serde_json::json!({
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": {"name": "proxy", "namespace": namespace},
+        "spec": {"ports": [{"name": "https", "port": SERVICE_PORT, "targetPort": 16443}]},
+    }))?;
+    let created = Api::<Service>::namespaced(client.clone(), namespace)
+        .create(&PostParams::default(), &service)
+        .await?;
+    created
+        .spec
+        .and_then(|spec| spec.cluster_ip)
+        .context("the proxy Service got no ClusterIP")
+}
+
+/// Whether the slice publishes exactly `expected` on the service port.
+fn is_repaired(slice: &EndpointSlice, expected: &[String]) -> bool {
+    let addresses: Vec<&String> = slice
+        .endpoints
+        .iter()
+        .flatten()
+        .flat_map(|e| &e.addresses)
+        .collect();
+    let port = slice
+        .ports
+        .as_ref()
+        .and_then(|ports| ports.first())
+        .and_then(|p| p.port);
+    addresses
+        .iter()
+        .map(|a| a.as_str())
+        .eq(expected.iter().map(String::as_str))
+        && port == Some(SERVICE_PORT)
+}
+
+async fn wait_published(client: &kube::Client, expected: &[String]) -> anyhow::Result<()> {
+    let slices: Api<EndpointSlice> = Api::namespaced(client.clone(), "default");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        if let Some(slice) = slices.get_opt("kubernetes").await?
+            && is_repaired(&slice, expected)
+        {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            bail!("steward did not publish default/kubernetes within 30 s");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// A watch of `default/kubernetes`: every version of the slice with its arrival time.
+fn watch_slice(client: &kube::Client) -> mpsc::UnboundedReceiver<(Instant, EndpointSlice)> {
+    let slices: Api<EndpointSlice> = Api::namespaced(client.clone(), "default");
+    let (sender, receiver) = mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        let config = watcher::Config::default().fields("metadata.name=kubernetes");
+        let mut events = std::pin::pin!(watcher(slices, config));
+        while let Some(event) = events.next().await {
+            if let Ok(watcher::Event::Apply(slice) | watcher::Event::InitApply(slice)) = event
+                && sender.send((Instant::now(), slice)).is_err()
+            {
+                return;
+            }
+        }
+    });
+    receiver
+}
+
+fn resource_version(slice: &EndpointSlice) -> Option<u64> {
+    slice.metadata.resource_version.as_deref()?.parse().ok()
+}
+
+/// Edits the slice `edits` times and returns how long each edit stayed visible.
+async fn drift_repairs(
+    client: &kube::Client,
+    expected: &[String],
+    edits: usize,
+) -> anyhow::Result<Vec<Duration>> {
+    let slices: Api<EndpointSlice> = Api::namespaced(client.clone(), "default");
+    let mut events = watch_slice(client);
+    // Let the watch start before the first edit.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let mut repairs = Vec::with_capacity(edits);
+    for i in 0..edits {
+        let edit_started = Instant::now();
+        while events.try_recv().is_ok() {}
+        let tampered = serde_json::json!({
+            "endpoints": [{"addresses": [format!("10.0.0.{}", 50 + i % 100)]}]
+        });
+        let patched = slices
+            .patch(
+                "kubernetes",
+                &PatchParams::default(),
+                &Patch::Merge(&tampered),
+            )
+            .await
+            .context("editing default/kubernetes")?;
+        let edited_version = resource_version(&patched);
+        repairs.push(wait_repair(&mut events, edited_version, expected).await?);
+        tokio::time::sleep_until((edit_started + EDIT_SPACING).into()).await;
+    }
+    Ok(repairs)
+}
+
+/// From the watch event of the edit (version `edited`) to the first later repaired version.
+async fn wait_repair(
+    events: &mut mpsc::UnboundedReceiver<(Instant, EndpointSlice)>,
+    edited: Option<u64>,
+    expected: &[String],
+) -> anyhow::Result<Duration> {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+    let mut edit_seen: Option<Instant> = None;
+    loop {
+        let (arrived, slice) = tokio::time::timeout_at(deadline, events.recv())
+            .await
+            .context("no repair within 15 s")?
+            .context("the watch ended")?;
+        let version = resource_version(&slice);
+        if version == edited {
+            edit_seen = Some(arrived);
+        } else if let Some(seen) = edit_seen.filter(|_| version > edited)
+            && is_repaired(&slice, expected)
+        {
+            return Ok(arrived.duration_since(seen));
+        }
+    }
+}
+
+async fn create_config_maps(
+    client: &kube::Client,
+    namespace: &str,
+    count: usize,
+) -> anyhow::Result<()> {
+    let api: Api<ConfigMap> = Api::namespaced(client.clone(), namespace);
+    let blob = "x".repeat(100 * 1024);
+    for i in 0..count {
+        let config_map: ConfigMap = serde_json::from_value(serde_json::json!({
+            "apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": {"name": format!("blob-{i}")},
+            "data": {"blob": blob},
+        }))?;
+        api.create(&PostParams::default(), &config_map).await?;
+    }
+    Ok(())
+}
+
+/// An admin client whose connections go to `relay` (same TLS identity; the serving certificate
+/// names 127.0.0.1, so verification still passes).
+async fn client_via(plane: &ControlPlane, relay: SocketAddr) -> anyhow::Result<kube::Client> {
+    let kubeconfig = Kubeconfig::read_from(plane.kubeconfig_path())?;
+    let mut config =
+        kube::Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default()).await?;
+    config.cluster_url = format!("https://{relay}").parse()?;
+    Ok(kube::Client::try_from(config)?)
+}
+
+/// One warm-up LIST, then `count` timed ones; returns (response bytes, elapsed).
+async fn timed_lists(
+    client: &kube::Client,
+    path: &str,
+    count: usize,
+) -> anyhow::Result<(u64, Duration)> {
+    let list = || async {
+        let request = http::Request::get(path).body(Vec::new())?;
+        anyhow::Ok(client.request_text(request).await?.len() as u64)
+    };
+    list().await?;
+    let started = Instant::now();
+    let mut bytes = 0;
+    for _ in 0..count {
+        bytes += list().await?;
+    }
+    Ok((bytes, started.elapsed()))
+}

@@ -1,0 +1,266 @@
+//! What the benches need from the machine: CPU pinning, descriptor limits, `/proc` figures, child
+//! processes that are always stopped, and release builds of the binaries under test.
+
+use std::fs::File;
+use std::io::{BufRead as _, BufReader};
+use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, bail};
+use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
+use rustix::thread::{CpuSet, sched_getaffinity, sched_setaffinity};
+
+/// The CPU of the load generator and sink.
+pub const GENERATOR_CPU: usize = 0;
+/// The CPU of the relay under test.
+pub const RELAY_CPU: usize = 1;
+
+/// Whether this machine lets us put the generator and the relay on different CPUs.
+pub fn can_pin() -> bool {
+    sched_getaffinity(None)
+        .map(|set| set.is_set(GENERATOR_CPU) && set.is_set(RELAY_CPU))
+        .unwrap_or(false)
+}
+
+/// A one-line description of the pinning in force, for reports.
+pub fn pinning_note() -> String {
+    if can_pin() {
+        format!("generator and sink on CPU {GENERATOR_CPU}, relay on CPU {RELAY_CPU}")
+    } else {
+        "not pinned: fewer than 2 usable CPUs".to_owned()
+    }
+}
+
+/// Pins the calling thread (and the threads it creates from now on) to one CPU.
+pub fn pin_current_thread(cpu: usize) -> anyhow::Result<()> {
+    let mut set = CpuSet::new();
+    set.set(cpu);
+    sched_setaffinity(None, &set).with_context(|| format!("pinning to CPU {cpu}"))
+}
+
+/// Runs `body` with the calling thread pinned to `cpu` (if pinning is possible), then restores the
+/// previous affinity so later work (e.g. a control plane) is not confined.
+pub fn with_cpu<T>(cpu: usize, body: impl FnOnce() -> T) -> anyhow::Result<T> {
+    if !can_pin() {
+        return Ok(body());
+    }
+    let previous = sched_getaffinity(None).context("reading the CPU affinity")?;
+    pin_current_thread(cpu)?;
+    let result = body();
+    sched_setaffinity(None, &previous).context("restoring the CPU affinity")?;
+    Ok(result)
+}
+
+/// A command prefixed with `taskset -c <cpu>` when pinning is possible.
+pub fn pinned_command(cpu: usize, program: &Path) -> Command {
+    if can_pin() && which("taskset").is_some() {
+        let mut cmd = Command::new("taskset");
+        cmd.arg("-c").arg(cpu.to_string()).arg(program);
+        cmd
+    } else {
+        Command::new(program)
+    }
+}
+
+/// Raises the open-file limit as far as the kernel allows: 10 000 relayed connections need 20 000
+/// descriptors in the generator and more in the relay (children inherit the limit).
+pub fn raise_fd_limit() -> u64 {
+    const WANTED: u64 = 262_144;
+    let current = getrlimit(Resource::Nofile);
+    let hard = current.maximum.unwrap_or(WANTED);
+    // Root may raise the hard limit too; everyone else can at least reach the hard limit.
+    for limit in [WANTED.max(hard), hard] {
+        let wanted = Rlimit {
+            current: Some(limit),
+            maximum: Some(limit),
+        };
+        if setrlimit(Resource::Nofile, wanted).is_ok() {
+            return limit;
+        }
+    }
+    current.current.unwrap_or(0)
+}
+
+/// The 1, 5 and 15 minute load averages and the number of runnable tasks, as `/proc/loadavg` says.
+pub fn loadavg() -> String {
+    let text = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+    let fields: Vec<&str> = text.split_whitespace().take(4).collect();
+    match fields.as_slice() {
+        [one, five, fifteen, tasks] => {
+            format!("load {one} {five} {fifteen} (runnable/total tasks {tasks})")
+        }
+        _ => "load average unavailable".to_owned(),
+    }
+}
+
+/// CPU seconds (user + system, all threads) a process has used, from `/proc/<pid>/stat`.
+pub fn cpu_seconds(pid: u32) -> anyhow::Result<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .with_context(|| format!("reading /proc/{pid}/stat"))?;
+    // The command name may hold spaces; the fields we want follow its closing parenthesis.
+    let after_name = stat
+        .rsplit_once(')')
+        .map(|(_, rest)| rest)
+        .context("malformed /proc/<pid>/stat")?;
+    let fields: Vec<&str> = after_name.split_whitespace().collect();
+    // Fields 14 (utime) and 15 (stime) of proc(5); index 0 here is field 3 (state).
+    let ticks = |i: usize| -> anyhow::Result<u64> {
+        fields
+            .get(i)
+            .context("short /proc/<pid>/stat")?
+            .parse()
+            .context("parsing /proc/<pid>/stat")
+    };
+    let per_second = rustix::param::clock_ticks_per_second() as f64;
+    Ok((ticks(11)? + ticks(12)?) as f64 / per_second)
+}
+
+/// CPU time below this is a handful of `/proc` clock ticks: too coarse to report.
+pub const MIN_CPU_SECONDS: f64 = 0.05;
+
+/// Resident memory of a process in KiB (`VmRSS` of `/proc/<pid>/status`).
+pub fn rss_kib(pid: u32) -> anyhow::Result<u64> {
+    let file = File::open(format!("/proc/{pid}/status"))
+        .with_context(|| format!("reading /proc/{pid}/status"))?;
+    for line in BufReader::new(file).lines() {
+        let line = line?;
+        if let Some(value) = line.strip_prefix("VmRSS:") {
+            let kib = value.trim().trim_end_matches("kB").trim();
+            return kib.parse().context("parsing VmRSS");
+        }
+    }
+    bail!("no VmRSS in /proc/{pid}/status")
+}
+
+/// Open file descriptors of a process (`/proc/<pid>/fd`).
+pub fn fd_count(pid: u32) -> anyhow::Result<usize> {
+    let dir = format!("/proc/{pid}/fd");
+    Ok(std::fs::read_dir(&dir)
+        .with_context(|| format!("reading {dir}"))?
+        .count())
+}
+
+/// A free TCP port on 127.0.0.1 (the kernel picks it; the race with other programs is accepted).
+pub fn free_port() -> anyhow::Result<u16> {
+    let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).context("finding a free port")?;
+    Ok(listener.local_addr()?.port())
+}
+
+/// A child process whose output goes to a log file; killed and reaped on drop, so every exit path
+/// (errors, panics) stops it.
+pub struct Service {
+    name: String,
+    child: Child,
+    log: PathBuf,
+}
+
+impl Service {
+    /// Starts `cmd` with stdin closed and stdout/stderr in `<log_dir>/<name>.log`.
+    pub fn spawn(name: &str, mut cmd: Command, log_dir: &Path) -> anyhow::Result<Self> {
+        let log = log_dir.join(format!("{name}.log"));
+        let out = File::create(&log).with_context(|| format!("creating {}", log.display()))?;
+        let child = cmd
+            .stdin(Stdio::null())
+            .stdout(out.try_clone()?)
+            .stderr(out)
+            .spawn()
+            .with_context(|| format!("starting {name}"))?;
+        Ok(Self {
+            name: name.to_owned(),
+            child,
+            log,
+        })
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Waits until `addr` accepts connections, failing early if the process exits.
+    pub fn wait_listening(&mut self, addr: SocketAddr, timeout: Duration) -> anyhow::Result<()> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(status) = self.child.try_wait()? {
+                bail!("{} exited with {status}:\n{}", self.name, self.log_tail());
+            }
+            if TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_ok() {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                bail!(
+                    "{} did not listen on {addr} within {timeout:?}:\n{}",
+                    self.name,
+                    self.log_tail()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Fails with the log tail if the process has exited.
+    pub fn check_running(&mut self) -> anyhow::Result<()> {
+        if let Some(status) = self.child.try_wait()? {
+            bail!("{} exited with {status}:\n{}", self.name, self.log_tail());
+        }
+        Ok(())
+    }
+
+    fn log_tail(&self) -> String {
+        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        lines[lines.len().saturating_sub(15)..].join("\n")
+    }
+}
+
+impl Drop for Service {
+    fn drop(&mut self) {
+        // Errors mean it is already gone, which is what we want.
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The path of `program` on `$PATH`, if any.
+pub fn which(program: &str) -> Option<PathBuf> {
+    let path = std::env::var_os("PATH")?;
+    std::env::split_paths(&path)
+        .chain([PathBuf::from("/usr/sbin"), PathBuf::from("/sbin")])
+        .map(|dir| dir.join(program))
+        .find(|candidate| candidate.is_file())
+}
+
+/// Builds one release binary with cargo and returns its path (read from cargo's JSON messages,
+/// so any target directory works).
+pub fn cargo_build_release(target_args: &[&str]) -> anyhow::Result<PathBuf> {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
+    eprintln!("building (release): cargo build {}", target_args.join(" "));
+    let output = Command::new(cargo)
+        .current_dir(crate::workspace_root())
+        .args([
+            "build",
+            "--release",
+            "--message-format=json-render-diagnostics",
+        ])
+        .args(target_args)
+        .stderr(Stdio::inherit())
+        .output()
+        .context("running cargo build")?;
+    if !output.status.success() {
+        bail!("cargo build {} failed", target_args.join(" "));
+    }
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    stdout
+        .lines()
+        .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
+        .filter(|msg| msg["reason"] == "compiler-artifact")
+        .filter_map(|msg| msg["executable"].as_str().map(PathBuf::from))
+        .next_back()
+        .with_context(|| {
+            format!(
+                "cargo build {} produced no executable",
+                target_args.join(" ")
+            )
+        })
+}
