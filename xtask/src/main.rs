@@ -1,8 +1,11 @@
-//! Project tasks: `cargo xtask <task>`.
+//! Project tasks: `cargo xtask <task>` (`cargo xtask --help` lists them).
 //!
-//! * `envtest`: build/install the test control plane binaries and print their directory.
-//! * `cluster`: run a local control plane until Ctrl-C and print its kubeconfig.
-//! * `test`: everything CI checks (format, lints, tests, docs).
+//! * `envtest`, `helm`: the test control plane binaries and Helm, built from their Go modules.
+//! * `cluster`, `demo`: a local control plane alone, or with the three binaries running on it.
+//! * `crds`, `charts`, `image`, `verify-images`, `readme-flags`: generated files and release
+//!   artefacts, each with its check.
+//! * `bench`: benchmarks against baselines measured in the same run.
+//! * `test`: everything CI checks.
 
 mod bench;
 mod charts;

@@ -276,7 +276,6 @@ fn start_manager(
     cmd.env("KUBECONFIG", kubeconfig)
         .env_remove("RUST_LOG")
         .arg(format!("--namespace={namespace}"))
-        .arg("--leader-elect=false")
         .arg(format!("--metrics-bind-address={}", address()?))
         .arg(format!("--health-probe-bind-address={}", address()?))
         .arg("--log-format=text")
