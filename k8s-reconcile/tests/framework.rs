@@ -15,26 +15,11 @@ use k8s_reconcile::endpointslice::{
 use k8s_reconcile::leader::{LeaderElector, LeaderState, LeaseConfig};
 use k8s_reconcile::metrics::ControllerMetrics;
 use k8s_reconcile::ops::Health;
-use k8s_reconcile::testing::{ControlPlane, Identity};
+use k8s_reconcile::testing::{ControlPlane, Identity, eventually};
 use k8s_reconcile::{Action, Applier, Context, ControllerBuilder, Reconciler, deployment};
 use kube::api::{Api, ListParams, ObjectMeta, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt as _};
 use tokio_util::sync::CancellationToken;
-
-async fn eventually<F, Fut>(what: &str, timeout: Duration, mut check: F)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let deadline = Instant::now() + timeout;
-    while !check().await {
-        assert!(
-            Instant::now() < deadline,
-            "timed out after {timeout:?}: {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
 
 /// A client authenticated as its own user (in system:masters), so its writes can be counted.
 async fn counted_client(plane: &ControlPlane, user: &str) -> Client {

@@ -13,7 +13,7 @@ use k8s_openapi::api::core::v1::{ConfigMap, Endpoints, Namespace, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::api::events::v1::Event;
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
-use k8s_reconcile::testing::{ControlPlane, Identity};
+use k8s_reconcile::testing::{ControlPlane, Identity, eventually};
 use kube::ResourceExt as _;
 use kube::api::{Api, ListParams, Patch, PatchParams, PostParams, WatchEvent, WatchParams};
 use tokio::sync::{Mutex, OnceCell};
@@ -137,21 +137,6 @@ impl Drop for Proxy {
 /// Whether the exposition has exactly this sample line.
 fn metric_line(text: &str, line: &str) -> bool {
     text.lines().any(|l| l == line)
-}
-
-async fn eventually<F, Fut>(what: &str, timeout: Duration, mut check: F)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let deadline = Instant::now() + timeout;
-    while !check().await {
-        assert!(
-            Instant::now() < deadline,
-            "timed out after {timeout:?}: {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
 }
 
 async fn create_proxy_service(client: &kube::Client, ns: &str) -> Service {

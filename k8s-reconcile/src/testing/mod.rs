@@ -737,6 +737,27 @@ impl Drop for ControlPlane {
     }
 }
 
+/// Polls `check` every 20 ms until it holds.
+///
+/// # Panics
+///
+/// Like `assert!`, when `check` still fails after `timeout`; the message names `what`. Meant for
+/// tests, where a condition that never holds is the failure being reported.
+pub async fn eventually<F, Fut>(what: &str, timeout: Duration, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = Instant::now() + timeout;
+    while !check().await {
+        assert!(
+            Instant::now() < deadline,
+            "timed out after {timeout:?}: {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// Builds a client from kubeconfig text (JSON or YAML).
 async fn client_from_kubeconfig(text: &str) -> Result<Client, TestingError> {
     let kubeconfig =
