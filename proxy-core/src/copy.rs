@@ -6,7 +6,7 @@
 //! returned as is; the [`relay`](crate::relay) module decides which of them are normal endings.
 
 use std::io;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
 use std::time::Duration;
 
 use futures::FutureExt;
@@ -27,10 +27,11 @@ pub enum CopyMode {
     /// with the bytes moved (16 KiB after 128 KiB, 256 KiB after 10 MiB), so idle connections
     /// stay cheap and bulk transfers get large reads (ztunnel's scheme). Works for any stream.
     Buffered,
-    /// Linux only: socket -> pipe -> socket with `splice(2)`; the bytes never enter user
-    /// space. Costs two pipes (four descriptors) per connection, created lazily when the first
-    /// byte arrives in each direction. Falls back to `Buffered` if a pipe cannot be created
-    /// (for example at the descriptor limit) or on other systems.
+    /// Linux only: socket -> pipe -> socket with `splice(2)` for streaming data; the bytes
+    /// never enter user space. The first bytes of each direction go through the buffered
+    /// path; once a read fills a 16 KiB buffer the direction borrows a pipe from the
+    /// process-wide [pool](crate::pipe) while data keeps coming. Stays buffered when the pipe
+    /// budget is spent, when a pipe cannot be opened, or on other systems.
     Splice,
 }
 
@@ -74,6 +75,8 @@ pub struct RelayCounters {
     started: Instant,
     /// Milliseconds after `started` when bytes last moved; drives the idle timeout.
     last_activity_ms: AtomicU64,
+    /// Which way bytes last moved: 0 none yet, 1 to the upstream, 2 to the client.
+    last_direction: AtomicU8,
 }
 
 impl Default for RelayCounters {
@@ -90,6 +93,7 @@ impl RelayCounters {
             to_client: AtomicU64::new(0),
             started: Instant::now(),
             last_activity_ms: AtomicU64::new(0),
+            last_direction: AtomicU8::new(0),
         }
     }
 
@@ -122,11 +126,22 @@ impl RelayCounters {
         self.started + Duration::from_millis(self.last_activity_ms.load(Ordering::Relaxed))
     }
 
+    /// Which way bytes moved last (`None` before any moved). A connection whose last bytes went
+    /// to the client has, as far as a byte stream can tell, been answered.
+    pub fn last_direction(&self) -> Option<Direction> {
+        match self.last_direction.load(Ordering::Relaxed) {
+            1 => Some(Direction::ToUpstream),
+            2 => Some(Direction::ToClient),
+            _ => None,
+        }
+    }
+
     pub(crate) fn record(&self, direction: Direction, bytes: usize) {
-        let counter = match direction {
-            Direction::ToUpstream => &self.to_upstream,
-            Direction::ToClient => &self.to_client,
+        let (counter, code) = match direction {
+            Direction::ToUpstream => (&self.to_upstream, 1),
+            Direction::ToClient => (&self.to_client, 2),
         };
+        self.last_direction.store(code, Ordering::Relaxed);
         counter.fetch_add(bytes as u64, Ordering::Relaxed);
         let elapsed = u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX);
         self.last_activity_ms.fetch_max(elapsed, Ordering::Relaxed);
@@ -208,10 +223,17 @@ where
     writer.shutdown().await
 }
 
+/// A buffered read at least this large that fills its buffer marks a direction as streaming:
+/// from then on it borrows a pipe (when the copy mode and the pipe budget allow).
+const STREAMING_READ: usize = 16 * 1024;
+
 /// Copies `src` to `dst` until EOF, then half-closes `dst`.
 ///
 /// Works on shared references, so both directions of a connection run concurrently without
-/// splitting the streams.
+/// splitting the streams. With [`CopyMode::Splice`], the first bytes go through the adaptive
+/// buffer; once a read fills a 16 KiB buffer the direction splices through a pipe borrowed
+/// from the process-wide [pool](crate::pipe) while data keeps coming, and returns the pipe
+/// whenever `src` runs dry. Without a pipe (budget spent, other systems) it stays buffered.
 pub(crate) async fn copy_tcp(
     src: &TcpStream,
     dst: &TcpStream,
@@ -220,28 +242,29 @@ pub(crate) async fn copy_tcp(
     counters: &RelayCounters,
     direction: Direction,
 ) -> io::Result<()> {
-    match mode.resolve() {
-        #[cfg(target_os = "linux")]
-        CopyMode::Splice => splice::copy(src, dst, pipe_size, counters, direction).await,
-        _ => {
-            let _ = pipe_size;
-            copy_tcp_buffered(src, dst, counters, direction).await
-        }
-    }
-}
-
-/// Buffered copy between sockets, driven by readiness (no split, no lock).
-async fn copy_tcp_buffered(
-    src: &TcpStream,
-    dst: &TcpStream,
-    counters: &RelayCounters,
-    direction: Direction,
-) -> io::Result<()> {
+    let splice_pipe = (mode.resolve() == CopyMode::Splice).then_some(pipe_size);
     // Allocated after the first readiness, so an idle connection holds no buffer.
     let mut buffer = AdaptiveBuffer::default();
+    let mut streaming = false;
     loop {
         src.readable().await?;
-        let read = match src.try_read(buffer.spare()) {
+        #[cfg(target_os = "linux")]
+        if let Some(size) = splice_pipe.filter(|_| streaming)
+            && let Some(pipe) = crate::pipe::take(size)
+        {
+            match splice::copy_while_ready(src, dst, pipe, counters, direction).await? {
+                splice::Paused::Eof => break,
+                splice::Paused::Drained(moved) => {
+                    buffer.advance(moved);
+                    continue;
+                }
+            }
+        }
+        #[cfg(not(target_os = "linux"))]
+        let _ = splice_pipe;
+        let spare = buffer.spare();
+        let capacity = spare.len();
+        let read = match src.try_read(spare) {
             Ok(0) => break,
             Ok(read) => read,
             Err(error) if error.kind() == io::ErrorKind::WouldBlock => continue,
@@ -261,76 +284,59 @@ async fn copy_tcp_buffered(
             }
         }
         buffer.advance(read);
+        streaming = read == capacity && capacity >= STREAMING_READ;
     }
     socket::shutdown_write(dst)
 }
 
 #[cfg(target_os = "linux")]
 mod splice {
-    //! Zero-copy through a pipe. The pipe is filled only when empty, so `EAGAIN` from
-    //! `splice` always means "socket not ready" (never "pipe full/empty") and clearing the
-    //! socket's readiness in `try_io` is correct.
+    //! Zero-copy through a borrowed pipe. The pipe is filled only when empty, so `EAGAIN`
+    //! from `splice` always means "socket not ready" (never "pipe full/empty") and clearing
+    //! the socket's readiness in `try_io` is correct.
 
     use std::io;
-    use std::os::fd::OwnedFd;
 
-    use rustix::pipe::{
-        PipeFlags, SpliceFlags, fcntl_getpipe_size, fcntl_setpipe_size, pipe_with, splice,
-    };
+    use rustix::pipe::{SpliceFlags, splice};
     use tokio::io::Interest;
     use tokio::net::TcpStream;
 
-    use super::{Direction, RelayCounters, copy_tcp_buffered};
-    use crate::socket;
-
-    struct Pipe {
-        read: OwnedFd,
-        write: OwnedFd,
-        capacity: usize,
-    }
-
-    impl Pipe {
-        fn new(size: usize) -> io::Result<Self> {
-            let (read, write) = pipe_with(PipeFlags::NONBLOCK | PipeFlags::CLOEXEC)?;
-            // Raising the size can fail past /proc/sys/fs/pipe-max-size or the per-user pipe
-            // budget; the default 64 KiB pipe still works, only with more syscalls.
-            if let Err(error) = fcntl_setpipe_size(&write, size) {
-                tracing::debug!(%error, size, "cannot raise pipe size, using the default");
-            }
-            let capacity = fcntl_getpipe_size(&write)?;
-            Ok(Self {
-                read,
-                write,
-                capacity,
-            })
-        }
-    }
+    use super::{Direction, RelayCounters};
+    use crate::pipe::PooledPipe;
 
     const FLAGS: SpliceFlags = SpliceFlags::NONBLOCK.union(SpliceFlags::MOVE);
 
-    pub(super) async fn copy(
+    /// Why [`copy_while_ready`] gave its pipe back.
+    pub(super) enum Paused {
+        /// `src` reached EOF; everything before it was written.
+        Eof,
+        /// `src` has nothing to read now; this many bytes were moved, all written.
+        Drained(usize),
+    }
+
+    /// Splices `src` to `dst` through `pipe` until `src` would block or ends. The pipe goes
+    /// back to the pool empty when this returns, or is closed if this fails or is dropped
+    /// half way.
+    pub(super) async fn copy_while_ready(
         src: &TcpStream,
         dst: &TcpStream,
-        pipe_size: usize,
+        pipe: PooledPipe,
         counters: &RelayCounters,
         direction: Direction,
-    ) -> io::Result<()> {
-        src.readable().await?;
-        let pipe = match Pipe::new(pipe_size) {
-            Ok(pipe) => pipe,
-            Err(error) => {
-                tracing::debug!(%error, "cannot create a pipe, copying through a buffer");
-                return copy_tcp_buffered(src, dst, counters, direction).await;
-            }
+    ) -> io::Result<Paused> {
+        let Some((pipe_in, pipe_out, capacity)) = pipe.ends() else {
+            return Ok(Paused::Drained(0));
         };
-        loop {
-            src.readable().await?;
+        let mut moved = 0;
+        let paused = loop {
             let filled = match src.try_io(Interest::READABLE, || {
-                Ok(splice(src, None, &pipe.write, None, pipe.capacity, FLAGS)?)
+                Ok(splice(src, None, pipe_in, None, capacity, FLAGS)?)
             }) {
-                Ok(0) => break,
+                Ok(0) => break Paused::Eof,
                 Ok(filled) => filled,
-                Err(error) if error.kind() == io::ErrorKind::WouldBlock => continue,
+                Err(error) if error.kind() == io::ErrorKind::WouldBlock => {
+                    break Paused::Drained(moved);
+                }
                 Err(error) => return Err(error),
             };
             // Drain everything before reading again: FIN must follow the last byte.
@@ -338,19 +344,21 @@ mod splice {
             while in_pipe > 0 {
                 dst.writable().await?;
                 match dst.try_io(Interest::WRITABLE, || {
-                    Ok(splice(&pipe.read, None, dst, None, in_pipe, FLAGS)?)
+                    Ok(splice(pipe_out, None, dst, None, in_pipe, FLAGS)?)
                 }) {
                     Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
-                    Ok(moved) => {
-                        in_pipe -= moved;
-                        counters.record(direction, moved);
+                    Ok(out) => {
+                        in_pipe -= out;
+                        counters.record(direction, out);
                     }
                     Err(error) if error.kind() == io::ErrorKind::WouldBlock => {}
                     Err(error) => return Err(error),
                 }
             }
-        }
-        socket::shutdown_write(dst)
+            moved += filled;
+        };
+        pipe.give_back();
+        Ok(paused)
     }
 }
 

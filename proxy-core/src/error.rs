@@ -1,5 +1,8 @@
 //! Error types.
 //!
+//! A variant that wraps a lower error prints it in its message and does not also return it from
+//! `source()`, so a printed chain shows each cause once.
+//!
 //! Three families, one per moment a thing can go wrong:
 //!
 //! * [`ConfigError`]: a configuration that can never work (unparsable address, zero limit,
@@ -56,13 +59,12 @@ pub enum ConfigError {
 #[non_exhaustive]
 pub enum ConnectError {
     /// The host name could not be resolved, or resolved to no address.
-    #[error("cannot resolve {target}: {source}")]
+    #[error("cannot resolve {target}: {cause}")]
     Resolve {
         /// The target as configured.
         target: String,
         /// The resolver's error.
-        #[source]
-        source: io::Error,
+        cause: io::Error,
     },
     /// The connect did not complete within the connect timeout.
     #[error("connect to {target} timed out after {after:?}")]
@@ -73,13 +75,12 @@ pub enum ConnectError {
         after: Duration,
     },
     /// The connect failed (refused, unreachable, ...).
-    #[error("connect to {target} failed: {source}")]
+    #[error("connect to {target} failed: {cause}")]
     Io {
         /// The target as configured.
         target: String,
         /// The socket error.
-        #[source]
-        source: io::Error,
+        cause: io::Error,
     },
     /// Every target of an upstream set is marked unhealthy.
     #[error("no healthy target among {targets} configured")]
@@ -93,17 +94,21 @@ pub enum ConnectError {
         /// How many targets were tried.
         tried: usize,
         /// The last failure.
-        #[source]
         last: Box<ConnectError>,
     },
+    /// The HTTP proxy in front of the upstream could not open a tunnel to it.
+    #[error("{cause}")]
+    HttpProxy {
+        /// What went wrong with the proxy.
+        cause: Box<crate::http_connect::HttpConnectError>,
+    },
     /// The PROXY protocol header could not be written to the upstream.
-    #[error("writing the PROXY protocol header to {target} failed: {source}")]
+    #[error("writing the PROXY protocol header to {target} failed: {cause}")]
     ProxyHeader {
         /// The upstream address.
         target: SocketAddr,
         /// The socket error.
-        #[source]
-        source: io::Error,
+        cause: io::Error,
     },
 }
 
@@ -113,6 +118,7 @@ impl ConnectError {
         match self {
             ConnectError::Timeout { .. } => true,
             ConnectError::AllTargetsFailed { last, .. } => last.is_timeout(),
+            ConnectError::HttpProxy { cause } => cause.is_timeout(),
             _ => false,
         }
     }
@@ -126,13 +132,12 @@ pub enum ServerError {
     #[error(transparent)]
     Config(#[from] ConfigError),
     /// The listening socket could not be created.
-    #[error("cannot listen on {addr}: {source}")]
+    #[error("cannot listen on {addr}: {cause}")]
     Bind {
         /// The address asked for.
         addr: SocketAddr,
         /// The socket error.
-        #[source]
-        source: io::Error,
+        cause: io::Error,
     },
     /// A listener is already bound to this address by this server.
     #[error("a listener on {0} already exists")]

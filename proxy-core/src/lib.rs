@@ -14,6 +14,8 @@
 //!
 //! * [`server`]: listeners, live routes, connection limits, accept backoff, drain and shutdown
 //!   ([`server::ProxyServer`]). Uses everything below.
+//! * [`accept`]: accept layers for listeners that do more than TCP to TCP (TLS termination):
+//!   [`accept::StreamAcceptor`].
 //! * [`metrics`]: the [`metrics::RelayObserver`] trait the server reports to, and a ready
 //!   Prometheus implementation ([`metrics::PrometheusObserver`]).
 //! * [`relay`]: one connection: connect with a timeout, optional PROXY header, both
@@ -22,25 +24,36 @@
 //!   [`relay::relay_streams`].
 //! * [`upstream`]: where connections go: an address, a custom [`upstream::Connector`], or an
 //!   [`upstream::UpstreamSet`] with round-robin, failover and TCP health checks.
+//! * [`http_connect`]: reaching an upstream through an HTTP proxy's `CONNECT` tunnel, with
+//!   optional basic auth ([`http_connect::HttpProxy`]).
 //! * [`proxy_protocol`]: PROXY protocol v2 encoder and parser.
+//! * [`pipe`]: the process-wide pool of pipes for the splice path, under a budget that keeps
+//!   the process inside the user's pipe limit.
 //! * [`copy`]: one direction of bytes: the adaptive buffered path (any stream) and the Linux
 //!   splice path (TCP to TCP), with live [`copy::RelayCounters`].
 //! * [`socket`]: socket options for both legs (`TCP_NODELAY`, keepalive) and half-close.
+//! * `testing` (feature `testing`): fixtures for tests: free ports, echo and HTTP servers,
+//!   kill-on-drop children.
+//! * `tls` (feature `tls`): the one certificate verifier that accepts any certificate.
 //! * [`error`]: typed errors: configuration, connect, server.
 //!
 //! # Copy path
 //!
 //! Chosen per connection with [`copy::CopyMode`]. `Auto` (the default) splices on Linux for
-//! TCP-to-TCP relays: bytes go socket → pipe → socket without entering user space, through a
-//! pipe raised to 1 MiB with `F_SETPIPE_SZ`; byte counters add up `splice` results so they
-//! stay live. Any other stream uses the buffered path, whose buffer starts at 1 KiB and grows
-//! to 16 KiB and 256 KiB as bytes flow, so idle connections cost little. Pipes are created on
-//! the first byte of each direction, so idle spliced connections hold no pipe either.
+//! TCP-to-TCP relays, the way HAProxy's `splice-auto` does: each direction starts on the
+//! buffered path (a buffer of 1 KiB growing to 16 KiB and 256 KiB as bytes flow, allocated on
+//! the first byte), and once a read fills a 16 KiB buffer it borrows a pipe from the
+//! process-wide [`pipe`] pool (1 MiB with `F_SETPIPE_SZ`) and moves bytes socket → pipe →
+//! socket without entering user space, handing the pipe back whenever its socket runs dry.
+//! Connections that never stream never touch a pipe; idle ones hold two descriptors and no
+//! buffer. The pool stays inside a budget of pipe bytes (a quarter of the user's
+//! `pipe-user-pages-soft` by default), beyond which copies stay buffered. Byte counters add up
+//! `splice` results, so they stay live.
 //!
 //! # Feature flags
 //!
-//! None. The splice path is compiled on Linux only; elsewhere every connection uses the buffered
-//! path.
+//! * `tls`: the [`tls`](mod@tls) module (rustls helpers). The splice path is compiled on Linux
+//!   only; elsewhere every connection uses the buffered path.
 //!
 //! # Example
 //!
@@ -67,16 +80,22 @@
 //! # }
 //! ```
 
-#![deny(missing_docs)]
 #![cfg_attr(test, allow(clippy::unwrap_used, clippy::expect_used))]
 
+pub mod accept;
 pub mod copy;
 pub mod error;
+pub mod http_connect;
 pub mod metrics;
+pub mod pipe;
 pub mod proxy_protocol;
 pub mod relay;
 pub mod server;
 pub mod socket;
+#[cfg(feature = "testing")]
+pub mod testing;
+#[cfg(feature = "tls")]
+pub mod tls;
 pub mod upstream;
 
 pub use error::{ConfigError, ConnectError, ServerError};

@@ -5,14 +5,16 @@
 //! [`ServerConfig::report_interval`](crate::server::ServerConfig::report_interval) and at the
 //! end of each connection, so long-lived connections show up in the metrics while they run.
 
-use prometheus_client::encoding::EncodeLabelSet;
-use prometheus_client::metrics::counter::Counter;
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
+use prometheus_client::metrics::counter::{ConstCounter, Counter};
 use prometheus_client::metrics::family::Family;
-use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::gauge::{ConstGauge, Gauge};
 use prometheus_client::registry::Registry;
 
 use crate::copy::Direction;
 use crate::error::ConnectError;
+use crate::pipe;
 use crate::relay::RelaySummary;
 
 /// Identifies the listener and route a connection belongs to.
@@ -91,6 +93,19 @@ struct EndingLabels {
 ///
 /// A timeout counts in both `connect_errors` and `connect_timeouts`.
 ///
+/// It also exports the process-wide [pipe pool](crate::pipe), without labels, read at each
+/// scrape:
+///
+/// | name | type | |
+/// |---|---|---|
+/// | `proxy_pipe_budget_bytes` | gauge | the budget of pipe buffer bytes |
+/// | `proxy_pipe_allocated_bytes` | gauge | pipe buffer bytes held (lent and idle pipes) |
+/// | `proxy_pipes_in_use` | gauge | pipes lent to a copy now |
+/// | `proxy_pipes_idle` | gauge | pipes waiting in the pool |
+/// | `proxy_pipes_created_total` | counter | pipes opened |
+/// | `proxy_pipe_budget_exhausted_total` | counter | streaming copies that stayed buffered for want of budget |
+/// | `proxy_pipe_resize_refused_total` | counter | pipe sizes the kernel refused (user pipe limit) |
+///
 /// ```
 /// use prometheus_client::registry::Registry;
 /// use proxy_core::metrics::{PrometheusObserver, RelayObserver, RouteLabels};
@@ -103,6 +118,7 @@ struct EndingLabels {
 /// let mut text = String::new();
 /// prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
 /// assert!(text.contains(r#"proxy_connections_active{listener="0.0.0.0:443",route="apiserver"} 1"#));
+/// assert!(text.contains("proxy_pipe_budget_bytes "));
 /// ```
 #[derive(Clone, Debug, Default)]
 pub struct PrometheusObserver {
@@ -155,6 +171,7 @@ impl PrometheusObserver {
             "Upstream connects that timed out",
             metrics.connect_timeouts.clone(),
         );
+        registry.register_collector(Box::new(PipeCollector));
         metrics
     }
 }
@@ -193,5 +210,56 @@ impl RelayObserver for PrometheusObserver {
             ending: summary.ending.as_str(),
         };
         self.closed.get_or_create(&labels).inc();
+    }
+}
+
+/// Reads [`pipe::stats`] at each scrape.
+#[derive(Debug)]
+struct PipeCollector;
+
+impl Collector for PipeCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
+        let stats = pipe::stats();
+        let gauges = [
+            (
+                "pipe_budget_bytes",
+                "Budget of pipe buffer bytes for the splice path",
+                stats.budget_bytes,
+            ),
+            (
+                "pipe_allocated_bytes",
+                "Pipe buffer bytes held by lent and idle pipes",
+                stats.allocated_bytes,
+            ),
+            ("pipes_in_use", "Pipes lent to a copy", stats.in_use),
+            ("pipes_idle", "Pipes waiting in the pool", stats.idle),
+        ];
+        for (name, help, value) in gauges {
+            let gauge = ConstGauge::new(i64::try_from(value).unwrap_or(i64::MAX));
+            gauge.encode(encoder.encode_descriptor(name, help, None, gauge.metric_type())?)?;
+        }
+        let counters = [
+            ("pipes_created", "Pipes opened", stats.created),
+            (
+                "pipe_budget_exhausted",
+                "Streaming copies that stayed buffered because the pipe budget was spent",
+                stats.budget_exhausted,
+            ),
+            (
+                "pipe_resize_refused",
+                "Pipe sizes the kernel refused (the user's pipe limit was reached)",
+                stats.resize_refused,
+            ),
+        ];
+        for (name, help, value) in counters {
+            let counter = ConstCounter::new(value);
+            counter.encode(encoder.encode_descriptor(
+                name,
+                help,
+                None,
+                counter.metric_type(),
+            )?)?;
+        }
+        Ok(())
     }
 }

@@ -246,7 +246,7 @@ pub async fn connect_upstream(
         let target = upstream
             .peer_addr()
             .unwrap_or_else(|_| ([0, 0, 0, 0], 0).into());
-        let header_error = |source| ConnectError::ProxyHeader { target, source };
+        let header_error = |cause| ConnectError::ProxyHeader { target, cause };
         let header = proxy_protocol::encode_v2(
             client.peer_addr().map_err(header_error)?,
             client.local_addr().map_err(header_error)?,

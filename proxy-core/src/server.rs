@@ -20,6 +20,7 @@
 
 use std::collections::HashMap;
 use std::fmt;
+use std::future::Future;
 use std::io;
 use std::net::{IpAddr, SocketAddr};
 use std::str::FromStr;
@@ -27,14 +28,15 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
-use tokio::net::{TcpListener, TcpSocket, TcpStream};
+use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinHandle;
 use tokio_util::sync::{CancellationToken, DropGuard};
 use tokio_util::task::TaskTracker;
 
-use crate::copy::{Direction, RelayCounters};
-use crate::error::{ConfigError, ServerError};
+use crate::accept::{AcceptError, StreamAcceptor};
+use crate::copy::{CopyMode, Direction, RelayCounters};
+use crate::error::{ConfigError, ConnectError, ServerError};
 use crate::metrics::{RelayObserver, RouteLabels};
 use crate::relay::{self, Ending, RelayConfig, RelaySummary, Route};
 use crate::socket;
@@ -52,6 +54,11 @@ pub struct ServerConfig {
     pub backlog: u32,
     /// Longest pause between accepts after repeated accept errors.
     pub accept_backoff_max: Duration,
+    /// During a drain, close a connection as soon as its last bytes went to the client and
+    /// nothing has moved for this long, instead of at the deadline: between an answer and the
+    /// next request, as an HTTP server's graceful shutdown closes idle keep-alive connections.
+    /// `None` (the default) keeps every connection until it ends or the deadline.
+    pub drain_idle: Option<Duration>,
 }
 
 impl Default for ServerConfig {
@@ -61,6 +68,7 @@ impl Default for ServerConfig {
             report_interval: Duration::from_secs(10),
             backlog: 1024,
             accept_backoff_max: Duration::from_secs(1),
+            drain_idle: None,
         }
     }
 }
@@ -73,8 +81,21 @@ impl ServerConfig {
         self
     }
 
+    /// Closes answered connections idle for `idle` during a drain (see
+    /// [`ServerConfig::drain_idle`]).
+    #[must_use]
+    pub fn with_drain_idle(mut self, idle: Duration) -> Self {
+        self.drain_idle = Some(idle);
+        self
+    }
+
     /// Rejects zero values.
     pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.drain_idle.is_some_and(|idle| idle.is_zero()) {
+            return Err(ConfigError::Zero {
+                what: "drain idle time",
+            });
+        }
         if self.report_interval.is_zero() {
             return Err(ConfigError::Zero {
                 what: "report interval",
@@ -106,6 +127,9 @@ pub struct ListenerConfig {
     pub max_connections: Option<usize>,
     /// Timeouts, copy mode and socket options.
     pub relay: RelayConfig,
+    /// An accept layer (e.g. TLS termination) that prepares both legs instead of the plain TCP
+    /// connect; `None` relays TCP to TCP.
+    pub acceptor: Option<Arc<dyn StreamAcceptor>>,
 }
 
 impl ListenerConfig {
@@ -116,7 +140,15 @@ impl ListenerConfig {
             route,
             max_connections: None,
             relay: RelayConfig::default(),
+            acceptor: None,
         }
+    }
+
+    /// Sets the accept layer.
+    #[must_use]
+    pub fn with_acceptor(mut self, acceptor: Arc<dyn StreamAcceptor>) -> Self {
+        self.acceptor = Some(acceptor);
+        self
     }
 
     /// Sets the connection limit.
@@ -164,6 +196,9 @@ pub struct DrainReport {
     pub finished: usize,
     /// Connections closed at the deadline.
     pub forced: usize,
+    /// Connections closed during the drain once answered and idle (see
+    /// [`ServerConfig::drain_idle`]).
+    pub closed_idle: usize,
 }
 
 impl std::ops::Add for DrainReport {
@@ -173,6 +208,7 @@ impl std::ops::Add for DrainReport {
         Self {
             finished: self.finished + other.finished,
             forced: self.forced + other.forced,
+            closed_idle: self.closed_idle + other.closed_idle,
         }
     }
 }
@@ -203,6 +239,8 @@ pub struct ConnectionStatus {
     pub route: String,
     /// Bytes moved so far and last activity.
     pub counters: Arc<RelayCounters>,
+    /// Closes this connection alone.
+    close: CancellationToken,
 }
 
 /// An inclusive range of ports, e.g. for allocating mappings.
@@ -330,6 +368,7 @@ struct ServerShared {
 struct ListenerShared {
     local_addr: SocketAddr,
     relay: RelayConfig,
+    acceptor: Option<Arc<dyn StreamAcceptor>>,
     route: Mutex<Arc<ActiveRoute>>,
     /// Stops the accept loop; a child of the server's shutdown token.
     stop_accepting: CancellationToken,
@@ -392,14 +431,15 @@ impl ProxyServer {
             return Err(ServerError::ListenerExists(config.bind));
         }
         let listener = bind(config.bind, shared.config.backlog)?;
-        let local_addr = listener.local_addr().map_err(|source| ServerError::Bind {
+        let local_addr = listener.local_addr().map_err(|cause| ServerError::Bind {
             addr: config.bind,
-            source,
+            cause,
         })?;
         let close_connections = shared.shutdown.child_token();
         let state = Arc::new(ListenerShared {
             local_addr,
             relay: config.relay,
+            acceptor: config.acceptor,
             route: Mutex::new(Arc::new(ActiveRoute::new(
                 config.route,
                 local_addr,
@@ -447,8 +487,8 @@ impl ProxyServer {
             };
             match self.add_listener(config) {
                 Err(ServerError::ListenerExists(_)) => {}
-                Err(ServerError::Bind { source, .. })
-                    if source.kind() == io::ErrorKind::AddrInUse => {}
+                Err(ServerError::Bind { cause, .. })
+                    if cause.kind() == io::ErrorKind::AddrInUse => {}
                 other => return other,
             }
         }
@@ -490,7 +530,7 @@ impl ProxyServer {
         let state = lock(&self.shared.listeners)
             .remove(&listener)
             .ok_or(ServerError::UnknownListener(listener))?;
-        Ok(state.drain(drain).await)
+        Ok(state.drain(drain, self.shared.config.drain_idle).await)
     }
 
     /// Graceful shutdown: stops every listener, lets connections finish for up to `drain`,
@@ -501,7 +541,12 @@ impl ProxyServer {
             .drain()
             .map(|(_, l)| l)
             .collect();
-        let reports = futures::future::join_all(listeners.iter().map(|l| l.drain(drain))).await;
+        let reports = futures::future::join_all(
+            listeners
+                .iter()
+                .map(|l| l.drain(drain, self.shared.config.drain_idle)),
+        )
+        .await;
         self.shared.shutdown.cancel();
         self.shared.tracker.close();
         self.shared.tracker.wait().await;
@@ -551,16 +596,7 @@ impl ProxyServer {
 }
 
 fn bind(addr: SocketAddr, backlog: u32) -> Result<TcpListener, ServerError> {
-    let bind_error = |source| ServerError::Bind { addr, source };
-    let socket = match addr {
-        SocketAddr::V4(_) => TcpSocket::new_v4(),
-        SocketAddr::V6(_) => TcpSocket::new_v6(),
-    }
-    .map_err(bind_error)?;
-    // Lets a restarted proxy bind while old connections sit in TIME_WAIT.
-    socket.set_reuseaddr(true).map_err(bind_error)?;
-    socket.bind(addr).map_err(bind_error)?;
-    socket.listen(backlog).map_err(bind_error)
+    socket::bind_listener(addr, backlog).map_err(|cause| ServerError::Bind { addr, cause })
 }
 
 impl ActiveRoute {
@@ -577,7 +613,7 @@ impl ActiveRoute {
 }
 
 impl ListenerShared {
-    async fn drain(&self, deadline: Duration) -> DrainReport {
+    async fn drain(&self, deadline: Duration, idle: Option<Duration>) -> DrainReport {
         self.stop_accepting.cancel();
         let accept_task = lock(&self.accept_task).take();
         if let Some(task) = accept_task {
@@ -586,20 +622,52 @@ impl ListenerShared {
         }
         let in_flight = self.connection_tasks.len();
         self.connection_tasks.close();
-        let forced = match tokio::time::timeout(deadline, self.connection_tasks.wait()).await {
-            Ok(()) => 0,
-            Err(_) => {
-                let remaining = self.connection_tasks.len();
-                self.close_connections.cancel();
-                self.connection_tasks.wait().await;
-                remaining
+        let deadline = tokio::time::Instant::now() + deadline;
+        // Checked a few times per idle period, so a connection closes soon after it qualifies.
+        let sweep = idle.map(|idle| (idle / 4).max(Duration::from_millis(1)));
+        let mut closed_idle = 0;
+        let ended_in_time = loop {
+            tokio::select! {
+                () = self.connection_tasks.wait() => break true,
+                () = tokio::time::sleep_until(deadline) => break false,
+                () = tokio::time::sleep(sweep.unwrap_or_default()), if sweep.is_some() => {
+                    closed_idle += idle.map_or(0, |idle| self.close_answered_idle(idle));
+                }
             }
         };
-        tracing::info!(listener = %self.local_addr, in_flight, forced, "listener drained");
+        let forced = if ended_in_time {
+            0
+        } else {
+            let remaining = self.connection_tasks.len();
+            self.close_connections.cancel();
+            self.connection_tasks.wait().await;
+            remaining
+        };
+        tracing::info!(listener = %self.local_addr, in_flight, closed_idle, forced, "listener drained");
         DrainReport {
-            finished: in_flight.saturating_sub(forced),
+            finished: in_flight.saturating_sub(forced + closed_idle),
             forced,
+            closed_idle,
         }
+    }
+
+    /// Closes the connections whose last bytes went to the client (or that never moved any)
+    /// and that have been quiet for `idle`; returns how many.
+    fn close_answered_idle(&self, idle: Duration) -> usize {
+        let connections = lock(&self.connections);
+        let mut closed = 0;
+        for connection in connections.values() {
+            let counters = &connection.counters;
+            let answered = counters.last_direction() != Some(Direction::ToUpstream);
+            if answered
+                && counters.last_activity().elapsed() >= idle
+                && !connection.close.is_cancelled()
+            {
+                connection.close.cancel();
+                closed += 1;
+            }
+        }
+        closed
     }
 
     fn start_connection(
@@ -623,6 +691,7 @@ impl ListenerShared {
         };
         let id = server.next_connection_id.fetch_add(1, Ordering::Relaxed);
         let counters = Arc::new(RelayCounters::new());
+        let close = route.cancel.child_token();
         lock(&self.connections).insert(
             id,
             ConnectionStatus {
@@ -630,6 +699,7 @@ impl ListenerShared {
                 client: peer,
                 route: route.route.name.clone(),
                 counters: Arc::clone(&counters),
+                close: close.clone(),
             },
         );
         let registration = Registration {
@@ -641,7 +711,9 @@ impl ListenerShared {
             client,
             route,
             self.relay,
+            self.acceptor.clone(),
             counters,
+            close,
             Arc::clone(&server.observer),
             server.config.report_interval,
             registration,
@@ -705,54 +777,30 @@ fn concerns_one_connection(error: &io::Error) -> bool {
     )
 }
 
+#[allow(clippy::too_many_arguments)] // One connection's whole context, passed once.
 async fn run_connection(
     client: TcpStream,
     route: Arc<ActiveRoute>,
     config: RelayConfig,
+    acceptor: Option<Arc<dyn StreamAcceptor>>,
     counters: Arc<RelayCounters>,
+    close: CancellationToken,
     observer: Arc<dyn RelayObserver>,
     report_interval: Duration,
     _registration: Registration,
 ) {
     let labels = &route.labels;
     observer.connection_opened(labels);
-    let mode = config.copy_mode.resolve();
-    let connected = tokio::select! {
-        result = relay::connect_upstream(&route.route, &client, &config) => Some(result),
-        () = route.cancel.cancelled() => None,
+    let reports = Reports {
+        counters: &counters,
+        observer: observer.as_ref(),
+        labels,
+        interval: report_interval,
     };
-    let summary = match connected {
-        None => RelaySummary::from_counters(&counters, Ending::Cancelled, mode),
-        Some(Err(error)) => {
-            tracing::debug!(%error, route = %labels.route, listener = %labels.listener, "upstream unreachable, closing client");
-            observer.connect_failed(labels, &error);
-            drop(client);
-            RelaySummary::from_counters(&counters, Ending::ConnectFailed, mode)
-        }
-        Some(Ok(upstream)) => {
-            let mut reported = [0u64; 2];
-            let report = |reported: &mut [u64; 2]| {
-                for (slot, direction) in reported
-                    .iter_mut()
-                    .zip([Direction::ToUpstream, Direction::ToClient])
-                {
-                    let now = counters.get(direction);
-                    if now > *slot {
-                        observer.bytes_relayed(labels, direction, now - *slot);
-                        *slot = now;
-                    }
-                }
-            };
-            let relay = relay::relay_tcp(client, upstream, &config, &counters, &route.cancel);
-            tokio::pin!(relay);
-            let summary = loop {
-                tokio::select! {
-                    summary = &mut relay => break summary,
-                    () = tokio::time::sleep(report_interval) => report(&mut reported),
-                }
-            };
-            report(&mut reported);
-            summary
+    let summary = match acceptor {
+        None => relay_plain(client, &route, &close, &config, &reports).await,
+        Some(acceptor) => {
+            relay_accepted(client, acceptor.as_ref(), &route, &close, &config, &reports).await
         }
     };
     tracing::debug!(
@@ -765,6 +813,120 @@ async fn run_connection(
         "connection closed"
     );
     observer.connection_closed(labels, &summary);
+}
+
+/// TCP to TCP: connect to the route's upstream, then relay (spliced where possible).
+async fn relay_plain(
+    client: TcpStream,
+    route: &ActiveRoute,
+    close: &CancellationToken,
+    config: &RelayConfig,
+    reports: &Reports<'_>,
+) -> RelaySummary {
+    let mode = config.copy_mode.resolve();
+    let connected = tokio::select! {
+        result = relay::connect_upstream(&route.route, &client, config) => Some(result),
+        () = close.cancelled() => None,
+    };
+    match connected {
+        None => RelaySummary::from_counters(reports.counters, Ending::Cancelled, mode),
+        Some(Err(error)) => {
+            reports.connect_failed(&error);
+            drop(client);
+            RelaySummary::from_counters(reports.counters, Ending::ConnectFailed, mode)
+        }
+        Some(Ok(upstream)) => {
+            let relay = relay::relay_tcp(client, upstream, config, reports.counters, close);
+            reports.while_running(relay).await
+        }
+    }
+}
+
+/// Through an accept layer: it prepares both legs within the connect timeout, then the buffered
+/// path relays them.
+async fn relay_accepted(
+    client: TcpStream,
+    acceptor: &dyn StreamAcceptor,
+    route: &ActiveRoute,
+    close: &CancellationToken,
+    config: &RelayConfig,
+    reports: &Reports<'_>,
+) -> RelaySummary {
+    let mode = CopyMode::Buffered;
+    let prepared = tokio::select! {
+        result = tokio::time::timeout(config.connect_timeout, acceptor.accept(client, &route.route, config)) => Some(result),
+        () = close.cancelled() => None,
+    };
+    let failed = |reports: &Reports<'_>| {
+        RelaySummary::from_counters(reports.counters, Ending::ConnectFailed, mode)
+    };
+    match prepared {
+        None => RelaySummary::from_counters(reports.counters, Ending::Cancelled, mode),
+        Some(Err(_elapsed)) => {
+            tracing::debug!(listener = %reports.labels.listener, timeout = ?config.connect_timeout, "accept layer took too long, closing client");
+            failed(reports)
+        }
+        Some(Ok(Err(AcceptError::Connect(error)))) => {
+            reports.connect_failed(&error);
+            failed(reports)
+        }
+        Some(Ok(Err(error))) => {
+            tracing::debug!(%error, listener = %reports.labels.listener, "accept layer refused the connection");
+            failed(reports)
+        }
+        Some(Ok(Ok(accepted))) => {
+            let relay = relay::relay_streams(
+                accepted.client,
+                accepted.upstream,
+                config,
+                reports.counters,
+                close,
+            );
+            reports.while_running(relay).await
+        }
+    }
+}
+
+/// Reports a connection's byte counts to the observer while it runs.
+struct Reports<'a> {
+    counters: &'a RelayCounters,
+    observer: &'a dyn RelayObserver,
+    labels: &'a RouteLabels,
+    interval: Duration,
+}
+
+impl Reports<'_> {
+    fn connect_failed(&self, error: &ConnectError) {
+        tracing::debug!(%error, route = %self.labels.route, listener = %self.labels.listener, "upstream unreachable, closing client");
+        self.observer.connect_failed(self.labels, error);
+    }
+
+    /// Runs `relay`, reporting the bytes moved every interval and at the end.
+    async fn while_running(&self, relay: impl Future<Output = RelaySummary>) -> RelaySummary {
+        let mut reported = [0u64; 2];
+        let report = |reported: &mut [u64; 2]| {
+            for (slot, direction) in reported
+                .iter_mut()
+                .zip([Direction::ToUpstream, Direction::ToClient])
+            {
+                let now = self.counters.get(direction);
+                if now > *slot {
+                    self.observer
+                        .bytes_relayed(self.labels, direction, now - *slot);
+                    *slot = now;
+                }
+            }
+        };
+        tokio::pin!(relay);
+        let summary = loop {
+            tokio::select! {
+                summary = &mut relay => break summary,
+                () = tokio::time::sleep(self.interval) => report(&mut reported),
+            }
+        };
+        report(&mut reported);
+        summary
+    }
 }
 
 #[cfg(test)]

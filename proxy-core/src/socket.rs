@@ -1,14 +1,14 @@
-//! Socket options applied to both legs of a relay.
+//! Socket options applied to both legs of a relay, and how listeners bind.
 //!
 //! Failures to set an option are reported to the caller, who logs them and carries on: a
 //! socket without keepalive still relays bytes correctly (linkerd2-proxy does the same).
 
 use std::io;
-use std::net::Shutdown;
+use std::net::{Ipv4Addr, Shutdown, SocketAddr};
 use std::time::Duration;
 
 use socket2::{SockRef, TcpKeepalive};
-use tokio::net::TcpStream;
+use tokio::net::{TcpListener, TcpSocket, TcpStream};
 
 /// TCP keepalive probing.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -83,6 +83,54 @@ impl SocketOptions {
     }
 }
 
+/// Binds a listening socket with `SO_REUSEADDR` (so a restarted proxy binds while old
+/// connections sit in `TIME_WAIT`).
+///
+/// The unspecified IPv6 address `[::]` listens the way Go's `:port` does: one IPv6 socket with
+/// `IPV6_V6ONLY` off, so IPv4 clients reach it too (as IPv4-mapped addresses), whatever the
+/// host's `net.ipv6.bindv6only` says. On a host without IPv6 it falls back to `0.0.0.0` on the
+/// same port; the returned listener's `local_addr` tells which one was bound. Every other address
+/// is bound exactly as given.
+///
+/// # Panics
+///
+/// When called outside a Tokio runtime.
+pub fn bind_listener(addr: SocketAddr, backlog: u32) -> io::Result<TcpListener> {
+    let dual_stack = matches!(addr, SocketAddr::V6(v6) if v6.ip().is_unspecified());
+    match bind_exact(addr, backlog, dual_stack) {
+        // A taken port or a privileged one would fail on IPv4 as well; anything else means this
+        // host cannot do IPv6 (no AF_INET6, no IPv6 address).
+        Err(err)
+            if dual_stack
+                && !matches!(
+                    err.kind(),
+                    io::ErrorKind::AddrInUse | io::ErrorKind::PermissionDenied
+                ) =>
+        {
+            tracing::debug!(%addr, error = %err, "no IPv6 here, listening on IPv4 only");
+            bind_exact(
+                SocketAddr::from((Ipv4Addr::UNSPECIFIED, addr.port())),
+                backlog,
+                false,
+            )
+        }
+        other => other,
+    }
+}
+
+fn bind_exact(addr: SocketAddr, backlog: u32, dual_stack: bool) -> io::Result<TcpListener> {
+    let socket = match addr {
+        SocketAddr::V4(_) => TcpSocket::new_v4(),
+        SocketAddr::V6(_) => TcpSocket::new_v6(),
+    }?;
+    socket.set_reuseaddr(true)?;
+    if dual_stack {
+        SockRef::from(&socket).set_only_v6(false)?;
+    }
+    socket.bind(addr)?;
+    socket.listen(backlog)
+}
+
 /// Sends FIN on `stream` while its read side stays open (half-close).
 pub(crate) fn shutdown_write(stream: &TcpStream) -> io::Result<()> {
     SockRef::from(stream).shutdown(Shutdown::Write)
@@ -93,5 +141,65 @@ pub(crate) fn shutdown_write(stream: &TcpStream) -> io::Result<()> {
 pub(crate) fn reset_on_close(stream: &TcpStream) {
     if let Err(error) = stream.set_zero_linger() {
         tracing::debug!(%error, "cannot set SO_LINGER 0");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::{Ipv6Addr, SocketAddr};
+
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+
+    use super::*;
+
+    /// Connects to `addr`, has the listener answer, and returns the peer address it saw.
+    async fn round_trip(listener: &TcpListener, addr: SocketAddr) -> SocketAddr {
+        let mut client = TcpStream::connect(addr).await.unwrap();
+        let (mut served, peer) = listener.accept().await.unwrap();
+        client.write_all(b"ping").await.unwrap();
+        let mut got = [0u8; 4];
+        served.read_exact(&mut got).await.unwrap();
+        assert_eq!(&got, b"ping");
+        served.write_all(b"pong").await.unwrap();
+        client.read_exact(&mut got).await.unwrap();
+        assert_eq!(&got, b"pong");
+        peer
+    }
+
+    #[tokio::test]
+    async fn the_unspecified_ipv6_address_serves_both_families() {
+        let listener = bind_listener(SocketAddr::from((Ipv6Addr::UNSPECIFIED, 0)), 16).unwrap();
+        let local = listener.local_addr().unwrap();
+        assert!(local.is_ipv6(), "this host has IPv6 on loopback: {local}");
+        let port = local.port();
+        // An IPv6-only client, over ::1 alone.
+        let peer = round_trip(&listener, SocketAddr::from((Ipv6Addr::LOCALHOST, port))).await;
+        assert_eq!(peer.ip(), Ipv6Addr::LOCALHOST);
+        // An IPv4 client reaches the same socket as an IPv4-mapped address.
+        let peer = round_trip(&listener, SocketAddr::from((Ipv4Addr::LOCALHOST, port))).await;
+        assert_eq!(
+            peer.ip(),
+            std::net::IpAddr::V6(Ipv4Addr::LOCALHOST.to_ipv6_mapped())
+        );
+    }
+
+    #[tokio::test]
+    async fn other_addresses_bind_as_given() {
+        let listener = bind_listener(SocketAddr::from((Ipv4Addr::UNSPECIFIED, 0)), 16).unwrap();
+        let port = listener.local_addr().unwrap().port();
+        assert!(listener.local_addr().unwrap().is_ipv4());
+        round_trip(&listener, SocketAddr::from((Ipv4Addr::LOCALHOST, port))).await;
+        // 0.0.0.0 stays IPv4 only.
+        assert!(
+            TcpStream::connect(SocketAddr::from((Ipv6Addr::LOCALHOST, port)))
+                .await
+                .is_err()
+        );
+        // A taken port is reported, not papered over by the IPv4 fallback.
+        let taken = bind_listener(SocketAddr::from((Ipv6Addr::UNSPECIFIED, port)), 16);
+        assert_eq!(
+            taken.map(|_| ()).map_err(|e| e.kind()),
+            Err(io::ErrorKind::AddrInUse)
+        );
     }
 }

@@ -1,5 +1,5 @@
-//! Where connections go: one address, a custom connector, or a set of targets with
-//! round-robin, failover and active health checks.
+//! Where connections go: one address, a custom connector, one address behind an HTTP proxy, or a
+//! set of targets with round-robin, failover and active health checks.
 //!
 //! Health semantics: every target starts healthy (a new route serves at once). A target turns
 //! unhealthy after `fall` failed checks in a row and healthy again after `rise` successful ones.
@@ -20,6 +20,7 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use crate::error::{ConfigError, ConnectError};
+use crate::http_connect::HttpProxy;
 
 /// An upstream address: a socket address, or a host name resolved at each connect.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -99,15 +100,15 @@ impl TargetAddr {
                 TargetAddr::Socket(addr) => {
                     TcpStream::connect(addr)
                         .await
-                        .map_err(|source| ConnectError::Io {
+                        .map_err(|cause| ConnectError::Io {
                             target: self.to_string(),
-                            source,
+                            cause,
                         })
                 }
                 TargetAddr::Host { host, port } => {
-                    let resolve_error = |source| ConnectError::Resolve {
+                    let resolve_error = |cause| ConnectError::Resolve {
                         target: self.to_string(),
-                        source,
+                        cause,
                     };
                     let addrs = tokio::net::lookup_host((host.as_str(), *port))
                         .await
@@ -120,9 +121,9 @@ impl TargetAddr {
                         }
                     }
                     Err(match last {
-                        Some(source) => ConnectError::Io {
+                        Some(cause) => ConnectError::Io {
                             target: self.to_string(),
-                            source,
+                            cause,
                         },
                         None => {
                             resolve_error(io::Error::new(io::ErrorKind::NotFound, "no address"))
@@ -159,6 +160,14 @@ pub enum Upstream {
     Set(Arc<UpstreamSet>),
     /// A custom connector.
     Connector(Arc<dyn Connector>),
+    /// One address reached through an HTTP proxy's `CONNECT` tunnel
+    /// ([`http_connect`](crate::http_connect)).
+    HttpConnect {
+        /// The proxy.
+        proxy: Arc<HttpProxy>,
+        /// Where the proxy is asked to connect.
+        target: TargetAddr,
+    },
 }
 
 impl From<SocketAddr> for Upstream {
@@ -196,13 +205,50 @@ impl FromStr for Upstream {
     }
 }
 
+/// The connector of [`Upstream::refuse`].
+#[derive(Debug)]
+struct Refuse(&'static str);
+
+impl Connector for Refuse {
+    fn connect(&self) -> BoxFuture<'_, io::Result<TcpStream>> {
+        let reason = self.0;
+        Box::pin(async move { Err(io::Error::new(io::ErrorKind::ConnectionRefused, reason)) })
+    }
+}
+
 impl Upstream {
+    /// An upstream that refuses every connection, saying `reason` in logs: the client's
+    /// connection is closed at once (e.g. a port kept open while it has no target).
+    pub fn refuse(reason: &'static str) -> Self {
+        Upstream::Connector(Arc::new(Refuse(reason)))
+    }
+
     /// Opens a connection to the upstream; `timeout` bounds each connect attempt.
     pub async fn connect(&self, timeout: Duration) -> Result<TcpStream, ConnectError> {
         match self {
             Upstream::Target(addr) => addr.connect(timeout).await,
             Upstream::Set(set) => set.connect(timeout).await.map(|(stream, _)| stream),
             Upstream::Connector(connector) => connect_with(connector.as_ref(), timeout).await,
+            Upstream::HttpConnect { proxy, target } => proxy
+                .connect(target, timeout)
+                .await
+                .map_err(|cause| ConnectError::HttpProxy {
+                    cause: Box::new(cause),
+                }),
+        }
+    }
+
+    /// `self` reached through `proxy`: an [`Upstream::Target`] becomes
+    /// [`Upstream::HttpConnect`]. Sets and connectors cannot be tunnelled this way.
+    pub fn via_http_proxy(self, proxy: HttpProxy) -> Result<Self, ConfigError> {
+        match self {
+            Upstream::Target(target) => Ok(Upstream::HttpConnect {
+                proxy: Arc::new(proxy),
+                target,
+            }),
+            _ => Err(ConfigError::Inconsistent(
+                "only a single upstream address can be reached through an HTTP proxy",
+            )),
         }
     }
 
@@ -217,6 +263,7 @@ impl Upstream {
                 .collect::<Vec<_>>()
                 .join(","),
             Upstream::Connector(connector) => format!("{connector:?}"),
+            Upstream::HttpConnect { proxy, target } => format!("{target} via {proxy}"),
         }
     }
 }
@@ -228,9 +275,9 @@ async fn connect_with(
     let target = || format!("{connector:?}");
     match tokio::time::timeout(timeout, connector.connect()).await {
         Ok(Ok(stream)) => Ok(stream),
-        Ok(Err(source)) => Err(ConnectError::Io {
+        Ok(Err(cause)) => Err(ConnectError::Io {
             target: target(),
-            source,
+            cause,
         }),
         Err(_) => Err(ConnectError::Timeout {
             target: target(),

@@ -141,7 +141,7 @@ async fn refused_upstream_is_a_connect_error() {
     let mut relay = relay_once(route, config(CopyMode::Auto)).await;
     let result = relay.task.await.unwrap();
     assert!(
-        matches!(result, Err(ConnectError::Io { ref source, .. }) if source.kind() == io::ErrorKind::ConnectionRefused),
+        matches!(result, Err(ConnectError::Io { ref cause, .. }) if cause.kind() == io::ErrorKind::ConnectionRefused),
         "{result:?}"
     );
     assert!(closes_within(&mut relay.client, Duration::from_secs(5)).await);

@@ -114,6 +114,79 @@ async fn shutdown_closes_connections_still_open_at_the_deadline() {
     ));
 }
 
+/// Answers each 4-byte request with the same bytes after `delay`.
+async fn slow_echo(delay: Duration) -> SocketAddr {
+    let listener = TcpListener::bind(loopback()).await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let mut request = [0u8; 4];
+                while stream.read_exact(&mut request).await.is_ok() {
+                    tokio::time::sleep(delay).await;
+                    if stream.write_all(&request).await.is_err() {
+                        break;
+                    }
+                }
+            });
+        }
+    });
+    addr
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drain_closes_answered_idle_connections_and_waits_for_pending_answers() {
+    let answer_delay = Duration::from_millis(400);
+    let upstream = slow_echo(answer_delay).await;
+    let observer = Arc::new(CountingObserver::default());
+    let config = ServerConfig::default()
+        .with_report_interval(Duration::from_millis(50))
+        .with_drain_idle(Duration::from_millis(20));
+    let server = ProxyServer::new(config, observer).unwrap();
+    let addr = server
+        .add_listener(ListenerConfig::new(
+            loopback(),
+            Route::new("slow", upstream),
+        ))
+        .unwrap();
+
+    // `answered` got its reply before the drain; `waiting` asks just before it starts.
+    let mut answered = TcpStream::connect(addr).await.unwrap();
+    ping(&mut answered).await;
+    let mut waiting = TcpStream::connect(addr).await.unwrap();
+    waiting.write_all(b"wait").await.unwrap();
+    tokio::time::sleep(Duration::from_millis(50)).await;
+
+    let started = tokio::time::Instant::now();
+    let drain = tokio::spawn(async move { server.shutdown(Duration::from_secs(5)).await });
+    assert!(
+        closes_within(&mut answered, Duration::from_millis(300)).await,
+        "an answered, idle connection closes early in the drain"
+    );
+    let mut reply = [0u8; 4];
+    waiting.read_exact(&mut reply).await.unwrap();
+    assert_eq!(
+        &reply, b"wait",
+        "a pending answer still arrives during the drain"
+    );
+    assert!(closes_within(&mut waiting, Duration::from_millis(300)).await);
+    let report = drain.await.unwrap();
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "the drain ends when the connections are idle, not at the deadline"
+    );
+    assert_eq!((report.closed_idle, report.forced), (2, 0));
+}
+
+#[test]
+fn a_zero_drain_idle_is_refused() {
+    let config = ServerConfig::default().with_drain_idle(Duration::ZERO);
+    assert!(matches!(
+        ProxyServer::new(config, Arc::new(NoopObserver)),
+        Err(ConfigError::Zero { .. })
+    ));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn route_swap_under_load_loses_no_byte_and_sends_new_connections_to_the_new_target() {
     let (old, new) = (echo_server().await, echo_server().await);

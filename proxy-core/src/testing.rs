@@ -1,0 +1,393 @@
+//! Test fixtures shared by the workspace's tests, examples and `cargo xtask` (feature `testing`):
+//! free loopback ports, an echo server, a little HTTP server and client, a "request to first byte"
+//! timer, child processes that are killed when dropped, and a real HTTP proxy ([`Tinyproxy`]). Not
+//! part of any production binary.
+
+use std::io;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::process::{Child, Command};
+use std::time::{Duration, Instant};
+
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+use tokio::net::{TcpListener, TcpStream};
+
+/// How long [`http_get`] waits for a whole response.
+const HTTP_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// A port free on 127.0.0.1 right now (another program may take it before the caller binds it;
+/// tests accept that small race).
+pub fn free_port() -> io::Result<u16> {
+    Ok(free_addr()?.port())
+}
+
+/// [`free_port`] as a socket address on 127.0.0.1.
+pub fn free_addr() -> io::Result<SocketAddr> {
+    std::net::TcpListener::bind((Ipv4Addr::LOCALHOST, 0))?.local_addr()
+}
+
+/// A TCP server on 127.0.0.1 that echoes every byte and half-closes after the client did; it
+/// lives as long as the runtime.
+pub async fn echo_server() -> io::Result<SocketAddr> {
+    let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).await?;
+    let addr = listener.local_addr()?;
+    tokio::spawn(async move {
+        while let Ok((mut socket, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let (mut read, mut write) = socket.split();
+                let _ = tokio::io::copy(&mut read, &mut write).await;
+                let _ = write.shutdown().await;
+            });
+        }
+    });
+    Ok(addr)
+}
+
+/// An HTTP/1.1 server on `ip` (any port) answering every request with `200 OK` and `body`; it
+/// lives as long as the runtime.
+pub async fn http_server(ip: IpAddr, body: impl Into<String>) -> io::Result<SocketAddr> {
+    let listener = TcpListener::bind((ip, 0)).await?;
+    let addr = listener.local_addr()?;
+    let body = body.into();
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            tokio::spawn(answer(stream, body.clone()));
+        }
+    });
+    Ok(addr)
+}
+
+async fn answer(mut stream: TcpStream, body: String) {
+    let mut request = Vec::new();
+    let mut chunk = [0u8; 1024];
+    while !request.windows(4).any(|w| w == b"\r\n\r\n") {
+        match stream.read(&mut chunk).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => request.extend_from_slice(&chunk[..n]),
+        }
+    }
+    let response = format!(
+        "HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    let _ = stream.write_all(response.as_bytes()).await;
+    let _ = stream.shutdown().await;
+}
+
+/// Sends `GET path` to `addr` and returns the whole response (status line, headers and body).
+pub async fn http_get(addr: SocketAddr, path: &str) -> io::Result<String> {
+    let mut stream = TcpStream::connect(addr).await?;
+    let request = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+    stream.write_all(request.as_bytes()).await?;
+    let mut response = String::new();
+    tokio::time::timeout(HTTP_TIMEOUT, stream.read_to_string(&mut response))
+        .await
+        .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "no whole response in time"))??;
+    Ok(response)
+}
+
+/// Time from sending `POST path` with the JSON `body` (and `Authorization: Bearer <token>` when
+/// given) to `api` until the first byte arrives through `entry`: how long a proxy's API takes to
+/// make a new route carry traffic. The target behind `entry` must speak first (e.g. a banner);
+/// after a `200` answer, `entry` is tried every millisecond. A non-200 answer is an error carrying
+/// the whole response; nothing within `timeout` is [`io::ErrorKind::TimedOut`].
+pub async fn post_to_first_byte(
+    api: SocketAddr,
+    path: &str,
+    body: &str,
+    token: Option<&str>,
+    entry: SocketAddr,
+    timeout: Duration,
+) -> io::Result<Duration> {
+    let timed_out = || {
+        io::Error::new(
+            io::ErrorKind::TimedOut,
+            format!("no byte through {entry} within {timeout:?}"),
+        )
+    };
+    let started = Instant::now();
+    let mut request = format!(
+        "POST {path} HTTP/1.1\r\nHost: {api}\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n",
+        body.len()
+    );
+    if let Some(token) = token {
+        request.push_str(&format!("Authorization: Bearer {token}\r\n"));
+    }
+    request.push_str("\r\n");
+    request.push_str(body);
+    let mut stream = TcpStream::connect(api).await?;
+    stream.write_all(request.as_bytes()).await?;
+    let mut answer = Vec::new();
+    tokio::time::timeout(timeout, stream.read_to_end(&mut answer))
+        .await
+        .map_err(|_| timed_out())??;
+    let text = String::from_utf8_lossy(&answer);
+    let status = text.split_whitespace().nth(1).unwrap_or_default();
+    if status != "200" {
+        return Err(io::Error::other(format!(
+            "the API answered {status}: {text}"
+        )));
+    }
+    let deadline = started + timeout;
+    while Instant::now() < deadline {
+        if let Ok(mut conn) = TcpStream::connect(entry).await {
+            let mut byte = [0u8; 1];
+            if let Ok(Ok(1)) =
+                tokio::time::timeout(Duration::from_millis(200), conn.read(&mut byte)).await
+            {
+                return Ok(started.elapsed());
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    Err(timed_out())
+}
+
+/// Runs `command` to its end and returns its stdout; a failed exit is an error carrying stderr.
+pub fn stdout_of(command: &mut Command) -> io::Result<String> {
+    let output = command.output()?;
+    if !output.status.success() {
+        return Err(io::Error::other(format!(
+            "{command:?} failed ({}): {}",
+            output.status,
+            String::from_utf8_lossy(&output.stderr)
+        )));
+    }
+    String::from_utf8(output.stdout).map_err(io::Error::other)
+}
+
+/// A child process killed (and reaped) when dropped, so a failing test leaves nothing running.
+#[derive(Debug)]
+pub struct KillOnDrop(pub Child);
+
+impl KillOnDrop {
+    /// Starts `command`.
+    pub fn spawn(command: &mut Command) -> io::Result<Self> {
+        command.spawn().map(Self)
+    }
+
+    /// Sends SIGTERM and waits up to `grace` for the exit; true when it exited successfully.
+    pub async fn terminate(mut self, grace: Duration) -> bool {
+        let pid = self.0.id().to_string();
+        let signalled = Command::new("kill").args(["-TERM", &pid]).status();
+        if !signalled.is_ok_and(|s| s.success()) {
+            return false;
+        }
+        let deadline = tokio::time::Instant::now() + grace;
+        while tokio::time::Instant::now() < deadline {
+            if let Ok(Some(status)) = self.0.try_wait() {
+                return status.success();
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        false
+    }
+}
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Settings of a [`Tinyproxy`].
+#[derive(Debug, Clone, Default)]
+pub struct TinyproxyConfig {
+    /// `BasicAuth user password`: the proxy answers 407 without them.
+    pub basic_auth: Option<(String, String)>,
+    /// `ConnectPort` lines: the only target ports `CONNECT` may reach (403 for others). Empty
+    /// allows every port.
+    pub connect_ports: Vec<u16>,
+}
+
+/// A real HTTP proxy: Debian's `tinyproxy` (`apt-get install -y tinyproxy`), in the foreground on
+/// 127.0.0.1 with its own configuration, pid and log files in a private directory; killed and
+/// cleaned up when dropped.
+#[derive(Debug)]
+pub struct Tinyproxy {
+    child: KillOnDrop,
+    addr: SocketAddr,
+    dir: std::path::PathBuf,
+}
+
+/// Where Debian installs tinyproxy, then `$PATH`.
+fn tinyproxy_binary() -> Option<std::path::PathBuf> {
+    let mut candidates = vec![std::path::PathBuf::from("/usr/bin/tinyproxy")];
+    if let Some(path) = std::env::var_os("PATH") {
+        candidates.extend(std::env::split_paths(&path).map(|dir| dir.join("tinyproxy")));
+    }
+    candidates.into_iter().find(|p| p.is_file())
+}
+
+impl Tinyproxy {
+    /// Starts tinyproxy and waits until it accepts connections. Without tinyproxy installed this
+    /// is an error saying how to install it (tests fail rather than skip).
+    pub async fn start(config: &TinyproxyConfig) -> io::Result<Self> {
+        let binary = tinyproxy_binary().ok_or_else(|| {
+            io::Error::new(
+                io::ErrorKind::NotFound,
+                "tinyproxy is required for the HTTP proxy tests: apt-get install -y tinyproxy",
+            )
+        })?;
+        static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let dir = std::env::temp_dir().join(format!("tinyproxy-{}-{n}", std::process::id()));
+        std::fs::create_dir_all(&dir)?;
+        let addr = free_addr()?;
+        let mut text = format!(
+            "Port {port}\nListen 127.0.0.1\nTimeout 600\nMaxClients 100\nAllow 127.0.0.1\n\
+             LogLevel Info\nLogFile \"{log}\"\nPidFile \"{pid}\"\n",
+            port = addr.port(),
+            log = dir.join("tinyproxy.log").display(),
+            pid = dir.join("tinyproxy.pid").display(),
+        );
+        if let Some((user, password)) = &config.basic_auth {
+            text.push_str(&format!("BasicAuth {user} {password}\n"));
+        }
+        for port in &config.connect_ports {
+            text.push_str(&format!("ConnectPort {port}\n"));
+        }
+        let conf = dir.join("tinyproxy.conf");
+        std::fs::write(&conf, text)?;
+        let child = KillOnDrop::spawn(
+            Command::new(binary)
+                .arg("-d")
+                .arg("-c")
+                .arg(&conf)
+                .stdin(std::process::Stdio::null())
+                .stdout(std::process::Stdio::null())
+                .stderr(std::fs::File::create(dir.join("stderr.log"))?),
+        )?;
+        let mut proxy = Self { child, addr, dir };
+        // Listening is the only sign of readiness tinyproxy gives in the foreground.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while TcpStream::connect(addr).await.is_err() {
+            if let Ok(Some(status)) = proxy.child.0.try_wait() {
+                return Err(io::Error::other(format!(
+                    "tinyproxy exited ({status}): {}",
+                    proxy.logs()
+                )));
+            }
+            if Instant::now() > deadline {
+                return Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    format!("tinyproxy did not listen on {addr}: {}", proxy.logs()),
+                ));
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        Ok(proxy)
+    }
+
+    /// Where it listens.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Its URL, `http://127.0.0.1:port`.
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// Its log and stderr so far.
+    pub fn logs(&self) -> String {
+        ["tinyproxy.log", "stderr.log"]
+            .iter()
+            .map(|f| std::fs::read_to_string(self.dir.join(f)).unwrap_or_default())
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+}
+
+impl Drop for Tinyproxy {
+    fn drop(&mut self) {
+        let _ = self.child.0.kill();
+        let _ = self.child.0.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn http_server_answers_http_get() {
+        let server = http_server(IpAddr::V4(Ipv4Addr::LOCALHOST), "hello")
+            .await
+            .unwrap();
+        let response = http_get(server, "/").await.unwrap();
+        assert!(response.starts_with("HTTP/1.1 200 OK"), "{response}");
+        assert!(response.ends_with("\r\n\r\nhello"), "{response}");
+    }
+
+    #[tokio::test]
+    async fn echo_server_echoes() {
+        let server = echo_server().await.unwrap();
+        let mut stream = TcpStream::connect(server).await.unwrap();
+        stream.write_all(b"ping").await.unwrap();
+        stream.shutdown().await.unwrap();
+        let mut back = Vec::new();
+        stream.read_to_end(&mut back).await.unwrap();
+        assert_eq!(back, b"ping");
+    }
+
+    #[tokio::test]
+    async fn post_to_first_byte_times_the_first_byte_after_an_accepted_post() {
+        let api = http_server(IpAddr::V4(Ipv4Addr::LOCALHOST), "{}")
+            .await
+            .unwrap();
+        let banner = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).await.unwrap();
+        let entry = banner.local_addr().unwrap();
+        tokio::spawn(async move {
+            while let Ok((mut socket, _)) = banner.accept().await {
+                let _ = socket.write_all(b"hi").await;
+            }
+        });
+        let timeout = Duration::from_secs(5);
+        let took = post_to_first_byte(api, "/map", "{}", Some("t"), entry, timeout)
+            .await
+            .unwrap();
+        assert!(took < timeout, "{took:?}");
+        // Nothing speaks on a free port: the timer gives up.
+        let silent = free_addr().unwrap();
+        let short = Duration::from_millis(300);
+        let err = post_to_first_byte(api, "/map", "{}", None, silent, short)
+            .await
+            .unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::TimedOut);
+    }
+
+    #[tokio::test]
+    async fn post_to_first_byte_refuses_a_non_200_answer() {
+        let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).await.unwrap();
+        let api = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            while let Ok((mut socket, _)) = listener.accept().await {
+                let mut chunk = [0u8; 4096];
+                let _ = socket.read(&mut chunk).await;
+                let _ = socket
+                    .write_all(b"HTTP/1.1 403 Forbidden\r\nContent-Length: 0\r\n\r\n")
+                    .await;
+            }
+        });
+        let entry = free_addr().unwrap();
+        let err = post_to_first_byte(api, "/map", "{}", None, entry, Duration::from_secs(5))
+            .await
+            .unwrap_err();
+        assert!(err.to_string().starts_with("the API answered 403"), "{err}");
+    }
+
+    #[test]
+    fn stdout_of_returns_output_and_refuses_failures() {
+        let out = stdout_of(Command::new("echo").arg("hi")).unwrap();
+        assert_eq!(out, "hi\n");
+        assert!(stdout_of(&mut Command::new("false")).is_err());
+    }
+
+    #[test]
+    fn free_ports_are_bindable() {
+        let addr = free_addr().unwrap();
+        assert!(std::net::TcpListener::bind(addr).is_ok());
+    }
+}
