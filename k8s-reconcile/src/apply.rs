@@ -17,7 +17,7 @@ use std::collections::BTreeSet;
 use std::fmt::Debug;
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
-use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams};
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, Preconditions};
 use kube::core::NamespaceScope;
 use kube::{Client, Resource, ResourceExt as _};
 use serde::Serialize;
@@ -206,6 +206,19 @@ impl Applier {
         K::Scope: NamespaceScope,
     {
         Api::all_with(self.client.clone(), &()).constrain(namespace)
+    }
+}
+
+/// Delete parameters that delete only `resource_version` of the object (the version that was
+/// read): a concurrent change (an extension, a retarget) makes the delete fail with 409 instead
+/// of being lost.
+pub fn delete_unchanged(resource_version: Option<String>) -> DeleteParams {
+    DeleteParams {
+        preconditions: Some(Preconditions {
+            resource_version,
+            uid: None,
+        }),
+        ..DeleteParams::default()
     }
 }
 

@@ -11,9 +11,10 @@
 //! * with [`ControllerBuilder::leader_election`], only the Lease holder runs the controller; a
 //!   replica that loses the Lease stops reconciling before anyone else can start;
 //! * a [`Reconciler::finalizer`] makes [`Reconciler::cleanup`] run before the object disappears;
-//! * metrics, readiness (`informers-synced`, `leadership`) and Events come for free;
-//! * cancelling the shutdown token stops watching, lets in-flight reconciles finish, releases the
-//!   Lease and returns.
+//! * metrics, readiness (`informers-synced`: the first list has completed; `leadership`) and
+//!   Events come for free;
+//! * cancelling the shutdown token stops watching, lets in-flight reconciles finish (for at most
+//!   [`SHUTDOWN_GRACE`], then cancels them), releases the Lease and returns.
 
 use std::collections::HashMap;
 use std::fmt::Debug;
@@ -37,7 +38,8 @@ use tokio_util::sync::CancellationToken;
 
 use crate::Error;
 use crate::apply::Applier;
-use crate::leader::{LeaderElector, LeaseConfig};
+use crate::leader::LeaseConfig;
+use crate::leading::{self, Leadership};
 use crate::metrics::ControllerMetrics;
 use crate::ops::Health;
 
@@ -164,6 +166,10 @@ impl Context {
 
 /// Adds one watched kind to a controller; kept so that every leadership term builds fresh watches.
 type Setup<K> = Arc<dyn Fn(Controller<K>) -> Controller<K> + Send + Sync>;
+
+/// How long a controller's reconciles may run on after a stop (shutdown or a lost Lease)
+/// before they are cancelled; [`ControllerBuilder::run`] gives the Lease release as long again.
+pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 
 /// Builds and runs a controller; see the [module docs](self).
 pub struct ControllerBuilder<R: Reconciler> {
@@ -292,8 +298,29 @@ impl<R: Reconciler> ControllerBuilder<R> {
         self
     }
 
-    /// Runs until `shutdown` is cancelled.
+    /// Runs until `shutdown` is cancelled, then gives in-flight reconciles and the Lease release
+    /// [`SHUTDOWN_GRACE`] to finish: with the API server unreachable they could otherwise hold a
+    /// terminating Pod until the kubelet kills it.
     pub async fn run(self, shutdown: CancellationToken) -> Result<(), Error> {
+        let work = self.run_until(shutdown.clone());
+        tokio::pin!(work);
+        tokio::select! {
+            result = &mut work => result,
+            () = async {
+                shutdown.cancelled().await;
+                // The term's own grace, then as long again for the Lease release.
+                tokio::time::sleep(2 * SHUTDOWN_GRACE).await;
+            } => {
+                tracing::warn!(
+                    grace = ?SHUTDOWN_GRACE,
+                    "in-flight reconciles or the Lease release did not finish after shutdown; stopping anyway"
+                );
+                Ok(())
+            }
+        }
+    }
+
+    async fn run_until(self, shutdown: CancellationToken) -> Result<(), Error> {
         if self.backoff.0.is_zero() || self.backoff.0 > self.backoff.1 {
             return Err(Error::InvalidConfig(
                 "backoff: min must be positive and at most max".to_owned(),
@@ -310,77 +337,43 @@ impl<R: Reconciler> ControllerBuilder<R> {
             self.run_while_leading(shutdown).await;
             return Ok(());
         };
-        let elector = LeaderElector::new(self.client.clone(), lease)?;
-        let mut state = elector.subscribe();
-        self.health.set("leadership", false, "not known yet");
-        let elector_token = shutdown.child_token();
-        let elector_task = tokio::spawn(elector.run(elector_token.clone()));
-        let name = self.name.clone();
-        let health = self.health.clone();
-        let metrics = self.metrics.clone();
+        let leadership = Leadership {
+            name: self.name.clone(),
+            health: self.health.clone(),
+            metrics: self.metrics.clone(),
+        };
+        let client = self.client.clone();
         let this = Arc::new(self);
-        loop {
-            // Wait to lead (or to be told to stop).
-            loop {
-                let current = state.borrow_and_update().clone();
-                let leading = current.is_leader();
-                health.set("leadership", true, format!("{current:?}"));
-                if let Some(m) = &metrics {
-                    m.set_leader(&name, leading);
-                }
-                if leading {
-                    break;
-                }
-                tokio::select! {
-                    () = shutdown.cancelled() => {
-                        let _ = elector_task.await;
-                        return Ok(());
-                    }
-                    changed = state.changed() => if changed.is_err() { return Ok(()) },
-                }
-            }
-            // Lead until the Lease is lost or shutdown.
-            let term = shutdown.child_token();
-            let runner = tokio::spawn({
-                let this = Arc::clone(&this);
-                let term = term.clone();
-                async move { this.run_while_leading(term).await }
-            });
-            loop {
-                tokio::select! {
-                    () = shutdown.cancelled() => break,
-                    changed = state.changed() => {
-                        if changed.is_err() || !state.borrow().is_leader() {
-                            break;
-                        }
-                    }
-                }
-            }
-            term.cancel();
-            let _ = runner.await;
-            if let Some(m) = &metrics {
-                m.set_leader(&name, false);
-            }
-            if shutdown.is_cancelled() {
-                // Release the Lease only after the last reconcile has finished.
-                elector_token.cancel();
-                let _ = elector_task.await;
-                return Ok(());
-            }
-        }
+        leading::run_while_leading(client, lease, &leadership, shutdown, move |stop| {
+            let this = Arc::clone(&this);
+            async move { this.run_while_leading(stop).await }
+        })
+        .await
     }
 
     /// Runs the kube-runtime controller until `stop` is cancelled.
     async fn run_while_leading(&self, stop: CancellationToken) {
         let mut controller = Controller::new(self.api.clone(), self.watcher_config.clone())
-            .with_config(ControllerConfig::default().concurrency(self.concurrency));
+            .with_config(ControllerConfig::default().concurrency(self.concurrency))
+            .trigger_backoff(crate::watch_set::WatchBackoff::default());
         // A fresh set of watches per term: rebuild from the recorded setup steps.
         for step in &self.setup {
             controller = step(controller);
         }
         let store = controller.store();
         let health = self.health.clone();
-        health.set("informers-synced", false, "waiting for the first list");
+        // Only the first list gates readiness: a replica that has served does not turn unready
+        // while a later term (after a lost Lease, say) lists again.
+        let synced_before = health.check("informers-synced").is_some_and(|c| c.ok);
+        health.set(
+            "informers-synced",
+            synced_before,
+            if synced_before {
+                "listing again for a new term"
+            } else {
+                "waiting for the first list"
+            },
+        );
         let synced = tokio::spawn(async move {
             // The store's readiness signal wakes only its most recent waiter, and the controller
             // itself waits on it too: poll with a short timeout so our waiter re-registers.
@@ -413,15 +406,30 @@ impl<R: Reconciler> ControllerBuilder<R> {
             metrics: self.metrics.clone(),
         });
         let stop_signal = stop.clone();
-        controller
+        let run = controller
             .graceful_shutdown_on(async move { stop_signal.cancelled().await })
             .run(reconcile_one::<R>, error_policy::<R>, state)
             .for_each(|result| async move {
                 if let Err(err) = result {
                     tracing::debug!(error = %err, "controller event");
                 }
-            })
-            .await;
+            });
+        tokio::pin!(run);
+        // A term must end for the next one (or the Lease release) to start: past the grace,
+        // dropping the controller cancels whatever reconcile still waits on the API server.
+        tokio::select! {
+            () = &mut run => {}
+            () = async {
+                stop.cancelled().await;
+                tokio::time::sleep(SHUTDOWN_GRACE).await;
+            } => {
+                tracing::warn!(
+                    controller = %self.name,
+                    grace = ?SHUTDOWN_GRACE,
+                    "reconciles still running after the stop; cancelled"
+                );
+            }
+        }
         synced.abort();
     }
 }

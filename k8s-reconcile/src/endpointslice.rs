@@ -307,9 +307,112 @@ fn non_empty<T>(items: Vec<T>) -> Option<Vec<T>> {
     if items.is_empty() { None } else { Some(items) }
 }
 
+/// One ready endpoint of a Service port, read from its EndpointSlices.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub struct ReadyEndpoint {
+    /// The endpoint's address (the first of its addresses, as kube-proxy uses).
+    pub ip: IpAddr,
+    /// The port of its slice.
+    pub port: u16,
+    /// The node it runs on, if the slice says.
+    pub node_name: Option<String>,
+}
+
+/// The ready endpoints of the port named `port_name` (`None`: each slice's first port) in
+/// `slices`, sorted and without duplicates. An endpoint without a `ready` condition counts as
+/// ready, as the API defines; a slice without that port contributes nothing.
+pub fn ready_endpoints<'a>(
+    slices: impl IntoIterator<Item = &'a EndpointSlice>,
+    port_name: Option<&str>,
+) -> Vec<ReadyEndpoint> {
+    let mut ready = Vec::new();
+    for slice in slices {
+        let mut ports = slice.ports.iter().flatten();
+        let port = match port_name {
+            Some(name) => ports.find(|p| p.name.as_deref() == Some(name)),
+            None => ports.next(),
+        };
+        let Some(port) = port
+            .and_then(|p| p.port)
+            .and_then(|p| u16::try_from(p).ok())
+        else {
+            continue;
+        };
+        for endpoint in slice.endpoints.iter().flatten() {
+            let is_ready = endpoint
+                .conditions
+                .as_ref()
+                .and_then(|c| c.ready)
+                .unwrap_or(true);
+            let Some(ip) = endpoint.addresses.first().and_then(|a| a.parse().ok()) else {
+                continue;
+            };
+            if is_ready {
+                ready.push(ReadyEndpoint {
+                    ip,
+                    port,
+                    node_name: endpoint.node_name.clone(),
+                });
+            }
+        }
+    }
+    ready.sort();
+    ready.dedup_by(|a, b| a.ip == b.ip && a.port == b.port);
+    ready
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn slice(port: (&str, i32), endpoints: &[(&str, Option<bool>)]) -> EndpointSlice {
+        EndpointSlice {
+            ports: Some(vec![EndpointPort {
+                name: Some(port.0.to_owned()),
+                port: Some(port.1),
+                ..EndpointPort::default()
+            }]),
+            endpoints: Some(
+                endpoints
+                    .iter()
+                    .map(|(ip, ready)| Endpoint {
+                        addresses: vec![(*ip).to_owned()],
+                        conditions: Some(EndpointConditions {
+                            ready: *ready,
+                            ..EndpointConditions::default()
+                        }),
+                        ..Endpoint::default()
+                    })
+                    .collect(),
+            ),
+            ..EndpointSlice::default()
+        }
+    }
+
+    #[test]
+    fn ready_endpoints_of_a_named_port() {
+        let slices = [
+            slice(
+                ("http", 8080),
+                &[("10.0.0.2", Some(true)), ("10.0.0.1", None)],
+            ),
+            slice(
+                ("http", 8080),
+                &[("10.0.0.3", Some(false)), ("10.0.0.1", Some(true))],
+            ),
+            slice(("debug", 9000), &[("10.0.0.9", Some(true))]),
+        ];
+        let found: Vec<(String, u16)> = ready_endpoints(&slices, Some("http"))
+            .into_iter()
+            .map(|e| (e.ip.to_string(), e.port))
+            .collect();
+        assert_eq!(
+            found,
+            [("10.0.0.1".to_owned(), 8080), ("10.0.0.2".to_owned(), 8080)]
+        );
+        let first_ports = ready_endpoints(&slices, None);
+        assert_eq!(first_ports.len(), 3, "{first_ports:?}");
+    }
 
     fn spec(ips: &[&str]) -> ServiceEndpoints {
         ServiceEndpoints {

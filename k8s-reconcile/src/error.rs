@@ -1,4 +1,7 @@
 //! The error type of this crate (except the [`testing`](crate::testing) module's own).
+//!
+//! A variant that wraps a lower error prints it in its message and does not also return it from
+//! `source()`, so a printed chain shows each cause once.
 
 /// Everything the framework can fail with.
 #[derive(Debug, thiserror::Error)]
@@ -6,10 +9,10 @@
 pub enum Error {
     /// A Kubernetes API call failed.
     #[error("Kubernetes API call failed: {0}")]
-    Kube(#[source] kube::Error),
+    Kube(kube::Error),
     /// An object could not be turned into JSON.
     #[error("serializing an object: {0}")]
-    Serialize(#[source] serde_json::Error),
+    Serialize(serde_json::Error),
     /// An object handed to the framework cannot be used (e.g. it has no name).
     #[error("invalid object: {0}")]
     InvalidObject(String),
@@ -20,17 +23,32 @@ pub enum Error {
     #[error("timed out: {0}")]
     Timeout(String),
     /// The operations HTTP server could not listen or serve.
-    #[error("operations server on {addr}: {source}")]
+    #[error("operations server on {addr}: {cause}")]
     Serve {
         /// The address it tried to use.
         addr: std::net::SocketAddr,
         /// The underlying error.
-        #[source]
-        source: std::io::Error,
+        cause: std::io::Error,
+    },
+    /// A binary's REST API could not listen.
+    #[error("cannot listen on {addr} for the API: {cause}")]
+    ApiBind {
+        /// The address it tried to use.
+        addr: std::net::SocketAddr,
+        /// The underlying error.
+        cause: std::io::Error,
     },
     /// Signal handlers could not be installed.
     #[error("installing signal handlers: {0}")]
-    Signal(#[source] std::io::Error),
+    Signal(std::io::Error),
+    /// No Kubernetes client configuration could be loaded.
+    #[error("loading the Kubernetes client configuration ({origin}): {cause}")]
+    ClientConfig {
+        /// Where it was looked for.
+        origin: String,
+        /// Why it failed.
+        cause: Box<dyn std::error::Error + Send + Sync + 'static>,
+    },
     /// Adding or removing a finalizer failed.
     #[error("finalizer: {0}")]
     Finalizer(String),

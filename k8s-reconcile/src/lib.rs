@@ -7,15 +7,21 @@
 //!
 //! # Layout
 //!
+//! * [`app`]: what every binary builds its process from: logging, flag values, exit codes and
+//!   the fatal error chain, the Kubernetes client, the operations servers, and a REST API server
+//!   bounded against slow and abusive clients.
 //! * [`controller`]: the [`Reconciler`] trait, [`ControllerBuilder`] and the per-reconcile
 //!   [`Context`].
+//! * [`auth`]: who sent a request and what they may do, asked of the API server (TokenReview,
+//!   SubjectAccessReview), as kube-rbac-proxy does.
 //! * [`apply`]: [`Applier`], server-side apply that skips unchanged objects; owner references;
 //!   pruning by label.
 //! * [`conditions`]: status conditions whose `lastTransitionTime` moves only on a flip.
 //! * [`endpointslice`]: EndpointSlices (one per IP family) and skip-mirror Endpoints for a Service.
-//! * [`deployment`]: config-hash annotations that roll pods; availability as a condition.
 //! * [`leader`]: Lease-based leader election with client-go's semantics.
+//! * [`leading`]: work only the Lease holder does, one term at a time.
 //! * [`metrics`]: Prometheus metrics of reconciles and leadership.
+//! * [`watch_set`]: a pass over a whole set of watched objects (debounced, resynced).
 //! * [`ops`]: `/healthz`, `/readyz`, `/metrics` and shutdown on SIGTERM.
 //! * [`testing`] (feature `testing`): a real kube-apiserver + etcd for integration tests, with
 //!   clients for any identity and kubeconfig files for child processes.
@@ -62,19 +68,21 @@
 //!     .await?;
 //! # Ok(()) }
 //! ```
-#![deny(missing_docs)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 #![cfg_attr(test, allow(clippy::unwrap_used, clippy::expect_used))]
 
+pub mod app;
 pub mod apply;
+pub mod auth;
 pub mod conditions;
 pub mod controller;
-pub mod deployment;
 pub mod endpointslice;
 mod error;
 pub mod leader;
+pub mod leading;
 pub mod metrics;
 pub mod ops;
+pub mod watch_set;
 
 #[cfg(feature = "testing")]
 #[cfg_attr(docsrs, doc(cfg(feature = "testing")))]

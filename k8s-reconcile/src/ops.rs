@@ -124,14 +124,14 @@ async fn metrics(State(state): State<OpsState>) -> impl IntoResponse {
 }
 
 /// Binds `addr` now (so a taken port is reported at start) and serves `router` until `shutdown`.
+/// `[::]` (what `:port` parses to) is dual-stack, as [`proxy_core::socket::bind_listener`] says.
 pub async fn serve(
     addr: SocketAddr,
     router: Router,
     shutdown: CancellationToken,
 ) -> Result<tokio::task::JoinHandle<()>, Error> {
-    let listener = tokio::net::TcpListener::bind(addr)
-        .await
-        .map_err(|source| Error::Serve { addr, source })?;
+    let listener = proxy_core::socket::bind_listener(addr, 1024)
+        .map_err(|cause| Error::Serve { addr, cause })?;
     let handle = tokio::spawn(async move {
         let result = axum::serve(listener, router)
             .with_graceful_shutdown(async move { shutdown.cancelled().await })

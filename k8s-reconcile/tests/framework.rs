@@ -5,7 +5,6 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{ConfigMap, Endpoints};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::api::events::v1::Event;
@@ -16,7 +15,7 @@ use k8s_reconcile::leader::{LeaderElector, LeaderState, LeaseConfig};
 use k8s_reconcile::metrics::ControllerMetrics;
 use k8s_reconcile::ops::Health;
 use k8s_reconcile::testing::{ControlPlane, Identity, eventually};
-use k8s_reconcile::{Action, Applier, Context, ControllerBuilder, Reconciler, deployment};
+use k8s_reconcile::{Action, Applier, Context, ControllerBuilder, Reconciler};
 use kube::api::{Api, ListParams, ObjectMeta, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt as _};
 use tokio_util::sync::CancellationToken;
@@ -227,57 +226,6 @@ async fn endpoint_slices_follow_the_addresses_and_families() {
         .unwrap();
     assert_eq!(slices.get("api").await.unwrap().address_type, "IPv4");
     assert_eq!(slices.get("api-ipv6").await.unwrap().address_type, "IPv6");
-}
-
-#[tokio::test]
-async fn deployment_config_hash_rolls_and_availability_is_read() {
-    let plane = ControlPlane::shared().await.unwrap();
-    let ns = plane.create_namespace("deploy").await.unwrap();
-    let client = plane.client().await.unwrap();
-    let applier = Applier::new(client.clone(), "netkit-test");
-    let make = |secret: &str| {
-        let mut d: Deployment = serde_json::from_value(serde_json::json!({
-            "apiVersion": "apps/v1", "kind": "Deployment",
-            "metadata": {"name": "agent", "namespace": ns},
-            "spec": {
-                "replicas": 1,
-                "selector": {"matchLabels": {"app": "agent"}},
-                "template": {
-                    "metadata": {"labels": {"app": "agent"}},
-                    "spec": {"containers": [{"name": "agent", "image": "agent:1"}]},
-                },
-            },
-        }))
-        .unwrap();
-        deployment::set_config_hash(&mut d, &deployment::config_hash([secret]));
-        d
-    };
-    let first = applier.apply(&make("token-1")).await.unwrap().into_inner();
-    assert!(!applier.apply(&make("token-1")).await.unwrap().written());
-    let rotated = applier.apply(&make("token-2")).await.unwrap();
-    assert!(rotated.written());
-    let rotated = rotated.into_inner();
-    assert_ne!(
-        deployment::config_hash_of(&first),
-        deployment::config_hash_of(&rotated)
-    );
-    // The template changed, so the Deployment's generation moved: a rollout.
-    assert!(rotated.metadata.generation > first.metadata.generation);
-
-    // No kubelet runs here: the test plays the Deployment controller's part.
-    let api: Api<Deployment> = Api::namespaced(client, &ns);
-    let status = serde_json::json!({"status": {
-        "observedGeneration": rotated.metadata.generation, "replicas": 1, "readyReplicas": 1,
-        "availableReplicas": 1,
-        "conditions": [{"type": "Available", "status": "True", "reason": "MinimumReplicasAvailable",
-            "lastTransitionTime": "2026-01-01T00:00:00Z", "lastUpdateTime": "2026-01-01T00:00:00Z"}],
-    }});
-    let live = api
-        .patch_status("agent", &PatchParams::default(), &Patch::Merge(&status))
-        .await
-        .unwrap();
-    let condition = deployment::availability_condition(&live, "AgentReady");
-    assert_eq!(condition.status, k8s_reconcile::conditions::Status::True);
 }
 
 fn lease(ns: &str, identity: &str) -> LeaseConfig {

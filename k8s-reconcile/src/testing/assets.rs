@@ -61,6 +61,13 @@ impl Binaries {
     }
 }
 
+/// Finds another Kubernetes binary (e.g. `kubelet`) the way [`Binaries::locate`] finds the API
+/// server: `TEST_ASSET_<NAME>` (upper case, `-` as `_`), then the asset directories.
+pub(super) fn locate_in_assets(name: &str) -> Result<PathBuf, TestingError> {
+    let explicit = format!("TEST_ASSET_{}", name.to_ascii_uppercase().replace('-', "_"));
+    locate_one(name, &explicit)
+}
+
 fn locate_one(name: &str, explicit_env: &str) -> Result<PathBuf, TestingError> {
     let mut tried = Vec::new();
     if let Some(path) = non_empty_env(explicit_env) {

@@ -1,13 +1,16 @@
-//! A real kube-apiserver and etcd for integration tests (feature `testing`).
+//! A real kube-apiserver and etcd for integration tests (feature `testing`), and on request a real
+//! node that runs Pods.
 //!
-//! This is the Rust counterpart of controller-runtime's envtest: it starts the two real binaries on
+//! This is the Rust counterpart of controller-runtime's envtest: it starts the real binaries on
 //! loopback with freshly generated certificates, so a test talks to the genuine API server with its
-//! validation, RBAC, server-side apply, watches and CEL rules; nothing is mocked. What a bare API
-//! server does not run (controller-manager, scheduler, kubelet) does not happen: no garbage
-//! collection, no Pods scheduled, Deployments never become available on their own.
+//! validation, RBAC, server-side apply, watches and CEL rules; nothing is mocked. A bare control
+//! plane runs no controller-manager, scheduler or kubelet: no garbage collection, no Pods
+//! scheduled. [`ControlPlaneBuilder::node`] adds all of those (see [`node`]): kubelet and
+//! containerd run Pods from images built here, kube-proxy routes Services, CoreDNS answers names.
 //!
 //! * [`ControlPlane::shared`] gives every test of a test binary the same control plane (one start per
-//!   binary); [`ControlPlane::builder`] starts a private one, e.g. with extra API server flags.
+//!   binary), [`ControlPlane::shared_with_node`] the same with a node; [`ControlPlane::builder`]
+//!   starts a private one, e.g. with extra API server flags.
 //! * [`ControlPlane::client`] is an admin (`system:masters`); [`ControlPlane::client_as`] acts as
 //!   any [`Identity`], including a ServiceAccount with a real token, so RBAC is tested for real.
 //! * [`ControlPlane::kubeconfig_path`] and [`ControlPlane::kubeconfig_as`] write kubeconfig files
@@ -33,6 +36,7 @@
 //! ```
 
 mod assets;
+pub mod node;
 mod pki;
 mod process;
 
@@ -76,13 +80,12 @@ pub enum TestingError {
         tried: Vec<String>,
     },
     /// A file or process operation failed.
-    #[error("{context}: {source}")]
+    #[error("{context}: {cause}")]
     Io {
         /// What was being done.
         context: String,
-        /// The underlying error.
-        #[source]
-        source: std::io::Error,
+        /// The underlying error (in the message, so not also a `source()`).
+        cause: std::io::Error,
     },
     /// Certificate generation failed.
     #[error("generating certificates: {0}")]
@@ -94,14 +97,20 @@ pub enum TestingError {
     #[error("building a client: {0}")]
     Config(String),
     /// An API call made by the harness failed.
-    #[error("{context}: {source}")]
+    #[error("{context}: {cause}")]
     Kube {
         /// What was being done.
         context: String,
-        /// The underlying error.
-        #[source]
-        source: kube::Error,
+        /// The underlying error (in the message, so not also a `source()`).
+        cause: kube::Error,
     },
+    /// The machine cannot host a node: the message names every missing piece (root, a host
+    /// program, a binary or image) and the command that installs it.
+    #[error("no test node on this machine: {0}")]
+    NodeUnavailable(String),
+    /// A step of [`node::check`] did not hold.
+    #[error("node check failed: {0}")]
+    Check(String),
     /// A wait (e.g. for a CRD to be established) ran out of time.
     #[error("timed out after {0:?} waiting for {1}")]
     Timeout(Duration, String),
@@ -171,6 +180,7 @@ impl Identity {
 pub struct ControlPlaneBuilder {
     apiserver_args: Vec<String>,
     start_timeout: Duration,
+    node: bool,
 }
 
 impl ControlPlaneBuilder {
@@ -188,8 +198,17 @@ impl ControlPlaneBuilder {
         self
     }
 
-    /// Starts etcd and kube-apiserver and waits until the API server serves the `default`
-    /// namespace.
+    /// Adds a real node (see [`node`]): the API server then listens on [`node::HOST_IP`] where Pods
+    /// reach it, with the Node authorizer, the ServiceAccount and NodeRestriction admission
+    /// plugins on and Services in [`node::SERVICE_CIDR`]; the start waits until the Node is
+    /// `Ready` and CoreDNS serves. Needs root; see [`node`] for what else.
+    pub fn node(mut self) -> Self {
+        self.node = true;
+        self
+    }
+
+    /// Starts etcd and kube-apiserver (and the node, if asked for) and waits until the API server
+    /// serves the `default` namespace.
     pub async fn start(self) -> Result<ControlPlane, TestingError> {
         ControlPlane::start_with(self).await
     }
@@ -205,7 +224,9 @@ pub struct ControlPlane {
     namespaces: AtomicUsize,
     // Stopped in reverse order of start: API server first, then etcd.
     processes: Mutex<Vec<ServerProcess>>,
-    guardian: Mutex<Guardian>,
+    // One per generation of processes: a restarted server gets its own guardian.
+    guardians: Mutex<Vec<Guardian>>,
+    node: Option<node::Node>,
 }
 
 impl std::fmt::Debug for ControlPlane {
@@ -245,6 +266,9 @@ pub struct AuditEvent {
     /// The client's User-Agent.
     #[serde(default)]
     pub user_agent: Option<String>,
+    /// The addresses the request came from.
+    #[serde(default, rename = "sourceIPs")]
+    pub source_ips: Vec<String>,
 }
 
 impl AuditEvent {
@@ -295,6 +319,7 @@ pub struct AuditStatus {
 }
 
 static SHARED: tokio::sync::OnceCell<ControlPlane> = tokio::sync::OnceCell::const_new();
+static SHARED_NODE: tokio::sync::OnceCell<ControlPlane> = tokio::sync::OnceCell::const_new();
 
 impl ControlPlane {
     /// Options for a private control plane.
@@ -302,7 +327,26 @@ impl ControlPlane {
         ControlPlaneBuilder {
             apiserver_args: Vec::new(),
             start_timeout: Duration::from_secs(60),
+            node: false,
         }
+    }
+
+    /// A control plane with a node (see [`ControlPlaneBuilder::node`]) shared by all tests of
+    /// this test binary, started on first use; one node per machine at a time.
+    pub async fn shared_with_node() -> Result<&'static ControlPlane, TestingError> {
+        SHARED_NODE
+            .get_or_try_init(|| {
+                ControlPlane::builder()
+                    .node()
+                    .start_timeout(Duration::from_secs(180))
+                    .start()
+            })
+            .await
+    }
+
+    /// The node, when the control plane was started with one.
+    pub fn node(&self) -> Option<&node::Node> {
+        self.node.as_ref()
     }
 
     /// The control plane shared by all tests of this test binary, started on first use.
@@ -316,20 +360,31 @@ impl ControlPlane {
 
     async fn start_with(options: ControlPlaneBuilder) -> Result<Self, TestingError> {
         let binaries = Binaries::locate()?;
+        // The node's network comes first: the API server listens on the node link.
+        let node_parts = if options.node {
+            let assets = node::NodeAssets::locate()?;
+            Some((assets, node::NodeNetwork::create()?))
+        } else {
+            None
+        };
         let dir = tempfile::Builder::new()
             .prefix("kube-netkit-control-plane-")
             .tempdir()
             .map_err(|source| TestingError::Io {
                 context: "creating the control plane directory".to_owned(),
-                source,
+                cause: source,
             })?
             .keep();
-        let pki = Pki::generate()?;
+        let pki = if options.node {
+            Pki::generate(&[node::HOST_IP.into(), node::KUBERNETES_SERVICE_IP.into()])?
+        } else {
+            Pki::generate(&[])?
+        };
         let write = |name: &str, contents: &str| -> Result<PathBuf, TestingError> {
             let path = dir.join(name);
             std::fs::write(&path, contents).map_err(|source| TestingError::Io {
                 context: format!("writing {}", path.display()),
-                source,
+                cause: source,
             })?;
             Ok(path)
         };
@@ -347,7 +402,12 @@ impl ControlPlane {
         let api_port = free_port()?;
         let etcd_url = format!("http://127.0.0.1:{etcd_port}");
         let etcd_peer_url = format!("http://127.0.0.1:{etcd_peer_port}");
-        let server = format!("https://127.0.0.1:{api_port}");
+        let bind_address = if options.node {
+            node::HOST_IP.to_string()
+        } else {
+            "127.0.0.1".to_owned()
+        };
+        let server = format!("https://{bind_address}:{api_port}");
         let etcd_data = dir.join("etcd");
 
         let etcd_args = vec![
@@ -370,11 +430,8 @@ impl ControlPlane {
             format!("--tls-private-key-file={}", serving_key.display()),
             format!("--client-ca-file={}", client_ca.display()),
             format!("--secure-port={api_port}"),
-            "--bind-address=127.0.0.1".to_owned(),
-            "--service-cluster-ip-range=10.0.0.0/24".to_owned(),
+            format!("--bind-address={bind_address}"),
             "--allow-privileged=true".to_owned(),
-            "--authorization-mode=RBAC".to_owned(),
-            "--disable-admission-plugins=ServiceAccount".to_owned(),
             format!("--service-account-issuer={server}/"),
             format!("--service-account-key-file={}", sa_pub.display()),
             format!("--service-account-signing-key-file={}", sa_key.display()),
@@ -384,6 +441,28 @@ impl ControlPlane {
             "--audit-log-mode=blocking".to_owned(),
             "--audit-log-maxsize=0".to_owned(),
         ];
+        if options.node {
+            let kubelet_client =
+                pki.client_cert("kube-apiserver-kubelet-client", Some("system:masters"))?;
+            let cert = write("kubelet-client.crt", &kubelet_client.cert)?;
+            let key = write("kubelet-client.key", &kubelet_client.key)?;
+            apiserver_args.extend([
+                format!("--advertise-address={bind_address}"),
+                format!("--service-cluster-ip-range={}", node::SERVICE_CIDR),
+                "--authorization-mode=Node,RBAC".to_owned(),
+                "--enable-admission-plugins=NodeRestriction".to_owned(),
+                format!("--kubelet-client-certificate={}", cert.display()),
+                format!("--kubelet-client-key={}", key.display()),
+                "--kubelet-preferred-address-types=InternalIP".to_owned(),
+            ]);
+        } else {
+            // A bare API server: no controller-manager makes ServiceAccount tokens for Pods.
+            apiserver_args.extend([
+                "--service-cluster-ip-range=10.0.0.0/24".to_owned(),
+                "--authorization-mode=RBAC".to_owned(),
+                "--disable-admission-plugins=ServiceAccount".to_owned(),
+            ]);
+        }
         apiserver_args.extend(options.apiserver_args.iter().cloned());
         let apiserver = match ServerProcess::spawn(
             "kube-apiserver",
@@ -403,7 +482,7 @@ impl ControlPlane {
         let guardian = Guardian::watch(&dir, &pids)?;
 
         let kubeconfig = dir.join("kubeconfig.yaml");
-        let plane = Self {
+        let mut plane = Self {
             kubeconfig: kubeconfig.clone(),
             dir,
             server,
@@ -411,14 +490,32 @@ impl ControlPlane {
             pki,
             namespaces: AtomicUsize::new(0),
             processes: Mutex::new(processes),
-            guardian: Mutex::new(guardian),
+            guardians: Mutex::new(vec![guardian]),
+            node: None,
         };
         let admin = plane.admin_kubeconfig_text()?;
         std::fs::write(&kubeconfig, admin).map_err(|source| TestingError::Io {
             context: format!("writing {}", kubeconfig.display()),
-            source,
+            cause: source,
         })?;
         plane.wait_ready(options.start_timeout).await?;
+        if let Some((assets, network)) = node_parts {
+            // Without the API server's own endpoint reconciler nothing in a Pod could reach it
+            // until someone (steward, in its tests) publishes endpoints.
+            let reconciler_off = options
+                .apiserver_args
+                .iter()
+                .any(|a| a == "--endpoint-reconciler-type=none");
+            let node = node::Node::start(
+                &plane,
+                network,
+                &assets,
+                options.start_timeout,
+                reconciler_off,
+            )
+            .await?;
+            plane.node = Some(node);
+        }
         Ok(plane)
     }
 
@@ -496,7 +593,7 @@ impl ControlPlane {
         let path = self.dir.join("audit.log");
         let text = std::fs::read_to_string(&path).map_err(|source| TestingError::Io {
             context: format!("reading {}", path.display()),
-            source,
+            cause: source,
         })?;
         Ok(text
             .lines()
@@ -514,6 +611,16 @@ impl ControlPlane {
             .audit_events()?
             .into_iter()
             .filter(|e| e.user.username == username && e.is_write())
+            .collect())
+    }
+
+    /// Every request made by `username` so far, after the same wait as [`Self::writes_by`].
+    pub async fn requests_by(&self, username: &str) -> Result<Vec<AuditEvent>, TestingError> {
+        self.audit_barrier().await?;
+        Ok(self
+            .audit_events()?
+            .into_iter()
+            .filter(|e| e.user.username == username)
             .collect())
     }
 
@@ -541,6 +648,112 @@ impl ControlPlane {
             }
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
+    }
+
+    /// Stops kube-apiserver with SIGTERM (as a rolling upgrade does), keeps it down for `down`,
+    /// starts it again with the same flags, port and etcd, and waits until it is ready. Watches
+    /// and connections of clients break; what they do about it is what a chaos test looks at.
+    pub async fn restart_apiserver(&self, down: Duration) -> Result<(), TestingError> {
+        self.stop_apiserver().await?;
+        tokio::time::sleep(down).await;
+        self.start_apiserver().await
+    }
+
+    /// Stops kube-apiserver with SIGTERM and waits until it has exited (see
+    /// [`ControlPlane::start_apiserver`]).
+    pub async fn stop_apiserver(&self) -> Result<(), TestingError> {
+        self.stop_process("kube-apiserver").await
+    }
+
+    /// Starts kube-apiserver again after [`ControlPlane::stop_apiserver`] and waits until it
+    /// is ready.
+    pub async fn start_apiserver(&self) -> Result<(), TestingError> {
+        self.respawn("kube-apiserver")?;
+        self.wait_ready(Duration::from_secs(60)).await
+    }
+
+    /// Stops etcd with SIGTERM, keeps it down for `down` (the API server answers errors
+    /// meanwhile), starts it again on the same data and waits until it answers (and the API
+    /// server is ready, unless it is stopped).
+    pub async fn restart_etcd(&self, down: Duration) -> Result<(), TestingError> {
+        self.stop_process("etcd").await?;
+        tokio::time::sleep(down).await;
+        self.respawn("etcd")?;
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while let Err(err) = etcd_post(&self.etcd_url, "/v3/kv/range", r#"{"key":"AA=="}"#).await {
+            if Instant::now() > deadline {
+                return Err(err);
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        if self.with_process("kube-apiserver", |p| Ok(p.exited().is_none()))? {
+            self.wait_ready(Duration::from_secs(60)).await?;
+        }
+        Ok(())
+    }
+
+    /// Writes a key of its own to etcd (so the revision passes everything any client has
+    /// seen), then compacts etcd's history up to that revision and returns it. A watch that
+    /// resumes from an older resourceVersion then gets `410 Gone` and must list again. Do it
+    /// while the API server is stopped, or its bookmarks may tell clients the new revision.
+    pub async fn compact_etcd(&self) -> Result<i64, TestingError> {
+        // etcd's JSON gateway: keys and values are base64.
+        let put = r#"{"key":"L2t1YmUtbmV0a2l0L2NoYW9z","value":"Y29tcGFjdA=="}"#;
+        let written = etcd_post(&self.etcd_url, "/v3/kv/put", put).await?;
+        let revision = written["header"]["revision"]
+            .as_str()
+            .and_then(|r| r.parse::<i64>().ok())
+            .ok_or_else(|| TestingError::Start(format!("etcd put: no revision in {written}")))?;
+        let body = serde_json::json!({ "revision": revision.to_string(), "physical": true });
+        etcd_post(&self.etcd_url, "/v3/kv/compaction", &body.to_string()).await?;
+        Ok(revision)
+    }
+
+    async fn stop_process(&self, name: &str) -> Result<(), TestingError> {
+        self.with_process(name, |p| {
+            p.terminate();
+            Ok(())
+        })?;
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !self.with_process(name, |p| Ok(p.exited().is_some()))? {
+            if Instant::now() > deadline {
+                return self.with_process(name, |p| {
+                    p.stop();
+                    Ok(())
+                });
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        Ok(())
+    }
+
+    /// Starts a stopped server again, under a guardian of its own.
+    fn respawn(&self, name: &str) -> Result<(), TestingError> {
+        let pid = self.with_process(name, |p| {
+            p.respawn()?;
+            Ok(p.pid())
+        })?;
+        let guardian = Guardian::watch(&self.dir, &[pid])?;
+        if let Ok(mut guardians) = self.guardians.lock() {
+            guardians.push(guardian);
+        }
+        Ok(())
+    }
+
+    fn with_process<T>(
+        &self,
+        name: &str,
+        f: impl FnOnce(&mut ServerProcess) -> Result<T, TestingError>,
+    ) -> Result<T, TestingError> {
+        let mut processes = self
+            .processes
+            .lock()
+            .map_err(|_| TestingError::Start("the process list is poisoned".to_owned()))?;
+        let process = processes
+            .iter_mut()
+            .find(|p| p.name == name)
+            .ok_or_else(|| TestingError::Start(format!("no {name} in this control plane")))?;
+        f(process)
     }
 
     /// The process ids of etcd and kube-apiserver, in start order.
@@ -575,7 +788,7 @@ impl ControlPlane {
             .join(format!("kubeconfig-{}.yaml", identity.file_stem()));
         std::fs::write(&path, text).map_err(|source| TestingError::Io {
             context: format!("writing {}", path.display()),
-            source,
+            cause: source,
         })?;
         Ok(path)
     }
@@ -591,7 +804,7 @@ impl ControlPlane {
             .await
             .map_err(|source| TestingError::Kube {
                 context: format!("creating namespace {name}"),
-                source,
+                cause: source,
             })?;
         Ok(name)
     }
@@ -612,7 +825,7 @@ impl ControlPlane {
                 .await
                 .map_err(|source| TestingError::Kube {
                     context: format!("applying CRD {name}"),
-                    source,
+                    cause: source,
                 })?;
         }
         let timeout = Duration::from_secs(30);
@@ -653,6 +866,23 @@ impl ControlPlane {
         Ok(self.kubeconfig_json(user).to_string())
     }
 
+    /// Writes `<dir>/<user>.kubeconfig` with a client certificate for `user` in `group`.
+    fn write_cert_kubeconfig(
+        &self,
+        dir: &Path,
+        user: &str,
+        group: Option<&str>,
+    ) -> Result<PathBuf, TestingError> {
+        let pair = self.pki.client_cert(user, group)?;
+        let text = self.kubeconfig_json(self.cert_user(&pair)).to_string();
+        let path = dir.join(format!("{}.kubeconfig", user.replace(':', "-")));
+        std::fs::write(&path, text).map_err(|source| TestingError::Io {
+            context: format!("writing {}", path.display()),
+            cause: source,
+        })?;
+        Ok(path)
+    }
+
     fn admin_kubeconfig_text(&self) -> Result<String, TestingError> {
         let admin = self.pki.client_cert("admin", Some("system:masters"))?;
         Ok(self.kubeconfig_json(self.cert_user(&admin)).to_string())
@@ -672,7 +902,7 @@ impl ControlPlane {
             Err(source) => {
                 return Err(TestingError::Kube {
                     context: format!("creating ServiceAccount {namespace}/{name}"),
-                    source,
+                    cause: source,
                 });
             }
         }
@@ -688,7 +918,7 @@ impl ControlPlane {
             .await
             .map_err(|source| TestingError::Kube {
                 context: format!("requesting a token for ServiceAccount {namespace}/{name}"),
-                source,
+                cause: source,
             })?;
         token
             .status
@@ -726,13 +956,17 @@ impl ControlPlane {
 
 impl Drop for ControlPlane {
     fn drop(&mut self) {
+        // The node first: its kubelet must not watch the API server go away and react.
+        drop(self.node.take());
         if let Ok(mut processes) = self.processes.lock() {
             for process in processes.iter_mut().rev() {
                 process.stop();
             }
         }
-        if let Ok(mut guardian) = self.guardian.lock() {
-            guardian.release();
+        if let Ok(mut guardians) = self.guardians.lock() {
+            for guardian in guardians.iter_mut() {
+                guardian.release();
+            }
         }
     }
 }
@@ -766,4 +1000,41 @@ async fn client_from_kubeconfig(text: &str) -> Result<Client, TestingError> {
         .await
         .map_err(|e| TestingError::Config(e.to_string()))?;
     Client::try_from(config).map_err(|e| TestingError::Config(e.to_string()))
+}
+
+/// POSTs a JSON body to etcd's gRPC gateway and parses the JSON answer.
+async fn etcd_post(
+    etcd_url: &str,
+    path: &str,
+    body: &str,
+) -> Result<serde_json::Value, TestingError> {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let io = |context: String| move |cause| TestingError::Io { context, cause };
+    let authority = etcd_url.trim_start_matches("http://");
+    let mut stream = tokio::net::TcpStream::connect(authority)
+        .await
+        .map_err(io(format!("connecting to etcd at {authority}")))?;
+    let request = format!(
+        "POST {path} HTTP/1.1\r\nHost: {authority}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    stream
+        .write_all(request.as_bytes())
+        .await
+        .map_err(io(format!("POST {path} to etcd")))?;
+    let mut answer = Vec::new();
+    stream
+        .read_to_end(&mut answer)
+        .await
+        .map_err(io(format!("reading etcd's answer to {path}")))?;
+    let answer = String::from_utf8_lossy(&answer);
+    let (head, json) = answer.split_once("\r\n\r\n").unwrap_or((&answer, ""));
+    if !head.starts_with("HTTP/1.1 200") {
+        return Err(TestingError::Start(format!(
+            "etcd {path}: {}",
+            head.lines().next().unwrap_or_default()
+        )));
+    }
+    serde_json::from_str(json)
+        .map_err(|e| TestingError::Start(format!("etcd {path}: not JSON ({e}): {json}")))
 }

@@ -22,6 +22,7 @@ pub(crate) struct PemPair {
 /// The control plane's key material.
 pub(crate) struct Pki {
     pub(crate) serving_ca: String,
+    serving_issuer: Issuer<'static, KeyPair>,
     pub(crate) serving: PemPair,
     pub(crate) client_ca: String,
     client_issuer: Issuer<'static, KeyPair>,
@@ -30,23 +31,37 @@ pub(crate) struct Pki {
 }
 
 impl Pki {
-    pub(crate) fn generate() -> Result<Self, TestingError> {
+    /// Keys for a control plane whose API server is also reached at `extra_ips` (a node's view of
+    /// it: its address on the node link and the `kubernetes` Service's ClusterIP).
+    pub(crate) fn generate(extra_ips: &[IpAddr]) -> Result<Self, TestingError> {
         let (serving_ca, serving_issuer) = new_ca("kube-netkit serving CA")?;
+        let mut names = vec![
+            SanType::IpAddress(IpAddr::V4(Ipv4Addr::LOCALHOST)),
+            SanType::IpAddress("::1".parse().map_err(pki_err)?),
+        ];
+        // The names a Pod uses for the API server, as in every cluster.
+        for dns in [
+            "localhost",
+            "kubernetes",
+            "kubernetes.default",
+            "kubernetes.default.svc",
+            "kubernetes.default.svc.cluster.local",
+        ] {
+            names.push(SanType::DnsName(dns.try_into().map_err(pki_err)?));
+        }
+        names.extend(extra_ips.iter().copied().map(SanType::IpAddress));
         let serving = leaf(
             &serving_issuer,
             "localhost",
             None,
-            vec![
-                SanType::DnsName("localhost".try_into().map_err(pki_err)?),
-                SanType::IpAddress(IpAddr::V4(Ipv4Addr::LOCALHOST)),
-                SanType::IpAddress("::1".parse().map_err(pki_err)?),
-            ],
+            names,
             ExtendedKeyUsagePurpose::ServerAuth,
         )?;
         let (client_ca, client_issuer) = new_ca("kube-netkit client CA")?;
         let sa_key = KeyPair::generate_for(&PKCS_ECDSA_P256_SHA256).map_err(pki_err)?;
         Ok(Self {
             serving_ca,
+            serving_issuer,
             serving,
             client_ca,
             client_issuer,
@@ -68,6 +83,22 @@ impl Pki {
             group,
             Vec::new(),
             ExtendedKeyUsagePurpose::ClientAuth,
+        )
+    }
+}
+
+impl Pki {
+    /// A serving certificate signed by the serving CA, e.g. for a kubelet at `ip`.
+    pub(crate) fn serving_cert(&self, name: &str, ip: IpAddr) -> Result<PemPair, TestingError> {
+        leaf(
+            &self.serving_issuer,
+            name,
+            None,
+            vec![
+                SanType::DnsName(name.try_into().map_err(pki_err)?),
+                SanType::IpAddress(ip),
+            ],
+            ExtendedKeyUsagePurpose::ServerAuth,
         )
     }
 }

@@ -20,7 +20,15 @@ const GUARDIAN_SCRIPT: &str = r#"trap '' INT TERM HUP
 dir=$1; shift
 read -r _ || true
 kill -KILL "$@" 2>/dev/null
-rm -rf "$dir"
+rm -rf --one-file-system "$dir"
+"#;
+
+/// Runs under `flock`: says when it holds the lock, then runs a teardown script once its owner
+/// is gone (see [`Guardian::teardown`]). The lock is released only when the teardown has ended.
+const TEARDOWN_GUARDIAN_SCRIPT: &str = r#"trap '' INT TERM HUP
+echo locked
+read -r _ || true
+exec sh "$1" >/dev/null 2>&1
 "#;
 
 /// A server process with its output captured in a log file.
@@ -28,6 +36,9 @@ pub(crate) struct ServerProcess {
     pub(crate) name: &'static str,
     pub(crate) child: Child,
     pub(crate) log: PathBuf,
+    // Kept to start it again the same way (see `respawn`).
+    program: PathBuf,
+    args: Vec<String>,
 }
 
 impl ServerProcess {
@@ -40,13 +51,46 @@ impl ServerProcess {
         dir: &Path,
     ) -> Result<Self, TestingError> {
         let log = dir.join(format!("{name}.log"));
-        let out = File::create(&log).map_err(|source| TestingError::Io {
-            context: format!("creating {}", log.display()),
-            source,
-        })?;
+        let child = Self::start(program, args, &log)?;
+        Ok(Self {
+            name,
+            child,
+            log,
+            program: program.to_owned(),
+            args: args.to_vec(),
+        })
+    }
+
+    /// Starts the process again with the same program and arguments after it has exited (see
+    /// [`ServerProcess::terminate`]), its output appended to the same log.
+    pub(crate) fn respawn(&mut self) -> Result<(), TestingError> {
+        self.child = Self::start(&self.program, &self.args, &self.log)?;
+        Ok(())
+    }
+
+    /// Sends SIGTERM, as a rolling upgrade would (see [`ServerProcess::exited`] for when it is gone).
+    pub(crate) fn terminate(&self) {
+        let pid = i32::try_from(self.child.id())
+            .ok()
+            .and_then(rustix::process::Pid::from_raw);
+        if let Some(pid) = pid {
+            // An error means it is already gone.
+            let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
+        }
+    }
+
+    fn start(program: &Path, args: &[String], log: &Path) -> Result<Child, TestingError> {
+        let out = File::options()
+            .create(true)
+            .append(true)
+            .open(log)
+            .map_err(|source| TestingError::Io {
+                context: format!("opening {}", log.display()),
+                cause: source,
+            })?;
         let err = out.try_clone().map_err(|source| TestingError::Io {
             context: format!("duplicating {}", log.display()),
-            source,
+            cause: source,
         })?;
         let child = Command::new(program)
             .args(args)
@@ -57,9 +101,9 @@ impl ServerProcess {
             .spawn()
             .map_err(|source| TestingError::Io {
                 context: format!("starting {}", program.display()),
-                source,
+                cause: source,
             })?;
-        Ok(Self { name, child, log })
+        Ok(child)
     }
 
     /// The pid of the running process.
@@ -98,20 +142,66 @@ pub(crate) struct Guardian {
 
 impl Guardian {
     pub(crate) fn watch(dir: &Path, pids: &[u32]) -> Result<Self, TestingError> {
-        let mut child = Command::new("sh")
+        let mut command = Command::new("sh");
+        command
             .arg("-c")
             .arg(GUARDIAN_SCRIPT)
             .arg("kube-netkit-guardian")
             .arg(dir)
             .args(pids.iter().map(u32::to_string))
+            .stdout(Stdio::null());
+        Self::spawn(command)
+    }
+
+    /// A guardian that holds the machine-wide `lock` (waiting up to `wait` for it) and runs
+    /// `script` (an idempotent teardown) when released or when this process ends, for state that
+    /// killing processes does not undo: mounts, network namespaces, routes. Returns once the lock
+    /// is held; since the guardian holds it until its teardown has run, the next holder never
+    /// overlaps a teardown still in progress.
+    pub(crate) fn teardown(
+        script: &Path,
+        lock: &Path,
+        wait: std::time::Duration,
+    ) -> Result<Self, TestingError> {
+        use std::io::BufRead as _;
+        let mut command = Command::new("flock");
+        command
+            .arg("--wait")
+            .arg(wait.as_secs().to_string())
+            .arg(lock)
+            .args([
+                "sh",
+                "-c",
+                TEARDOWN_GUARDIAN_SCRIPT,
+                "kube-netkit-node-guardian",
+            ])
+            .arg(script)
+            .stdout(Stdio::piped());
+        let mut guardian = Self::spawn(command)?;
+        let mut line = String::new();
+        if let Some(stdout) = guardian.child.stdout.take() {
+            let _ = std::io::BufReader::new(stdout).read_line(&mut line);
+        }
+        if line.trim() != "locked" {
+            let _ = guardian.child.kill();
+            let _ = guardian.child.wait();
+            return Err(TestingError::NodeUnavailable(format!(
+                "another test node held {} for {wait:?}",
+                lock.display()
+            )));
+        }
+        Ok(guardian)
+    }
+
+    fn spawn(mut command: Command) -> Result<Self, TestingError> {
+        let mut child = command
             .stdin(Stdio::piped())
-            .stdout(Stdio::null())
             .stderr(Stdio::null())
             .process_group(0)
             .spawn()
             .map_err(|source| TestingError::Io {
                 context: "starting the guardian shell (sh)".to_owned(),
-                source,
+                cause: source,
             })?;
         let stdin = child.stdin.take();
         Ok(Self { stdin, child })
@@ -132,13 +222,13 @@ pub(crate) fn free_port() -> Result<u16, TestingError> {
     let listener =
         TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).map_err(|source| TestingError::Io {
             context: "finding a free port".to_owned(),
-            source,
+            cause: source,
         })?;
     let port = listener
         .local_addr()
         .map_err(|source| TestingError::Io {
             context: "finding a free port".to_owned(),
-            source,
+            cause: source,
         })?
         .port();
     Ok(port)

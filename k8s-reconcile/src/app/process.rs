@@ -1,0 +1,181 @@
+//! The process around a binary's work: who it is, how it runs, how it ends.
+
+use std::error::Error as StdError;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use prometheus_client::registry::Registry;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+use crate::Error;
+use crate::ops::{self, Health};
+
+/// Exit code of a failure at run time.
+pub const EXIT_FAILURE: u8 = 1;
+/// Exit code of invalid flags or configuration, as clap's own errors.
+pub const EXIT_USAGE: u8 = 2;
+
+/// This replica's leader-election identity: `explicit` (a flag) when given, else `POD_NAME`, else
+/// the host name, else `<binary>-<pid>`. Two replicas must never share it, and in a cluster the
+/// pod name is unique and tells an operator who holds a Lease.
+pub fn leader_identity(explicit: Option<&str>, binary: &str) -> String {
+    let non_empty = |s: String| {
+        let s = s.trim().to_owned();
+        (!s.is_empty()).then_some(s)
+    };
+    explicit
+        .map(str::to_owned)
+        .and_then(non_empty)
+        .or_else(|| std::env::var("POD_NAME").ok().and_then(non_empty))
+        .or_else(|| {
+            std::fs::read_to_string("/proc/sys/kernel/hostname")
+                .ok()
+                .and_then(non_empty)
+        })
+        .unwrap_or_else(|| format!("{binary}-{}", std::process::id()))
+}
+
+/// `error` and each of its causes, once each, joined by `": "`.
+///
+/// A cause whose text the message so far already ends with is skipped, so an error that still
+/// prints its source in `Display` does not show it twice.
+pub fn error_chain(error: &(dyn StdError + 'static)) -> String {
+    let mut text = error.to_string();
+    let mut cause = error.source();
+    while let Some(current) = cause {
+        let part = current.to_string();
+        if !part.is_empty() && !text.ends_with(&part) {
+            text.push_str(": ");
+            text.push_str(&part);
+        }
+        cause = current.source();
+    }
+    text
+}
+
+/// Prints a fatal error chain once, through the log when logging is set up (so JSON log pipelines
+/// see it), else on stderr, and returns [`EXIT_FAILURE`].
+fn fail(binary: &str, error: &(dyn StdError + 'static)) -> ExitCode {
+    let chain = error_chain(error);
+    if tracing::dispatcher::has_been_set() {
+        tracing::error!(error = %chain, "{binary} failed");
+    } else {
+        eprintln!("{binary}: error: {chain}");
+    }
+    ExitCode::from(EXIT_FAILURE)
+}
+
+/// The exit code of a run's result, printing a failure with [`error_chain`].
+pub fn exit_with<E>(binary: &str, result: Result<(), E>) -> ExitCode
+where
+    E: Into<Box<dyn StdError + Send + Sync + 'static>>,
+{
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            let error: Box<dyn StdError + Send + Sync + 'static> = error.into();
+            fail(binary, error.as_ref())
+        }
+    }
+}
+
+/// Reports invalid flags or configuration the way clap does and returns [`EXIT_USAGE`].
+pub fn usage_error(message: &dyn std::fmt::Display) -> ExitCode {
+    eprintln!("error: {message}\n\nFor more information, try '--help'.");
+    ExitCode::from(EXIT_USAGE)
+}
+
+/// Runs `work` on a multi-threaded runtime and turns its result into the exit code.
+pub fn block_on<F, E>(binary: &str, work: F) -> ExitCode
+where
+    F: Future<Output = Result<(), E>>,
+    E: Into<Box<dyn StdError + Send + Sync + 'static>>,
+{
+    match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => exit_with(binary, runtime.block_on(work)),
+        Err(error) => fail(binary, &error),
+    }
+}
+
+/// A client from `kubeconfig` when given, else the usual inference (in-cluster, `KUBECONFIG`,
+/// `~/.kube/config`).
+pub async fn kube_client(kubeconfig: Option<&Path>) -> Result<kube::Client, Error> {
+    let config = match kubeconfig {
+        Some(path) => {
+            let file = kube::config::Kubeconfig::read_from(path).map_err(|source| {
+                Error::ClientConfig {
+                    origin: format!("reading {}", path.display()),
+                    cause: Box::new(source),
+                }
+            })?;
+            kube::Config::from_custom_kubeconfig(file, &Default::default())
+                .await
+                .map_err(|source| Error::ClientConfig {
+                    origin: path.display().to_string(),
+                    cause: Box::new(source),
+                })?
+        }
+        None => kube::Config::infer()
+            .await
+            .map_err(|source| Error::ClientConfig {
+                origin: "no kubeconfig given and not in a cluster".to_owned(),
+                cause: Box::new(source),
+            })?,
+    };
+    kube::Client::try_from(config).map_err(Error::Kube)
+}
+
+/// Serves `/healthz`, `/readyz` and `/metrics` on every distinct address of `addrs` until
+/// `shutdown`. Each address is bound before this returns, so a taken port stops the start.
+pub async fn serve_ops(
+    addrs: impl IntoIterator<Item = SocketAddr>,
+    health: &Health,
+    registry: &Arc<Registry>,
+    shutdown: &CancellationToken,
+) -> Result<Vec<JoinHandle<()>>, Error> {
+    let mut bound: Vec<SocketAddr> = Vec::new();
+    let mut servers = Vec::new();
+    for addr in addrs {
+        if bound.contains(&addr) {
+            continue;
+        }
+        let router = ops::router(health.clone(), Arc::clone(registry));
+        servers.push(ops::serve(addr, router, shutdown.clone()).await?);
+        tracing::info!(%addr, "serving /healthz, /readyz and /metrics");
+        bound.push(addr);
+    }
+    Ok(servers)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Debug, thiserror::Error)]
+    #[error("starting")]
+    struct Outer(#[source] std::io::Error);
+
+    #[derive(Debug, thiserror::Error)]
+    #[error("starting: {0}")]
+    struct Repeats(#[source] std::io::Error);
+
+    #[test]
+    fn each_cause_is_printed_once() {
+        let io = || std::io::Error::other("port taken");
+        assert_eq!(error_chain(&Outer(io())), "starting: port taken");
+        assert_eq!(error_chain(&Repeats(io())), "starting: port taken");
+    }
+
+    #[test]
+    fn an_explicit_identity_wins() {
+        assert_eq!(leader_identity(Some("pod-a"), "bin"), "pod-a");
+        assert!(!leader_identity(Some("  "), "bin").is_empty());
+    }
+}

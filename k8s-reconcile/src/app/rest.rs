@@ -1,0 +1,344 @@
+//! What a binary's REST API needs besides its own handlers: a server that holds up against slow
+//! and abusive clients ([`serve_api`]), strict query and form fields ([`Fields`]) and a request
+//! body read under a size limit ([`read_body`]).
+//!
+//! The answers stay the binary's: these return errors it turns into its own response bodies.
+
+use std::collections::BTreeSet;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use http::StatusCode;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::server::graceful::GracefulShutdown;
+use hyper_util::service::TowerToHyperService;
+use tokio::net::TcpListener;
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
+
+use crate::Error;
+
+/// The limits [`serve_api`] holds every client to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ApiLimits {
+    /// A request's head (request line and headers) must arrive within this time, counted from
+    /// the connection's start or, on a kept-alive connection, from the previous answer; else the
+    /// connection is closed. This also closes idle kept-alive connections.
+    pub header_read_timeout: Duration,
+    /// Connections served at once. One more is answered `503` with `Retry-After` and closed at
+    /// once, so a flood fails fast instead of queuing behind slow clients.
+    pub max_connections: usize,
+    /// The JSON body of that `503`, in the API's own error format.
+    pub busy_body: &'static str,
+    /// On shutdown, how long requests in flight may still take before their connections are
+    /// closed.
+    pub drain_timeout: Duration,
+}
+
+/// The whole answer to a connection over [`ApiLimits::max_connections`].
+fn busy_answer(body: &str) -> Vec<u8> {
+    format!(
+        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n\
+         connection: close\r\nretry-after: 1\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .into_bytes()
+}
+
+/// Binds `addr` now (so a taken port is reported at start) for [`serve_api`].
+pub async fn bind_api(addr: SocketAddr) -> Result<TcpListener, Error> {
+    TcpListener::bind(addr)
+        .await
+        .map_err(|cause| Error::ApiBind { addr, cause })
+}
+
+/// Serves `router` over HTTP/1.1 on `listener` under `limits` until `shutdown`, then lets the
+/// requests in flight finish within [`ApiLimits::drain_timeout`].
+///
+/// A request's own time limit is the router's business (it knows how to word the answer).
+///
+/// ```no_run
+/// use std::time::Duration;
+/// use k8s_reconcile::app::rest::{ApiLimits, bind_api, serve_api};
+///
+/// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+/// let shutdown = k8s_reconcile::ops::shutdown_on_signals()?;
+/// let listener = bind_api("127.0.0.1:8080".parse()?).await?;
+/// let router = axum::Router::new().route("/", axum::routing::get(|| async { "hello\n" }));
+/// let limits = ApiLimits {
+///     header_read_timeout: Duration::from_secs(5),
+///     max_connections: 512,
+///     busy_body: r#"{"error":"too many connections; retry in a second"}"#,
+///     drain_timeout: Duration::from_secs(10),
+/// };
+/// serve_api(listener, router, limits, shutdown).await;
+/// # Ok(()) }
+/// ```
+pub async fn serve_api(
+    listener: TcpListener,
+    router: Router,
+    limits: ApiLimits,
+    shutdown: CancellationToken,
+) {
+    let permits = Arc::new(Semaphore::new(limits.max_connections));
+    let busy = busy_answer(limits.busy_body);
+    let graceful = GracefulShutdown::new();
+    let mut http = hyper::server::conn::http1::Builder::new();
+    http.timer(TokioTimer::new())
+        .header_read_timeout(limits.header_read_timeout);
+    loop {
+        let accepted = tokio::select! {
+            () = shutdown.cancelled() => break,
+            accepted = listener.accept() => accepted,
+        };
+        let (stream, peer) = match accepted {
+            Ok(accepted) => accepted,
+            Err(err) => {
+                // Out of file descriptors, usually: pause rather than spin.
+                tracing::warn!(error = %err, "accepting an API connection failed");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        let Ok(permit) = Arc::clone(&permits).try_acquire_owned() else {
+            // A fresh socket's send buffer takes the short answer whole; if not, it just closes.
+            let _ = stream.try_write(&busy);
+            tracing::debug!(%peer, "API connection refused: too many connections");
+            continue;
+        };
+        let connection = http.serve_connection(
+            TokioIo::new(stream),
+            TowerToHyperService::new(router.clone()),
+        );
+        let connection = graceful.watch(connection);
+        tokio::spawn(async move {
+            if let Err(err) = connection.await {
+                tracing::debug!(%peer, error = %err, "API connection closed");
+            }
+            drop(permit);
+        });
+    }
+    if tokio::time::timeout(limits.drain_timeout, graceful.shutdown())
+        .await
+        .is_err()
+    {
+        tracing::warn!(drain = ?limits.drain_timeout, "API connections still open after the drain time; closing them");
+    }
+}
+
+/// Why query or form fields, or a request body, are refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum RequestError {
+    /// Not `application/x-www-form-urlencoded` text.
+    #[error("malformed {what}: {cause}")]
+    Malformed {
+        /// `query` or `form`.
+        what: String,
+        /// The parser's message.
+        cause: String,
+    },
+    /// A field that is not expected.
+    #[error("unknown {what} parameter {name:?}; expected {expected}")]
+    Unknown {
+        /// `query` or `form`.
+        what: String,
+        /// The field.
+        name: String,
+        /// The fields that are expected, comma-separated.
+        expected: String,
+    },
+    /// A field given twice.
+    #[error("{what} parameter {name:?} is given more than once")]
+    Repeated {
+        /// `query` or `form`.
+        what: String,
+        /// The field.
+        name: String,
+    },
+    /// A field that must be `true` or `false`.
+    #[error("{name} must be true or false, not {value:?}")]
+    NotABool {
+        /// The field.
+        name: String,
+        /// What was given.
+        value: String,
+    },
+    /// The body is over the limit.
+    #[error("request body is larger than {limit} bytes")]
+    TooLarge {
+        /// The limit, in bytes.
+        limit: usize,
+    },
+    /// The body could not be read.
+    #[error("cannot read the request body: {cause}")]
+    Unreadable {
+        /// Why.
+        cause: String,
+    },
+}
+
+impl RequestError {
+    /// The HTTP status to answer with: `413` for a body over the limit, else `400`.
+    pub fn status(&self) -> StatusCode {
+        match self {
+            RequestError::TooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            _ => StatusCode::BAD_REQUEST,
+        }
+    }
+}
+
+/// Query-string or form fields, each at most once and all among the expected names.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Fields(Vec<(String, String)>);
+
+impl Fields {
+    /// Parses `text` (`a=1&b=2`); `what` (`query`, `form`) names it in errors.
+    pub fn parse(text: &str, allowed: &[&str], what: &str) -> Result<Self, RequestError> {
+        let pairs: Vec<(String, String)> =
+            serde_urlencoded::from_str(text).map_err(|e| RequestError::Malformed {
+                what: what.to_owned(),
+                cause: e.to_string(),
+            })?;
+        let mut seen = BTreeSet::new();
+        for (name, _) in &pairs {
+            if !allowed.contains(&name.as_str()) {
+                return Err(RequestError::Unknown {
+                    what: what.to_owned(),
+                    name: name.clone(),
+                    expected: allowed.join(", "),
+                });
+            }
+            if !seen.insert(name.as_str()) {
+                return Err(RequestError::Repeated {
+                    what: what.to_owned(),
+                    name: name.clone(),
+                });
+            }
+        }
+        Ok(Self(pairs))
+    }
+
+    /// The value of `name`, if given.
+    pub fn get(&self, name: &str) -> Option<&str> {
+        self.0
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.as_str())
+    }
+
+    /// `name` as a boolean (`true`/`1`, `false`/`0`), `false` when absent.
+    pub fn flag(&self, name: &str) -> Result<bool, RequestError> {
+        match self.get(name) {
+            None | Some("false" | "0") => Ok(false),
+            Some("true" | "1") => Ok(true),
+            Some(other) => Err(RequestError::NotABool {
+                name: name.to_owned(),
+                value: other.to_owned(),
+            }),
+        }
+    }
+}
+
+/// The body axum read under its `DefaultBodyLimit` of `limit` bytes, or why there is none.
+pub fn read_body(body: Result<Bytes, BytesRejection>, limit: usize) -> Result<Bytes, RequestError> {
+    body.map_err(|rejection| {
+        if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            RequestError::TooLarge { limit }
+        } else {
+            RequestError::Unreadable {
+                cause: rejection.body_text(),
+            }
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fields_are_strict() {
+        let fields = Fields::parse("a=1&b=true", &["a", "b"], "query").unwrap();
+        assert_eq!(fields.get("a"), Some("1"));
+        assert!(fields.flag("b").unwrap());
+        assert!(!fields.flag("c").unwrap());
+        for (text, expected) in [
+            ("c=1", "unknown query parameter \"c\"; expected a, b"),
+            ("a=1&a=2", "query parameter \"a\" is given more than once"),
+        ] {
+            let err = Fields::parse(text, &["a", "b"], "query").unwrap_err();
+            assert_eq!(err.to_string(), expected);
+            assert_eq!(err.status(), StatusCode::BAD_REQUEST);
+        }
+        let fields = Fields::parse("b=yes", &["b"], "form").unwrap();
+        assert_eq!(
+            fields.flag("b").unwrap_err().to_string(),
+            "b must be true or false, not \"yes\""
+        );
+    }
+
+    async fn read_all(stream: &mut tokio::net::TcpStream) -> String {
+        use tokio::io::AsyncReadExt as _;
+        let mut text = Vec::new();
+        let read = tokio::time::timeout(Duration::from_secs(5), stream.read_to_end(&mut text));
+        let _ = read.await;
+        String::from_utf8_lossy(&text).into_owned()
+    }
+
+    #[tokio::test]
+    async fn slow_clients_are_cut_and_a_full_server_says_so() {
+        use tokio::io::AsyncWriteExt as _;
+        use tokio::net::TcpStream;
+        let listener = bind_api("127.0.0.1:0".parse().unwrap()).await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let router = Router::new().route("/", axum::routing::get(|| async { "hello" }));
+        let limits = ApiLimits {
+            header_read_timeout: Duration::from_millis(500),
+            max_connections: 2,
+            busy_body: r#"{"error":"busy"}"#,
+            drain_timeout: Duration::from_secs(1),
+        };
+        let shutdown = CancellationToken::new();
+        let server = tokio::spawn(serve_api(listener, router, limits, shutdown.clone()));
+        let started = std::time::Instant::now();
+        let mut slow = Vec::new();
+        for _ in 0..2 {
+            let mut stream = TcpStream::connect(addr).await.unwrap();
+            stream.write_all(b"GET / HT").await.unwrap();
+            slow.push(stream);
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let mut third = TcpStream::connect(addr).await.unwrap();
+        assert!(read_all(&mut third).await.starts_with("HTTP/1.1 503"));
+        for stream in &mut slow {
+            assert!(!read_all(stream).await.contains("hello"));
+            assert!(started.elapsed() >= Duration::from_millis(500));
+        }
+        let mut normal = TcpStream::connect(addr).await.unwrap();
+        normal
+            .write_all(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            .await
+            .unwrap();
+        let answer = read_all(&mut normal).await;
+        assert!(
+            answer.starts_with("HTTP/1.1 200") && answer.ends_with("hello"),
+            "{answer}"
+        );
+        shutdown.cancel();
+        server.await.unwrap();
+    }
+
+    #[test]
+    fn the_busy_answer_is_well_formed() {
+        let answer = busy_answer(r#"{"error":"busy"}"#);
+        let text = std::str::from_utf8(&answer).unwrap();
+        let (head, body) = text.split_once("\r\n\r\n").unwrap();
+        assert!(head.contains(&format!("content-length: {}", body.len())));
+        serde_json::from_str::<serde_json::Value>(body).unwrap();
+    }
+}

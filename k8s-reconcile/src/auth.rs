@@ -1,0 +1,401 @@
+//! Request authentication and authorization through the API server, the way kube-rbac-proxy does
+//! it: a bearer token is judged by a `TokenReview`, an access by a `SubjectAccessReview`.
+//!
+//! A server in front of cluster resources uses [`Authenticator`] to answer "who sent this?" and
+//! "may they do that?" exactly as the API server would for the same credentials, so RBAC is the
+//! one place where access is granted.
+//!
+//! * [`Authenticator::authenticate`] reads `Authorization: Bearer <token>` and returns the
+//!   [`Caller`]; accepted tokens are remembered (by their SHA-256) for ten seconds.
+//! * [`Authenticator::allowed`] asks whether a caller may do a [`ResourceAccess`];
+//!   [`Authenticator::authorize`] fails with [`AuthError::Forbidden`] when not.
+//! * [`Authenticator::allow_all`] turns checks off (every caller is one fixed, unchecked user),
+//!   for local trials.
+//!
+//! The server's own ServiceAccount needs `create` on `tokenreviews.authentication.k8s.io` and
+//! `subjectaccessreviews.authorization.k8s.io` (the `system:auth-delegator` ClusterRole).
+//!
+//! # Example
+//!
+//! ```no_run
+//! use k8s_reconcile::auth::{Authenticator, AuthError, ResourceAccess};
+//!
+//! # async fn handle(client: kube::Client, headers: http::HeaderMap) -> Result<(), AuthError> {
+//! let auth = Authenticator::new(client);
+//! let caller = auth.authenticate(&headers).await?;
+//! let access = ResourceAccess::new("create", "pods", "team-a")
+//!     .subresource("portforward")
+//!     .name("web-0");
+//! auth.authorize(&caller, &access).await?;
+//! println!("{} may port-forward to team-a/web-0", caller.username());
+//! # Ok(()) }
+//! ```
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use http::HeaderMap;
+use k8s_openapi::api::authentication::v1::{TokenReview, TokenReviewSpec};
+use k8s_openapi::api::authorization::v1::{
+    ResourceAttributes, SubjectAccessReview, SubjectAccessReviewSpec,
+};
+use kube::Client;
+use kube::api::{Api, PostParams};
+use sha2::{Digest as _, Sha256};
+
+/// Who sent a request, as the API server's `TokenReview` saw them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Caller {
+    username: String,
+    uid: Option<String>,
+    groups: Vec<String>,
+    extra: BTreeMap<String, Vec<String>>,
+    unchecked: bool,
+}
+
+impl Caller {
+    /// The user name, e.g. `system:serviceaccount:team:debugger`.
+    pub fn username(&self) -> &str {
+        &self.username
+    }
+
+    /// The user's groups, e.g. `system:serviceaccounts`.
+    pub fn groups(&self) -> &[String] {
+        &self.groups
+    }
+
+    /// True for the caller of an [`Authenticator::allow_all`]: every check passes.
+    pub fn is_unchecked(&self) -> bool {
+        self.unchecked
+    }
+}
+
+/// What a caller wants to do, as RBAC sees it (a `SubjectAccessReview`'s resource attributes).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ResourceAccess<'a> {
+    /// The verb, e.g. `create`.
+    pub verb: &'a str,
+    /// The API group, `""` for the core group.
+    pub group: &'a str,
+    /// The resource, e.g. `pods`.
+    pub resource: &'a str,
+    /// The subresource, e.g. `portforward`.
+    pub subresource: Option<&'a str>,
+    /// The namespace.
+    pub namespace: &'a str,
+    /// The object's name, when there is one.
+    pub name: Option<&'a str>,
+}
+
+impl<'a> ResourceAccess<'a> {
+    /// `verb` on `resource` of the core group in `namespace`, any name.
+    pub fn new(verb: &'a str, resource: &'a str, namespace: &'a str) -> Self {
+        Self {
+            verb,
+            group: "",
+            resource,
+            subresource: None,
+            namespace,
+            name: None,
+        }
+    }
+
+    /// The API group (`""`, the core group, by default).
+    #[must_use]
+    pub fn group(mut self, group: &'a str) -> Self {
+        self.group = group;
+        self
+    }
+
+    /// A subresource, e.g. `portforward`.
+    #[must_use]
+    pub fn subresource(mut self, subresource: &'a str) -> Self {
+        self.subresource = Some(subresource);
+        self
+    }
+
+    /// One object by name.
+    #[must_use]
+    pub fn name(mut self, name: &'a str) -> Self {
+        self.name = Some(name);
+        self
+    }
+}
+
+impl std::fmt::Display for ResourceAccess<'_> {
+    /// E.g. `create pods/portforward "web-0" in namespace "team-a"`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} {}", self.verb, self.resource)?;
+        if !self.group.is_empty() {
+            write!(f, ".{}", self.group)?;
+        }
+        if let Some(sub) = self.subresource {
+            write!(f, "/{sub}")?;
+        }
+        if let Some(name) = self.name {
+            write!(f, " {name:?}")?;
+        }
+        write!(f, " in namespace {:?}", self.namespace)
+    }
+}
+
+/// Why a caller is turned away.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum AuthError {
+    /// No `Authorization` header.
+    #[error(
+        "authentication required: send a Kubernetes token as `Authorization: Bearer <token>` (e.g. from `kubectl create token <serviceaccount>`)"
+    )]
+    MissingToken,
+    /// The header is not a bearer token.
+    #[error("the Authorization header must be `Bearer <token>`")]
+    MalformedHeader,
+    /// The API server did not accept the token; the field is its reason as `": reason"`, or empty.
+    #[error("the token was not accepted by the Kubernetes API server{0}")]
+    InvalidToken(String),
+    /// RBAC says no.
+    #[error("{user} may not {what}")]
+    Forbidden {
+        /// The user.
+        user: String,
+        /// The refused access, as [`ResourceAccess`] prints it.
+        what: String,
+    },
+    /// The API server could not be asked; the field is the cause.
+    #[error("cannot check credentials with the Kubernetes API server: {0}")]
+    Unavailable(String),
+}
+
+/// How long an accepted token is reused without a new TokenReview.
+const TOKEN_CACHE_TTL: Duration = Duration::from_secs(10);
+/// Bound on remembered tokens (the cache is cleared when full).
+const TOKEN_CACHE_MAX: usize = 1024;
+
+enum Mode {
+    Check(Client),
+    AllowAll(String),
+}
+
+/// Authenticates bearer tokens with `TokenReview` and authorizes with `SubjectAccessReview`.
+pub struct Authenticator {
+    mode: Mode,
+    tokens: Mutex<HashMap<[u8; 32], (Instant, Caller)>>,
+}
+
+impl std::fmt::Debug for Authenticator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mode = match &self.mode {
+            Mode::Check(_) => "check",
+            Mode::AllowAll(_) => "allow-all",
+        };
+        f.debug_struct("Authenticator")
+            .field("mode", &mode)
+            .finish()
+    }
+}
+
+impl Authenticator {
+    /// Checks every request with the API server behind `client`.
+    pub fn new(client: Client) -> Self {
+        Self::with_mode(Mode::Check(client))
+    }
+
+    /// Checks nothing: every request comes from an unchecked caller named `username`, who may
+    /// do anything. Only for local trials.
+    pub fn allow_all(username: impl Into<String>) -> Self {
+        Self::with_mode(Mode::AllowAll(username.into()))
+    }
+
+    fn with_mode(mode: Mode) -> Self {
+        Self {
+            mode,
+            tokens: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Finds out who sent `headers` (their `Authorization: Bearer <token>`).
+    pub async fn authenticate(&self, headers: &HeaderMap) -> Result<Caller, AuthError> {
+        let client = match &self.mode {
+            Mode::Check(client) => client,
+            Mode::AllowAll(username) => {
+                return Ok(Caller {
+                    username: username.clone(),
+                    uid: None,
+                    groups: Vec::new(),
+                    extra: BTreeMap::new(),
+                    unchecked: true,
+                });
+            }
+        };
+        let token = bearer_token(headers)?;
+        let key: [u8; 32] = Sha256::digest(token.as_bytes()).into();
+        if let Some(caller) = self.cached(&key) {
+            return Ok(caller);
+        }
+        let review = TokenReview {
+            spec: TokenReviewSpec {
+                token: token.to_owned(),
+                audiences: None,
+            },
+            ..TokenReview::default()
+        };
+        let answer = Api::<TokenReview>::all(client.clone())
+            .create(&PostParams::default(), &review)
+            .await
+            .map_err(|e| AuthError::Unavailable(e.to_string()))?;
+        let status = answer.status.unwrap_or_default();
+        if status.authenticated != Some(true) {
+            let detail = status
+                .error
+                .filter(|e| !e.is_empty())
+                .map(|e| format!(": {e}"))
+                .unwrap_or_default();
+            return Err(AuthError::InvalidToken(detail));
+        }
+        let user = status.user.unwrap_or_default();
+        let caller = Caller {
+            username: user.username.unwrap_or_default(),
+            uid: user.uid,
+            groups: user.groups.unwrap_or_default(),
+            extra: user.extra.unwrap_or_default(),
+            unchecked: false,
+        };
+        if let Ok(mut tokens) = self.tokens.lock() {
+            if tokens.len() >= TOKEN_CACHE_MAX {
+                tokens.clear();
+            }
+            tokens.insert(key, (Instant::now() + TOKEN_CACHE_TTL, caller.clone()));
+        }
+        Ok(caller)
+    }
+
+    fn cached(&self, key: &[u8; 32]) -> Option<Caller> {
+        let tokens = self.tokens.lock().ok()?;
+        let (until, caller) = tokens.get(key)?;
+        (Instant::now() < *until).then(|| caller.clone())
+    }
+
+    /// Whether `caller` may do `access`.
+    pub async fn allowed(
+        &self,
+        caller: &Caller,
+        access: &ResourceAccess<'_>,
+    ) -> Result<bool, AuthError> {
+        let client = match &self.mode {
+            Mode::Check(client) if !caller.unchecked => client,
+            _ => return Ok(true),
+        };
+        let review = SubjectAccessReview {
+            spec: SubjectAccessReviewSpec {
+                user: Some(caller.username.clone()),
+                uid: caller.uid.clone(),
+                groups: Some(caller.groups.clone()),
+                extra: Some(caller.extra.clone()),
+                resource_attributes: Some(ResourceAttributes {
+                    namespace: Some(access.namespace.to_owned()),
+                    verb: Some(access.verb.to_owned()),
+                    group: Some(access.group.to_owned()),
+                    resource: Some(access.resource.to_owned()),
+                    subresource: access.subresource.map(str::to_owned),
+                    name: access.name.map(str::to_owned),
+                    ..ResourceAttributes::default()
+                }),
+                ..SubjectAccessReviewSpec::default()
+            },
+            ..SubjectAccessReview::default()
+        };
+        let answer = Api::<SubjectAccessReview>::all(client.clone())
+            .create(&PostParams::default(), &review)
+            .await
+            .map_err(|e| AuthError::Unavailable(e.to_string()))?;
+        Ok(answer.status.is_some_and(|s| s.allowed))
+    }
+
+    /// Fails with [`AuthError::Forbidden`] unless `caller` may do `access`.
+    pub async fn authorize(
+        &self,
+        caller: &Caller,
+        access: &ResourceAccess<'_>,
+    ) -> Result<(), AuthError> {
+        if self.allowed(caller, access).await? {
+            Ok(())
+        } else {
+            Err(AuthError::Forbidden {
+                user: caller.username.clone(),
+                what: access.to_string(),
+            })
+        }
+    }
+}
+
+/// The token of `Authorization: Bearer <token>` (the scheme in either case of its first letter).
+pub fn bearer_token(headers: &HeaderMap) -> Result<&str, AuthError> {
+    let value = headers
+        .get(http::header::AUTHORIZATION)
+        .ok_or(AuthError::MissingToken)?;
+    let value = value.to_str().map_err(|_| AuthError::MalformedHeader)?;
+    value
+        .strip_prefix("Bearer ")
+        .or_else(|| value.strip_prefix("bearer "))
+        .map(str::trim)
+        .filter(|t| !t.is_empty())
+        .ok_or(AuthError::MalformedHeader)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn headers(value: &str) -> HeaderMap {
+        let mut headers = HeaderMap::new();
+        headers.insert(http::header::AUTHORIZATION, value.parse().unwrap());
+        headers
+    }
+
+    #[test]
+    fn bearer_tokens_are_read_from_the_header() {
+        assert_eq!(bearer_token(&headers("Bearer abc")), Ok("abc"));
+        assert_eq!(bearer_token(&headers("bearer  abc ")), Ok("abc"));
+        assert_eq!(
+            bearer_token(&HeaderMap::new()),
+            Err(AuthError::MissingToken)
+        );
+        assert_eq!(
+            bearer_token(&headers("Basic abc")),
+            Err(AuthError::MalformedHeader)
+        );
+        assert_eq!(
+            bearer_token(&headers("Bearer ")),
+            Err(AuthError::MalformedHeader)
+        );
+    }
+
+    #[test]
+    fn accesses_print_as_rbac_reads_them() {
+        let access = ResourceAccess::new("create", "pods", "team")
+            .subresource("portforward")
+            .name("web-0");
+        assert_eq!(
+            access.to_string(),
+            r#"create pods/portforward "web-0" in namespace "team""#
+        );
+        let access = ResourceAccess::new("list", "deployments", "team").group("apps");
+        assert_eq!(
+            access.to_string(),
+            r#"list deployments.apps in namespace "team""#
+        );
+    }
+
+    #[tokio::test]
+    async fn allow_all_lets_anyone_do_anything() {
+        let auth = Authenticator::allow_all("anonymous");
+        let caller = auth.authenticate(&HeaderMap::new()).await.unwrap();
+        assert_eq!(caller.username(), "anonymous");
+        assert!(caller.is_unchecked());
+        let access = ResourceAccess::new("delete", "secrets", "kube-system");
+        assert!(auth.authorize(&caller, &access).await.is_ok());
+    }
+}
