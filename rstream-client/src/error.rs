@@ -1,4 +1,7 @@
 //! Typed errors of the crate, with the engine error codes and a retry classification.
+//!
+//! A variant that wraps a lower error prints it in its message and does not also return it from
+//! `source()`, so a printed chain shows each cause once.
 
 use std::fmt;
 use std::sync::Arc;
@@ -110,17 +113,16 @@ pub enum Error {
     #[error("protocol error: {0}")]
     Protocol(String),
     /// TCP or TLS connection establishment failed.
-    #[error("cannot connect to {addr}: {source}")]
+    #[error("cannot connect to {addr}: {cause}")]
     Connect {
         /// The address dialed.
         addr: String,
         /// The cause.
-        #[source]
-        source: Arc<std::io::Error>,
+        cause: Arc<std::io::Error>,
     },
     /// An I/O error on an established connection.
     #[error("I/O error: {0}")]
-    Io(#[source] Arc<std::io::Error>),
+    Io(Arc<std::io::Error>),
     /// An operation did not complete in time.
     #[error("timed out: {0}")]
     Timeout(String),
@@ -191,6 +193,13 @@ pub enum Error {
     /// The configuration is invalid (TLS files, timeouts, ...).
     #[error("invalid configuration: {0}")]
     InvalidConfig(String),
+    /// The HTTP proxy could not open a tunnel (unreachable, refused `CONNECT`, wants
+    /// credentials, timed out).
+    #[error("{cause}")]
+    Proxy {
+        /// What the proxy (or the way to it) did.
+        cause: Arc<proxy_core::http_connect::HttpConnectError>,
+    },
 }
 
 impl Error {
@@ -205,6 +214,21 @@ impl Error {
         }
     }
 
+    pub(crate) fn proxy(error: proxy_core::http_connect::HttpConnectError) -> Self {
+        Error::Proxy {
+            cause: Arc::new(error),
+        }
+    }
+
+    /// Whether this is a timeout, of a dial or of an operation (a proxy's included).
+    pub fn is_timeout(&self) -> bool {
+        match self {
+            Error::Timeout(_) => true,
+            Error::Proxy { cause } => cause.is_timeout(),
+            _ => false,
+        }
+    }
+
     pub(crate) fn io(error: std::io::Error) -> Self {
         Error::Io(Arc::new(error))
     }
@@ -212,7 +236,7 @@ impl Error {
     pub(crate) fn connect(addr: impl Into<String>, error: std::io::Error) -> Self {
         Error::Connect {
             addr: addr.into(),
-            source: Arc::new(error),
+            cause: Arc::new(error),
         }
     }
 
@@ -248,6 +272,13 @@ impl Error {
             | Error::TunnelClosed
             | Error::Dial(_) => true,
             Error::ApiHttp { status, .. } => *status == 429 || *status >= 500,
+            // The proxy's refusals and credential demands stay until someone changes them.
+            Error::Proxy { cause } => matches!(
+                cause.as_ref(),
+                proxy_core::http_connect::HttpConnectError::Connect { .. }
+                    | proxy_core::http_connect::HttpConnectError::Io { .. }
+                    | proxy_core::http_connect::HttpConnectError::Timeout { .. }
+            ),
             _ => false,
         }
     }

@@ -1,11 +1,15 @@
 //! Forwarding accepted streams to a local TCP target.
 //!
-//! [`relay`] is the one function that moves bytes between two streams (both directions, half-close
-//! propagated); [`forward`] accepts streams from a [`StreamSource`] (a [`Tunnel`] or a
+//! Bytes move through proxy-core's copy engine, the one every relay of the workspace uses:
+//! [`relay`] between two streams, [`relay_to`] from a stream to a TCP target; [`forward`] accepts
+//! streams from a [`StreamSource`] (a [`Tunnel`] or a
 //! [`SupervisorHandle`](crate::supervisor::SupervisorHandle)) and relays each to the target.
 
 use std::future::Future;
+use std::time::Duration;
 
+use proxy_core::copy::RelayCounters;
+use proxy_core::relay::{Ending, RelayConfig, RelaySummary, relay_streams};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpStream;
 use tokio_util::sync::CancellationToken;
@@ -16,6 +20,9 @@ use crate::client::Tunnel;
 use crate::error::{Error, Result};
 use crate::stream::RstreamStream;
 
+/// How long [`forward`] waits for a TCP connection to its target.
+pub const TARGET_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// Copies bytes both ways until both directions reached EOF; an EOF on one side is propagated as a
 /// write shutdown (TLS `close_notify` / TCP FIN) while the other direction keeps flowing.
 /// Returns the bytes copied `(a -> b, b -> a)`.
@@ -24,7 +31,35 @@ where
     A: AsyncRead + AsyncWrite + Unpin + ?Sized,
     B: AsyncRead + AsyncWrite + Unpin + ?Sized,
 {
-    tokio::io::copy_bidirectional(a, b).await
+    let counters = RelayCounters::new();
+    let never = CancellationToken::new();
+    let summary = relay_streams(a, b, &RelayConfig::default(), &counters, &never).await;
+    match summary.ending {
+        Ending::Error { kind, .. } => Err(std::io::Error::from(kind)),
+        Ending::Reset { .. } => Err(std::io::ErrorKind::ConnectionReset.into()),
+        _ => Ok((summary.to_upstream, summary.to_client)),
+    }
+}
+
+/// Connects to the TCP address `target` within `connect_timeout` and relays `stream` to it until
+/// both directions end or `cancel` fires. "Upstream" in the summary is the target.
+pub async fn relay_to<S>(
+    stream: S,
+    target: &str,
+    connect_timeout: Duration,
+    cancel: &CancellationToken,
+) -> Result<RelaySummary>
+where
+    S: AsyncRead + AsyncWrite,
+{
+    let upstream = tokio::time::timeout(connect_timeout, TcpStream::connect(target))
+        .await
+        .map_err(|_| Error::Timeout(format!("connecting to {target}")))?
+        .map_err(|e| Error::connect(target, e))?;
+    // Tunnel streams carry interactive protocols: do not delay small writes.
+    let _ = upstream.set_nodelay(true);
+    let counters = RelayCounters::new();
+    Ok(relay_streams(stream, upstream, &RelayConfig::default(), &counters, cancel).await)
 }
 
 /// A source of accepted streams.
@@ -55,21 +90,18 @@ pub async fn forward<S: StreamSource>(source: &mut S, target: &str) -> Result<()
     }
     let relays = TaskTracker::new();
     let hard = source.hard_close().unwrap_or_default();
-    while let Some(mut stream) = source.next_stream().await {
+    while let Some(stream) = source.next_stream().await {
         let target = target.to_owned();
         let hard = hard.clone();
         relays.spawn(async move {
-            let run = async {
-                let mut upstream = TcpStream::connect(&target).await?;
-                let _ = upstream.set_nodelay(true);
-                relay(&mut stream, &mut upstream).await
-            };
-            tokio::select! {
-                _ = hard.cancelled() => debug!("relay closed with its control channel"),
-                r = run => match r {
-                    Ok((up, down)) => debug!(up, down, "relay finished"),
-                    Err(e) => debug!(error = %e, "relay ended with an error"),
-                },
+            match relay_to(stream, &target, TARGET_CONNECT_TIMEOUT, &hard).await {
+                Ok(summary) => debug!(
+                    to_target = summary.to_upstream,
+                    to_client = summary.to_client,
+                    ending = summary.ending.as_str(),
+                    "relay finished"
+                ),
+                Err(e) => debug!(error = %e, "relay ended with an error"),
             }
         });
     }

@@ -47,7 +47,8 @@
 //! * When the control channel is lost (I/O error, EOF, liveness), streams already accepted keep working;
 //!   an explicit close or a protocol violation also closes the streams being forwarded.
 //! * Zero-RTT is on by default, like the official SDKs.
-#![deny(missing_docs)]
+//! * An inbound-stream data dial that times out is tried once more (the Go SDK's rule); an HTTP
+//!   proxy ([`ClientBuilder::proxy`]) carries every engine connection and the control-plane lookup.
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub mod client;
@@ -64,6 +65,9 @@ pub mod supervisor;
 pub mod tls;
 pub mod tunnel;
 
-pub use client::{Client, ClientBuilder, ControlChannel, Tunnel};
+pub use client::{Client, ClientBuilder, ControlChannel, IpFamily, Tunnel};
 pub use error::{EngineErrorCode, Error, Result};
+/// The HTTP proxy the client reaches engines and the control plane through
+/// ([`ClientBuilder::proxy`]); proxy-core's connector, re-exported.
+pub use proxy_core::http_connect::{HttpConnectError, HttpProxy};
 pub use stream::RstreamStream;

@@ -12,6 +12,8 @@ use std::time::Duration;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Empty, Limited};
 use hyper_util::rt::TokioIo;
+use proxy_core::http_connect::HttpProxy;
+use proxy_core::upstream::TargetAddr;
 use serde_json::Value;
 use tokio::net::TcpStream;
 
@@ -112,6 +114,17 @@ impl EngineAddress {
     pub(crate) fn connect_target(&self) -> (String, u16) {
         (self.host.clone(), self.port)
     }
+
+    /// The address as proxy-core's dialers take it.
+    pub(crate) fn target_addr(&self) -> TargetAddr {
+        match self.host.parse::<IpAddr>() {
+            Ok(ip) => TargetAddr::Socket((ip, self.port).into()),
+            Err(_) => TargetAddr::Host {
+                host: self.host.clone(),
+                port: self.port,
+            },
+        }
+    }
 }
 
 impl fmt::Display for EngineAddress {
@@ -168,6 +181,7 @@ pub fn normalize_region(region: Option<&str>) -> Result<Option<String>> {
 pub struct ControlPlaneOptions {
     pub(crate) api_url: String,
     pub(crate) headers: Vec<(String, String)>,
+    pub(crate) proxy: Option<HttpProxy>,
 }
 
 impl Default for ControlPlaneOptions {
@@ -175,6 +189,7 @@ impl Default for ControlPlaneOptions {
         Self {
             api_url: DEFAULT_API_URL.to_owned(),
             headers: Vec::new(),
+            proxy: None,
         }
     }
 }
@@ -201,7 +216,15 @@ impl ControlPlaneOptions {
         Self {
             api_url: api_url.into().trim_end_matches('/').to_owned(),
             headers: Vec::new(),
+            proxy: None,
         }
+    }
+
+    /// Reaches the control plane through this HTTP proxy (`CONNECT`, for `http://` API URLs
+    /// too). [`ClientBuilder::proxy`](crate::ClientBuilder::proxy) sets it when this is unset.
+    pub fn proxy(mut self, proxy: HttpProxy) -> Self {
+        self.proxy = Some(proxy);
+        self
     }
 
     /// Adds a header sent to the control plane only. Reserved names (`authorization`, `host`,
@@ -346,9 +369,25 @@ async fn get_json(
 
     let addr = format!("{host}:{port}");
     let fut = async {
-        let tcp = TcpStream::connect((host.trim_start_matches('[').trim_end_matches(']'), port))
-            .await
-            .map_err(|e| Error::connect(&addr, e))?;
+        let bare_host = host.trim_start_matches('[').trim_end_matches(']');
+        let tcp = match &cp.proxy {
+            Some(proxy) => {
+                let target = match bare_host.parse::<IpAddr>() {
+                    Ok(ip) => TargetAddr::Socket((ip, port).into()),
+                    Err(_) => TargetAddr::Host {
+                        host: bare_host.to_owned(),
+                        port,
+                    },
+                };
+                proxy
+                    .connect(&target, API_TIMEOUT)
+                    .await
+                    .map_err(Error::proxy)?
+            }
+            None => TcpStream::connect((bare_host, port))
+                .await
+                .map_err(|e| Error::connect(&addr, e))?,
+        };
         let response = if https {
             let mut opts = tls_options.clone();
             opts.client_identity = None;

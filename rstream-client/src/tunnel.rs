@@ -341,6 +341,11 @@ impl TunnelOptions {
             hostname: self.hostname.clone(),
             port: self.port,
             upstream_tls: self.upstream_tls,
+            // HTTP tunnels also carry the deprecated field 18, as the operator always sent it:
+            // engines older than `upstream_tls` read only that one.
+            http_use_tls: self
+                .upstream_tls
+                .filter(|_| matches!(self.protocol, None | Some(TunnelProtocol::Http))),
             datagram_guaranteed_delivery: self.datagram_guaranteed_delivery,
             allow_cross_region_routing: self.allow_cross_region_routing,
             ..Default::default()
@@ -574,6 +579,20 @@ mod tests {
         assert_eq!(full.tls_min_version.as_deref(), Some("tls1.3"));
         assert_eq!(full.allow_cross_region_routing, Some(true));
         assert_eq!(full.geoip, ["FR", "DE"]);
+    }
+
+    #[test]
+    fn upstream_tls_also_sets_the_deprecated_field_for_http() {
+        for (options, expected) in [
+            (TunnelOptions::http().upstream_tls(true), Some(true)),
+            (TunnelOptions::new().upstream_tls(false), Some(false)),
+            (TunnelOptions::http(), None),
+            (TunnelOptions::tls().upstream_tls(true), None),
+        ] {
+            let p = options.to_properties().unwrap();
+            assert_eq!(p.http_use_tls, expected, "{options:?}");
+            assert_eq!(p.upstream_tls, options.upstream_tls, "{options:?}");
+        }
     }
 
     #[test]

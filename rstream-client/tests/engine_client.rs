@@ -833,3 +833,178 @@ async fn no_task_or_connection_leaks_after_shutdown() {
         metrics.num_alive_tasks()
     );
 }
+
+#[tokio::test]
+async fn a_proxy_dial_that_times_out_is_retried_once() {
+    let engine = engine().await;
+    let client = builder(&engine)
+        .connect_timeout(Duration::from_millis(500))
+        .build()
+        .unwrap();
+    let control = client.connect().await.unwrap();
+    let mut tunnel = control.create_tunnel(TunnelOptions::tcp()).await.unwrap();
+    let ingress = engine.ingress_addr(tunnel.id()).unwrap();
+    let target = echo_server().await;
+    let fwd = tokio::spawn(async move { forward::forward(&mut tunnel, &target.to_string()).await });
+
+    // The first data dial hangs in its TLS handshake; the second attempt carries the stream.
+    engine
+        .faults()
+        .hang_next_tls_handshakes
+        .store(1, Ordering::SeqCst);
+    assert_eq!(within(20, roundtrip(ingress, b"retried")).await, b"retried");
+    assert_eq!(
+        engine
+            .faults()
+            .hang_next_tls_handshakes
+            .load(Ordering::SeqCst),
+        0
+    );
+
+    // Two timeouts in a row: the stream fails and the engine hears why.
+    engine
+        .faults()
+        .hang_next_tls_handshakes
+        .store(2, Ordering::SeqCst);
+    let before = engine.proxy_conn_rsps().len();
+    let lost = within(20, async {
+        let mut down = TcpStream::connect(ingress).await.unwrap();
+        let _ = down.write_all(b"lost").await;
+        let mut back = Vec::new();
+        down.read_to_end(&mut back).await.map(|_| back)
+    })
+    .await;
+    // The engine ends the downstream connection (a reset or an empty close): no echo.
+    assert!(
+        lost.as_ref().map_or(true, Vec::is_empty),
+        "no echo without a data connection: {lost:?}"
+    );
+    assert!(
+        eventually(5, || engine
+            .proxy_conn_rsps()
+            .iter()
+            .skip(before)
+            .any(|r| r.error.is_some()))
+        .await
+    );
+    assert_eq!(
+        engine
+            .faults()
+            .hang_next_tls_handshakes
+            .load(Ordering::SeqCst),
+        0,
+        "exactly two attempts"
+    );
+    fwd.abort();
+    control.close().await.unwrap();
+    engine.shutdown().await;
+}
+
+#[tokio::test]
+async fn upstream_tls_reaches_the_engine_with_its_deprecated_twin() {
+    let engine = engine().await;
+    let control = client(&engine).connect().await.unwrap();
+    let tunnel = control
+        .create_tunnel(TunnelOptions::http().upstream_tls(true))
+        .await
+        .unwrap();
+    let sent = &engine.tunnel_requests()[0];
+    assert_eq!(sent.upstream_tls, Some(true));
+    assert_eq!(sent.http_use_tls, Some(true));
+    tunnel.close().await.unwrap();
+    control.close().await.unwrap();
+    engine.shutdown().await;
+}
+
+/// Run by `client_from_env_reads_the_process_environment` in a child process whose environment
+/// it sets (this process's environment cannot be changed safely).
+#[tokio::test]
+#[ignore = "run by client_from_env_reads_the_process_environment"]
+async fn client_from_env_child() {
+    let engine = std::env::var("RSTREAM_ENGINE").unwrap();
+    let client = Client::from_env().unwrap();
+    assert_eq!(client.resolve_engine().await.unwrap().to_string(), engine);
+    // The token came from RSTREAM_AUTHENTICATION_TOKEN: a direct client without one is refused
+    // by the engine, this one is not (its CA is not trusted, so the TLS handshake is what fails).
+    let err = client.connect().await.unwrap_err();
+    assert!(
+        matches!(err, Error::Connect { .. }),
+        "a TLS failure, not a configuration one: {err:?}"
+    );
+}
+
+#[tokio::test]
+async fn client_from_env_reads_the_process_environment() {
+    let engine = engine().await;
+    let exe = std::env::current_exe().unwrap();
+    let mut command = std::process::Command::new(exe);
+    command
+        .args(["--exact", "client_from_env_child", "--ignored"])
+        .env("RSTREAM_ENGINE", engine.engine_address())
+        .env("RSTREAM_AUTHENTICATION_TOKEN", TOKEN);
+    for name in rstream_client::client::ENV_VARS {
+        if !name.starts_with("RSTREAM_ENGINE") && *name != "RSTREAM_AUTHENTICATION_TOKEN" {
+            command.env_remove(name);
+        }
+    }
+    let output = tokio::task::spawn_blocking(move || command.output())
+        .await
+        .unwrap()
+        .unwrap();
+    let text = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "{text}");
+    assert!(text.contains("1 passed"), "{text}");
+
+    // A QUIC transport in the environment is refused before anything is dialled.
+    let lookup = |name: &str| (name == "RSTREAM_TUNNEL_TRANSPORT").then(|| "quic".to_owned());
+    assert!(matches!(
+        rstream_client::ClientBuilder::from_vars(lookup),
+        Err(Error::Unsupported(_))
+    ));
+    engine.shutdown().await;
+}
+
+#[tokio::test]
+async fn local_address_and_ip_family_shape_engine_connections() {
+    let engine = engine().await;
+    let control = client(&engine).connect().await.unwrap();
+    let mut tunnel = control
+        .create_tunnel(TunnelOptions::private("shaped"))
+        .await
+        .unwrap();
+    // A dialer bound to 127.0.0.2: the engine sees that source.
+    let dialer = builder(&engine)
+        .ip_family(rstream_client::IpFamily::V4)
+        .local_address("127.0.0.2".parse().unwrap())
+        .build()
+        .unwrap();
+    let mut down = dialer.dial("shaped").await.unwrap();
+    down.write_all(b"hi").await.unwrap();
+    let mut stream = within(5, tunnel.accept()).await.unwrap();
+    assert_eq!(stream.remote_ip(), Some("127.0.0.2".parse().unwrap()));
+    let mut buf = [0u8; 2];
+    stream.read_exact(&mut buf).await.unwrap();
+    assert_eq!(&buf, b"hi");
+
+    // The engine has only an IPv4 address: IPv6 only finds nothing to dial.
+    let err = builder(&engine)
+        .ip_family(rstream_client::IpFamily::V6)
+        .build()
+        .unwrap()
+        .connect()
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, Error::Connect { .. }) && err.to_string().contains("no V6 address"),
+        "{err}"
+    );
+    // A local address of the other family is a configuration error.
+    let err = builder(&engine)
+        .ip_family(rstream_client::IpFamily::V6)
+        .local_address("127.0.0.1".parse().unwrap())
+        .build()
+        .unwrap_err();
+    assert!(matches!(err, Error::InvalidConfig(_)), "{err:?}");
+    control.close().await.unwrap();
+    engine.shutdown().await;
+}
