@@ -1,14 +1,18 @@
 //! Command-line flags (the original's names and defaults, plus ours) and their validation.
 
-use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{Parser, ValueEnum};
+use k8s_reconcile::app::{
+    LogFormat, parse_duration, parse_listen_addr, parse_positive_duration, validate_dns_label,
+};
+use proxy_core::http_connect::HttpProxy;
 
-use crate::duration;
-
-/// Flags. The first five are the original's, with its defaults and `UPSTREAM_ADDR`.
+/// Flags. The first five are the original's, with its defaults and `UPSTREAM_ADDR`. Boolean flags
+/// take Go's forms (`--flag`, `--flag=true`, `--flag=false`): parse with
+/// [`k8s_reconcile::app::parse_args`].
 #[derive(Debug, Clone, Parser)]
 #[command(
     name = "steward-tcp-proxy",
@@ -16,14 +20,21 @@ use crate::duration;
     about = "Points the tenant cluster's `kubernetes` EndpointSlice at this proxy and relays TCP to the real API server"
 )]
 pub struct Args {
-    /// Address to accept relayed connections on (`:6443` means every IPv4 interface, `[::]:6443`
-    /// every interface).
+    /// Address to accept relayed connections on. `:6443` means every interface of both families,
+    /// as in Go (one dual-stack IPv6 socket, or IPv4 alone on a host without IPv6);
+    /// `0.0.0.0:6443` means IPv4 only.
     #[arg(long, env = "STEWARD_LISTEN_ADDR", default_value = ":6443", value_parser = parse_listen_addr)]
     pub listen_addr: SocketAddr,
 
     /// The real API server, `host:port`.
     #[arg(long, env = "UPSTREAM_ADDR", value_parser = parse_upstream_addr)]
     pub upstream_addr: String,
+
+    /// Reach the upstream through this HTTP proxy (`http://[user:password@]host[:port]`, HTTP
+    /// CONNECT). Unset: `HTTPS_PROXY`/`https_proxy`, unless `NO_PROXY`/`no_proxy` exempts the
+    /// upstream (loopback always is, as in Go).
+    #[arg(long, env = "STEWARD_UPSTREAM_PROXY", value_parser = parse_upstream_proxy)]
+    pub upstream_proxy: Option<HttpProxy>,
 
     /// Name of this proxy's own Service.
     #[arg(
@@ -71,9 +82,21 @@ pub struct Args {
     #[arg(long, env = "POD_NAME")]
     pub identity: Option<String>,
 
+    /// After SIGTERM, keep accepting (while not ready) for this long before draining, so that the
+    /// endpoints and kube-proxy drop this replica first (as kube-apiserver's
+    /// --shutdown-delay-duration; Go duration).
+    #[arg(long, env = "STEWARD_SHUTDOWN_DELAY", default_value = "0s", value_parser = parse_duration)]
+    pub shutdown_delay: Duration,
+
     /// How long in-flight connections may finish after SIGTERM (Go duration).
     #[arg(long, env = "STEWARD_DRAIN_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
     pub drain_timeout: Duration,
+
+    /// During the drain, close a connection once its last bytes went to the client and it has
+    /// been quiet this long, so its client reconnects to another replica between requests
+    /// instead of being cut at --drain-timeout (Go duration; 0 = only at the deadline).
+    #[arg(long, env = "STEWARD_DRAIN_IDLE", default_value = "20ms", value_parser = parse_duration)]
+    pub drain_idle: Duration,
 
     /// Dial timeout towards the upstream (Go duration).
     #[arg(long, env = "STEWARD_CONNECT_TIMEOUT", default_value = "10s", value_parser = parse_positive_duration)]
@@ -106,16 +129,11 @@ pub struct Args {
     pub upstream_sni: Option<String>,
 
     /// TLS-termination mode: CA bundle (PEM) to verify the upstream with (default: system roots).
-    #[arg(
-        long,
-        env = "STEWARD_UPSTREAM_CA_FILE",
-        requires = "tls_cert_file",
-        conflicts_with = "upstream_insecure"
-    )]
+    #[arg(long, env = "STEWARD_UPSTREAM_CA_FILE", requires = "tls_cert_file")]
     pub upstream_ca_file: Option<PathBuf>,
 
     /// TLS-termination mode: do not verify the upstream certificate (insecure).
-    #[arg(long, env = "STEWARD_UPSTREAM_INSECURE", requires = "tls_cert_file")]
+    #[arg(long, env = "STEWARD_UPSTREAM_INSECURE")]
     pub upstream_insecure: bool,
 }
 
@@ -128,30 +146,35 @@ pub enum EndpointMode {
     ClusterIp,
 }
 
-/// Log output format.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum LogFormat {
-    /// Human-readable lines.
-    Text,
-    /// One JSON object per line.
-    Json,
-}
-
 impl Args {
     /// Checks what clap cannot: combinations and names.
     pub fn validate(&self) -> Result<(), String> {
-        if !is_dns_label(&self.service_name) {
-            return Err(format!(
-                "--service-name {:?} is not a valid Service name (lowercase letters, digits and '-', at most 63)",
+        // Here rather than clap's `requires`, so that `--upstream-insecure=false` is always fine.
+        if self.upstream_insecure {
+            if self.tls_cert_file.is_none() {
+                return Err(
+                    "--upstream-insecure needs TLS-termination mode (--tls-cert-file and --tls-key-file)"
+                        .to_owned(),
+                );
+            }
+            if self.upstream_ca_file.is_some() {
+                return Err(
+                    "--upstream-insecure and --upstream-ca-file contradict each other".to_owned(),
+                );
+            }
+        }
+        validate_dns_label(&self.service_name).map_err(|e| {
+            format!(
+                "--service-name {:?} is not a valid Service name: it {e}",
                 self.service_name
-            ));
-        }
-        if !is_dns_label(&self.service_namespace) {
-            return Err(format!(
-                "--service-namespace {:?} is not a valid namespace name",
+            )
+        })?;
+        validate_dns_label(&self.service_namespace).map_err(|e| {
+            format!(
+                "--service-namespace {:?} is not a valid namespace name: it {e}",
                 self.service_namespace
-            ));
-        }
+            )
+        })?;
         for (flag, addr) in [
             ("--health-addr", self.health_addr),
             ("--metrics-addr", self.metrics_addr),
@@ -164,27 +187,11 @@ impl Args {
     }
 }
 
-fn is_dns_label(name: &str) -> bool {
-    !name.is_empty()
-        && name.len() <= 63
-        && name
-            .bytes()
-            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-        && !name.starts_with('-')
-        && !name.ends_with('-')
-}
-
-/// `host:port`, `:port` (every IPv4 interface; pass `[::]:port` for IPv6 too) or `[v6]:port`.
-fn parse_listen_addr(value: &str) -> Result<SocketAddr, String> {
-    if let Some(port) = value.strip_prefix(':') {
-        let port: u16 = port
-            .parse()
-            .map_err(|_| format!("{value:?}: {port:?} is not a port number"))?;
-        return Ok(SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), port));
-    }
+/// An `http://` proxy URL (the error never shows the password).
+fn parse_upstream_proxy(value: &str) -> Result<HttpProxy, String> {
     value
         .parse()
-        .map_err(|_| format!("{value:?} is not an address like :6443, 0.0.0.0:6443 or [::]:6443"))
+        .map_err(|e: proxy_core::http_connect::HttpConnectError| e.to_string())
 }
 
 /// `host:port` with a non-empty host and a port in 1..=65535.
@@ -202,23 +209,14 @@ fn parse_upstream_addr(value: &str) -> Result<String, String> {
     }
 }
 
-fn parse_duration(value: &str) -> Result<Duration, String> {
-    duration::parse(value)
-}
-
-fn parse_positive_duration(value: &str) -> Result<Duration, String> {
-    match duration::parse(value)? {
-        d if d.is_zero() => Err(format!("{value:?} must be longer than zero")),
-        d => Ok(d),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn parse(args: &[&str]) -> Result<Args, clap::Error> {
-        Args::try_parse_from(std::iter::once("steward-tcp-proxy").chain(args.iter().copied()))
+        k8s_reconcile::app::try_parse_args_from(
+            std::iter::once("steward-tcp-proxy").chain(args.iter().copied()),
+        )
     }
 
     #[test]
@@ -246,14 +244,77 @@ mod tests {
             &["--upstream-addr", "h:1", "--service-port", "0"],
             &["--upstream-addr", "h:1", "--endpoint-mode", "node-ip"],
             &["--upstream-addr", "h:1", "--tls-cert-file", "c.pem"], // key missing
-            &["--upstream-addr", "h:1", "--upstream-insecure"],      // without TLS mode
+            &["--upstream-addr", "h:1", "--leader-elect=maybe"],
+            &["--upstream-addr", "h:1", "--leader-elect=yes"],
+            &["--upstream-addr", "h:1", "--upstream-proxy", "socks5://p:1"],
+            &[
+                "--upstream-addr",
+                "h:1",
+                "--upstream-proxy",
+                "http://p:1/path",
+            ],
         ];
         for case in cases {
             assert!(parse(case).is_err(), "{case:?} should be refused");
+        }
+        let tls = ["--tls-cert-file=c", "--tls-key-file=k"];
+        for case in [
+            &["--upstream-insecure"][..],  // without TLS mode
+            &["--upstream-insecure=true"], // without TLS mode
+            &[
+                tls[0],
+                tls[1],
+                "--upstream-insecure",
+                "--upstream-ca-file=ca",
+            ], // contradiction
+        ] {
+            let args = parse(&[&["--upstream-addr", "h:1"], case].concat()).unwrap();
+            assert!(args.validate().is_err(), "{case:?} should be refused");
         }
         let args = parse(&["--upstream-addr", "h:1", "--service-name", "Bad_Name"]).unwrap();
         assert!(args.validate().is_err());
         let args = parse(&["--upstream-addr", "h:1", "--health-addr", ":6443"]).unwrap();
         assert!(args.validate().is_err());
+    }
+
+    #[test]
+    fn boolean_flags_take_gos_forms() {
+        let tls = [
+            "--upstream-addr=h:1",
+            "--tls-cert-file=c",
+            "--tls-key-file=k",
+        ];
+        // The original's TLS mode passes exactly `--upstream-insecure=true`.
+        for (form, expected) in [
+            ("--upstream-insecure=true", true),
+            ("--upstream-insecure", true),
+            ("--upstream-insecure=1", true),
+            ("--upstream-insecure=T", true),
+            ("--upstream-insecure=false", false),
+            ("--upstream-insecure=0", false),
+            ("--upstream-insecure=False", false),
+        ] {
+            let args = parse(&[&tls[..], &[form]].concat()).unwrap();
+            assert_eq!(args.upstream_insecure, expected, "{form}");
+            assert!(args.validate().is_ok(), "{form}");
+        }
+        for (form, expected) in [
+            ("--leader-elect", true),
+            ("--leader-elect=true", true),
+            ("--leader-elect=false", false),
+        ] {
+            assert_eq!(parse(&[tls[0], form]).unwrap().leader_elect, expected);
+        }
+        // `=false` without TLS mode is no contradiction: it asks for nothing.
+        let args = parse(&[tls[0], "--upstream-insecure=false"]).unwrap();
+        assert!(!args.upstream_insecure && args.validate().is_ok());
+        // Go's rule: only `=` gives a boolean a value, so `false` here is a stray argument.
+        let err = parse(&[tls[0], "--leader-elect", "false"]).unwrap_err();
+        assert!(err.to_string().contains("'false'"), "{err}");
+        let err = parse(&[tls[0], "--leader-elect=maybe"]).unwrap_err();
+        assert!(
+            err.to_string().contains("\"maybe\" is not a boolean"),
+            "{err}"
+        );
     }
 }

@@ -9,16 +9,23 @@
 //! `--endpoint-reconciler-type=none`), it rewrites the objects every ~10 s and we would rewrite them
 //! back forever. [`FightDetector`] notices repeated repairs, reports the fight (log, Warning Event,
 //! metric, `/readyz` detail) and spaces our rewrites out exponentially instead of hot-looping.
+//!
+//! Under a role without write access to Endpoints (the original's ClusterRole grants only
+//! EndpointSlices), the slices are still managed and the Endpoints object is left alone: the
+//! missing permission is found by asking ([`crate::permissions`]) at start, or from the first 403,
+//! then reported once (log, metric, `/readyz` detail) and re-checked by asking again every
+//! [`PERMISSION_RECHECK`], so no reconcile hits a 403 in between.
 
 use std::collections::VecDeque;
 use std::net::IpAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use k8s_openapi::api::core::v1::Service;
+use k8s_openapi::api::core::v1::{Endpoints, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_reconcile::endpointslice::{
-    EndpointsOptions, ServiceEndpoint, ServiceEndpoints, ServicePort, apply_service_endpoints,
+    EndpointsOptions, EndpointsOutcome, ServiceEndpoint, ServiceEndpoints, ServicePort,
+    apply_service_endpoints, desired_endpoints, ready_endpoints,
 };
 use k8s_reconcile::ops::Health;
 use k8s_reconcile::{Action, Context, Reconciler};
@@ -29,6 +36,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
 use crate::cli::EndpointMode;
+use crate::permissions::{Access, MissingPermissions};
 
 /// The Service whose endpoints we own.
 pub const KUBERNETES_SERVICE: &str = "kubernetes";
@@ -38,6 +46,35 @@ pub const KUBERNETES_NAMESPACE: &str = "default";
 pub const MANAGER: &str = "steward-tcp-proxy";
 /// Readiness check name.
 pub const CHECK: &str = "endpoints";
+/// How often a missing permission is asked about again.
+pub const PERMISSION_RECHECK: Duration = Duration::from_secs(300);
+/// What steward does without write access to the Endpoints object.
+pub const NO_ENDPOINTS_WRITE: &str = "the kubernetes Endpoints object is not written (the \
+    EndpointSlices still are); asked again every 5m";
+/// What steward does without permission to record Events.
+pub const NO_EVENTS: &str = "no Events are recorded; warnings go to the log only";
+
+/// What writing the `kubernetes` Endpoints needs (the applier reads, then applies); the write
+/// first, as the one a user misses.
+pub fn endpoints_write_access() -> [Access; 2] {
+    [
+        Access::new("patch", "", "endpoints", KUBERNETES_NAMESPACE).named(KUBERNETES_SERVICE),
+        Access::new("get", "", "endpoints", KUBERNETES_NAMESPACE).named(KUBERNETES_SERVICE),
+    ]
+}
+
+/// What watching the `kubernetes` Endpoints needs.
+pub fn endpoints_watch_access() -> [Access; 2] {
+    [
+        Access::new("list", "", "endpoints", KUBERNETES_NAMESPACE).named(KUBERNETES_SERVICE),
+        Access::new("watch", "", "endpoints", KUBERNETES_NAMESPACE).named(KUBERNETES_SERVICE),
+    ]
+}
+
+/// What recording an Event about the proxy Service needs.
+pub fn events_access(namespace: &str) -> Access {
+    Access::new("create", "events.k8s.io", "events", namespace)
+}
 
 /// Settings of the endpoints reconciler.
 #[derive(Debug, Clone)]
@@ -58,13 +95,12 @@ pub enum EndpointsError {
     #[error(transparent)]
     Framework(#[from] k8s_reconcile::Error),
     /// Listing the proxy's own EndpointSlices failed.
-    #[error("listing the EndpointSlices of Service {service}: {source}")]
+    #[error("listing the EndpointSlices of Service {service}: {cause}")]
     ListSlices {
         /// The proxy Service.
         service: String,
         /// The API error.
-        #[source]
-        source: kube::Error,
+        cause: kube::Error,
     },
 }
 
@@ -217,18 +253,109 @@ pub struct EndpointsReconciler {
     health: Health,
     metrics: EndpointsMetrics,
     fight: Arc<Mutex<FightDetector>>,
+    permissions: MissingPermissions,
+    /// Set while writing the Endpoints is denied: the denied access and when to ask again.
+    endpoints_denied: Mutex<Option<(Access, Instant)>>,
+    /// The permission Events need, when it is missing.
+    events_denied: Option<Access>,
 }
 
 impl EndpointsReconciler {
     /// A reconciler reporting to `health` and `metrics`.
     ///
     /// Only the replica that reconciles (the leader) reports the `endpoints` readiness check.
-    pub fn new(config: EndpointsConfig, health: Health, metrics: EndpointsMetrics) -> Self {
+    pub fn new(
+        config: EndpointsConfig,
+        health: Health,
+        metrics: EndpointsMetrics,
+        permissions: MissingPermissions,
+    ) -> Self {
         Self {
             config,
             health,
             metrics,
             fight: Arc::new(Mutex::new(FightDetector::default())),
+            permissions,
+            endpoints_denied: Mutex::new(None),
+            events_denied: None,
+        }
+    }
+
+    /// Starts with writing the Endpoints denied (found out by asking at start).
+    #[must_use]
+    pub fn endpoints_denied(self, denied: Option<Access>) -> Self {
+        if let Some(access) = &denied {
+            self.permissions.deny(access, NO_ENDPOINTS_WRITE);
+        }
+        if let Ok(mut slot) = self.endpoints_denied.lock() {
+            *slot = denied.map(|a| (a, Instant::now() + PERMISSION_RECHECK));
+        }
+        self
+    }
+
+    /// Starts with recording Events denied.
+    #[must_use]
+    pub fn events_denied(mut self, denied: Option<Access>) -> Self {
+        if let Some(access) = &denied {
+            self.permissions.deny(access, NO_EVENTS);
+        }
+        self.events_denied = denied;
+        self
+    }
+
+    /// Writes the `kubernetes` Endpoints unless that is denied; `None` when it was not written.
+    async fn write_endpoints(
+        &self,
+        spec: &ServiceEndpoints,
+        ctx: &Context,
+        now: Instant,
+    ) -> Result<Option<k8s_reconcile::Applied<Endpoints>>, EndpointsError> {
+        let denied = self.endpoints_denied.lock().ok().and_then(|d| d.clone());
+        if let Some((access, retry_at)) = denied {
+            if now < retry_at {
+                return Ok(None);
+            }
+            // Ask rather than try: a refused try is one more 403 for the API server to log.
+            let [patch, get] = endpoints_write_access();
+            let still = Access::first_denied(ctx.client(), &[access.clone(), patch, get]).await;
+            self.set_endpoints_denied(Some(&access), still, now);
+            if self
+                .endpoints_denied
+                .lock()
+                .ok()
+                .is_some_and(|d| d.is_some())
+            {
+                return Ok(None);
+            }
+        }
+        match ctx.applier().apply(&desired_endpoints(spec)).await {
+            Ok(applied) => Ok(Some(applied)),
+            Err(k8s_reconcile::Error::Kube(kube::Error::Api(status))) if status.code == 403 => {
+                let [patch, _] = endpoints_write_access();
+                let access = Access::from_forbidden(&status.message, &patch);
+                self.set_endpoints_denied(None, Some(access), now);
+                Ok(None)
+            }
+            Err(err) => Err(err.into()),
+        }
+    }
+
+    fn set_endpoints_denied(
+        &self,
+        before: Option<&Access>,
+        now_denied: Option<Access>,
+        at: Instant,
+    ) {
+        if let Some(before) = before
+            && now_denied.as_ref() != Some(before)
+        {
+            self.permissions.grant(before);
+        }
+        if let Some(access) = &now_denied {
+            self.permissions.deny(access, NO_ENDPOINTS_WRITE);
+        }
+        if let Ok(mut slot) = self.endpoints_denied.lock() {
+            *slot = now_denied.map(|a| (a, at + PERMISSION_RECHECK));
         }
     }
 
@@ -267,9 +394,9 @@ impl EndpointsReconciler {
                 let slices = api
                     .list(&ListParams::default().labels(&selector))
                     .await
-                    .map_err(|source| EndpointsError::ListSlices {
+                    .map_err(|cause| EndpointsError::ListSlices {
                         service: name,
-                        source,
+                        cause,
                     })?;
                 // The Service port that is published: the one numbered --service-port, else the
                 // first; its name finds the pod port in the slices.
@@ -279,30 +406,14 @@ impl EndpointsReconciler {
                     .find(|p| p.port == i32::from(self.config.service_port))
                     .or(ports.first());
                 let port_name = service_port.and_then(|p| p.name.clone());
-                let mut port = None;
-                let mut endpoints = Vec::new();
-                for slice in slices.items {
-                    for p in slice.ports.iter().flatten() {
-                        if port.is_none() && (port_name.is_none() || p.name == port_name) {
-                            port = p.port;
-                        }
-                    }
-                    for endpoint in slice.endpoints.iter().flatten() {
-                        let ready = endpoint
-                            .conditions
-                            .as_ref()
-                            .and_then(|c| c.ready)
-                            .unwrap_or(true);
-                        // kube-proxy uses only the first address of an endpoint.
-                        let Some(ip) = endpoint.addresses.first().and_then(|a| a.parse().ok())
-                        else {
-                            continue;
-                        };
-                        if ready && !endpoints.iter().any(|e: &ServiceEndpoint| e.ip == ip) {
-                            let mut published = ServiceEndpoint::ready(ip);
-                            published.node_name = endpoint.node_name.clone();
-                            endpoints.push(published);
-                        }
+                let ready = ready_endpoints(&slices.items, port_name.as_deref());
+                let port = ready.first().map(|e| i32::from(e.port));
+                let mut endpoints: Vec<ServiceEndpoint> = Vec::new();
+                for found in ready {
+                    if !endpoints.iter().any(|e| e.ip == found.ip) {
+                        let mut published = ServiceEndpoint::ready(found.ip);
+                        published.node_name = found.node_name;
+                        endpoints.push(published);
                     }
                 }
                 endpoints.sort_by_key(|e| e.ip);
@@ -312,6 +423,17 @@ impl EndpointsReconciler {
                 ))
             }
         }
+    }
+}
+
+impl EndpointsReconciler {
+    /// Puts a failed reconcile into `/readyz`. The relay does not need the API server, so an
+    /// unreachable or failing API leaves the replica ready (its detail says why the endpoints
+    /// are not being kept, and the reconcile retries); only a Service that cannot be published
+    /// at all makes it unready.
+    fn report_error(&self, what: &str, err: &EndpointsError) {
+        let ready = !matches!(err, EndpointsError::NoClusterIp(_));
+        self.health.set(CHECK, ready, format!("{what}: {err}"));
     }
 }
 
@@ -327,7 +449,7 @@ impl Reconciler for EndpointsReconciler {
         let (endpoints, port) = match self.desired(&service, ctx).await {
             Ok(desired) => desired,
             Err(err) => {
-                self.health.set(CHECK, false, err.to_string());
+                self.report_error("reading the desired endpoints", &err);
                 return Err(err);
             }
         };
@@ -357,16 +479,23 @@ impl Reconciler for EndpointsReconciler {
             ports: vec![ServicePort::tcp("https", port)],
             owner_references: Vec::new(),
         };
+        // The Endpoints object is written apart, so that a role without it still manages slices.
         let options = EndpointsOptions {
             delete_other_slices: true,
-            write_endpoints: true,
+            write_endpoints: false,
         };
-        let outcome = match apply_service_endpoints(ctx.applier(), &spec, options).await {
+        let written = match apply_service_endpoints(ctx.applier(), &spec, options).await {
+            Ok(outcome) => match self.write_endpoints(&spec, ctx, now).await {
+                Ok(applied) => Ok(with_endpoints(outcome, applied.as_ref())),
+                Err(err) => Err(err),
+            },
+            Err(err) => Err(err.into()),
+        };
+        let outcome = match written {
             Ok(outcome) => outcome,
             Err(err) => {
-                self.health
-                    .set(CHECK, false, format!("writing the endpoints: {err}"));
-                return Err(err.into());
+                self.report_error("writing the endpoints", &err);
+                return Err(err);
             }
         };
         self.metrics.writes.inc_by(outcome.written as u64);
@@ -391,8 +520,10 @@ impl Reconciler for EndpointsReconciler {
             let note = "another controller keeps rewriting the kubernetes endpoints: start \
                         kube-apiserver with --endpoint-reconciler-type=none; backing off";
             tracing::error!(repaired = outcome.repaired, managers = ?outcome.drifted_by, "{note}");
-            ctx.publish_event(service.as_ref(), true, "EndpointsFight", note)
-                .await;
+            if self.events_denied.is_none() {
+                ctx.publish_event(service.as_ref(), true, "EndpointsFight", note)
+                    .await;
+            }
         } else if outcome.written > 0 {
             tracing::info!(
                 addresses = ?addresses,
@@ -411,17 +542,38 @@ impl Reconciler for EndpointsReconciler {
                 "fighting with kube-apiserver's endpoint reconciler (needs --endpoint-reconciler-type=none)",
             );
         } else {
-            self.health.set(
-                CHECK,
-                true,
-                format!("kubernetes -> {}:{port}", addresses.join(",")),
-            );
+            let mut detail = format!("kubernetes -> {}:{port}", addresses.join(","));
+            let missing = self.permissions.summary();
+            if !missing.is_empty() {
+                detail.push_str("; ");
+                detail.push_str(&missing);
+            }
+            self.health.set(CHECK, true, detail);
         }
         Ok(match hold {
             Some(wait) => Action::RequeueAfter(wait),
             None => Action::Done,
         })
     }
+}
+
+/// `outcome` with the Endpoints write added.
+fn with_endpoints(
+    mut outcome: EndpointsOutcome,
+    applied: Option<&k8s_reconcile::Applied<Endpoints>>,
+) -> EndpointsOutcome {
+    if let Some(applied) = applied {
+        if applied.written() {
+            outcome.written += 1;
+        }
+        if applied.repaired() {
+            outcome.repaired += 1;
+            outcome
+                .drifted_by
+                .extend(applied.drifted_by().iter().cloned());
+        }
+    }
+    outcome
 }
 
 #[cfg(test)]

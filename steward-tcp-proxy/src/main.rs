@@ -9,8 +9,8 @@
 #![cfg_attr(test, allow(clippy::unwrap_used, clippy::expect_used))]
 
 mod cli;
-mod duration;
 mod endpoints;
+mod permissions;
 mod relay;
 mod tls;
 
@@ -19,10 +19,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context as _;
-use clap::Parser as _;
 use k8s_openapi::api::core::v1::{Endpoints, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_reconcile::ControllerBuilder;
+use k8s_reconcile::app;
 use k8s_reconcile::leader::LeaseConfig;
 use k8s_reconcile::metrics::ControllerMetrics;
 use k8s_reconcile::ops::{self, Health};
@@ -30,17 +30,21 @@ use kube::api::Api;
 use kube::runtime::reflector::ObjectRef;
 use kube::runtime::watcher;
 use prometheus_client::registry::Registry;
+use proxy_core::http_connect::{self, HttpProxy};
 use proxy_core::metrics::PrometheusObserver;
 use proxy_core::relay::RelayConfig;
+use proxy_core::upstream::{TargetAddr, Upstream};
 use rustls::pki_types::ServerName;
 use tokio_util::sync::CancellationToken;
 
-use crate::cli::{Args, LogFormat};
+use crate::cli::Args;
 use crate::endpoints::{
     EndpointsConfig, EndpointsMetrics, EndpointsReconciler, KUBERNETES_NAMESPACE,
     KUBERNETES_SERVICE, MANAGER,
 };
-use crate::relay::{Relay, RelaySettings, TlsSettings};
+use crate::permissions::{Access, MissingPermissions};
+use crate::relay::{Relay, RelaySettings};
+use crate::tls::TerminatingAcceptor;
 
 /// Readiness check: the upstream accepts TCP connections.
 const UPSTREAM_CHECK: &str = "upstream";
@@ -48,41 +52,12 @@ const UPSTREAM_CHECK: &str = "upstream";
 const SHUTDOWN_CHECK: &str = "shutdown";
 
 fn main() -> ExitCode {
-    let args = Args::parse();
+    let args: Args = app::parse_args();
     if let Err(problem) = args.validate() {
-        eprintln!("error: {problem}");
-        return ExitCode::from(2);
+        return app::usage_error(&problem);
     }
-    init_logging(args.log_format);
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
-        Ok(runtime) => runtime,
-        Err(err) => {
-            eprintln!("error: starting the async runtime: {err}");
-            return ExitCode::FAILURE;
-        }
-    };
-    match runtime.block_on(run(args)) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(err) => {
-            tracing::error!("{err:#}");
-            ExitCode::FAILURE
-        }
-    }
-}
-
-fn init_logging(format: LogFormat) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    match format {
-        LogFormat::Json => builder.json().init(),
-        LogFormat::Text => builder.init(),
-    }
+    app::init_logging(args.log_format, None);
+    app::block_on("steward-tcp-proxy", run(args))
 }
 
 async fn run(args: Args) -> anyhow::Result<()> {
@@ -92,6 +67,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
     let mut registry = Registry::default();
     let observer = Arc::new(PrometheusObserver::register(&mut registry));
     let endpoint_metrics = EndpointsMetrics::register(&mut registry);
+    let missing_permissions = MissingPermissions::register(&mut registry);
     let controller_metrics = ControllerMetrics::register(&mut registry);
     let registry = Arc::new(registry);
 
@@ -100,6 +76,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         .with_connect_timeout(args.connect_timeout)
         .with_idle_timeout((!args.idle_timeout.is_zero()).then_some(args.idle_timeout));
     let tls = tls_settings(&args, &shutdown)?;
+    let proxy = upstream_proxy(&args)?;
     let relay = Relay::start(
         RelaySettings {
             listen: args.listen_addr,
@@ -107,44 +84,55 @@ async fn run(args: Args) -> anyhow::Result<()> {
             relay: relay_config,
             max_connections: (args.max_connections > 0).then_some(args.max_connections),
             tls,
+            proxy,
+            drain_idle: (!args.drain_idle.is_zero()).then_some(args.drain_idle),
         },
         observer,
+    )?;
+    tracing::info!(listen = %relay.local_addr(), upstream = %relay.upstream().describe(), mode = if args.tls_cert_file.is_some() { "tls-termination" } else { "passthrough" }, "relaying");
+
+    let ops_stop = CancellationToken::new();
+    app::serve_ops(
+        [args.health_addr, args.metrics_addr],
+        &health,
+        &registry,
+        &ops_stop,
     )
     .await?;
-    tracing::info!(listen = %relay.local_addr(), upstream = %args.upstream_addr, mode = if args.tls_cert_file.is_some() { "tls-termination" } else { "passthrough" }, "relaying");
-
-    let router = ops::router(health.clone(), Arc::clone(&registry));
-    let ops_stop = CancellationToken::new();
-    if args.health_addr == args.metrics_addr {
-        ops::serve(args.health_addr, router, ops_stop.clone()).await?;
-    } else {
-        ops::serve(args.health_addr, router.clone(), ops_stop.clone()).await?;
-        ops::serve(args.metrics_addr, router, ops_stop.clone()).await?;
-    }
     spawn_upstream_check(
-        args.upstream_addr.clone(),
+        relay.upstream().clone(),
         args.connect_timeout,
         health.clone(),
         shutdown.clone(),
     );
 
-    let client = kube_client(&args).await?;
+    let client = app::kube_client(args.kubeconfig.as_deref())
+        .await
+        .context("for a local control plane, see `cargo xtask cluster`")?;
     let controller = endpoints_controller(
         &args,
         client,
         health.clone(),
         endpoint_metrics,
         controller_metrics,
-    )?;
+        missing_permissions,
+    )
+    .await?;
     let controller_stop = shutdown.child_token();
     let controller_task = tokio::spawn(controller.run(controller_stop));
 
     shutdown.cancelled().await;
     health.set(SHUTDOWN_CHECK, false, "shutting down: draining connections");
-    tracing::info!(deadline = ?args.drain_timeout, "draining");
+    if !args.shutdown_delay.is_zero() {
+        // Connections kube-proxy still sends here are served until the endpoints move on.
+        tracing::info!(delay = ?args.shutdown_delay, "not ready, still accepting before the drain");
+        tokio::time::sleep(args.shutdown_delay).await;
+    }
+    tracing::info!(deadline = ?args.drain_timeout, idle = ?args.drain_idle, "draining");
     let report = relay.drain(args.drain_timeout).await;
     tracing::info!(
         finished = report.finished,
+        closed_idle = report.closed_idle,
         forced = report.forced,
         "drained"
     );
@@ -156,7 +144,10 @@ async fn run(args: Args) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn tls_settings(args: &Args, stop: &CancellationToken) -> anyhow::Result<Option<TlsSettings>> {
+fn tls_settings(
+    args: &Args,
+    stop: &CancellationToken,
+) -> anyhow::Result<Option<Arc<TerminatingAcceptor>>> {
     let (Some(cert), Some(key)) = (&args.tls_cert_file, &args.tls_key_file) else {
         return Ok(None);
     };
@@ -175,11 +166,11 @@ fn tls_settings(args: &Args, stop: &CancellationToken) -> anyhow::Result<Option<
     };
     let upstream_name = ServerName::try_from(host.clone())
         .with_context(|| format!("{host:?} is not a valid TLS server name (set --upstream-sni)"))?;
-    Ok(Some(TlsSettings {
+    Ok(Some(Arc::new(TerminatingAcceptor {
         cert,
         client: Arc::new(client),
         upstream_name,
-    }))
+    })))
 }
 
 /// The host part of `host:port` (brackets of an IPv6 literal removed).
@@ -188,30 +179,26 @@ fn upstream_host(addr: &str) -> &str {
     host.trim_start_matches('[').trim_end_matches(']')
 }
 
-async fn kube_client(args: &Args) -> anyhow::Result<kube::Client> {
-    let config = match &args.kubeconfig {
-        Some(path) => {
-            let kubeconfig = kube::config::Kubeconfig::read_from(path)
-                .with_context(|| format!("reading --kubeconfig {}", path.display()))?;
-            kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default()).await?
-        }
-        None => kube::Config::infer().await.context(
-            "no Kubernetes configuration: run in a cluster, set KUBECONFIG or pass --kubeconfig \
-             (for a local control plane, see `cargo xtask cluster`)",
-        )?,
-    };
-    Ok(kube::Client::try_from(config)?)
-}
-
-fn endpoints_controller(
+async fn endpoints_controller(
     args: &Args,
     client: kube::Client,
     health: Health,
     metrics: EndpointsMetrics,
     controller_metrics: ControllerMetrics,
+    permissions: MissingPermissions,
 ) -> anyhow::Result<ControllerBuilder<EndpointsReconciler>> {
     let ns = args.service_namespace.clone();
     let service = ObjectRef::<Service>::new(&args.service_name).within(&ns);
+    // What the role lacks is asked once here, so that nothing below runs into a 403.
+    let cannot_write = Access::first_denied(&client, &endpoints::endpoints_write_access()).await;
+    let cannot_watch = Access::first_denied(&client, &endpoints::endpoints_watch_access()).await;
+    let cannot_record = Access::first_denied(&client, &[endpoints::events_access(&ns)]).await;
+    if let Some(access) = &cannot_watch {
+        permissions.deny(
+            access,
+            "changes to the kubernetes Endpoints are not watched (the resync still runs)",
+        );
+    }
     let reconciler = EndpointsReconciler::new(
         EndpointsConfig {
             mode: args.endpoint_mode,
@@ -219,7 +206,10 @@ fn endpoints_controller(
         },
         health.clone(),
         metrics,
-    );
+        permissions,
+    )
+    .endpoints_denied(cannot_write)
+    .events_denied(cannot_record);
     let mut builder = ControllerBuilder::new(client.clone(), "endpoints", reconciler)
         .namespaced(&ns)
         .watcher_config(
@@ -237,12 +227,14 @@ fn endpoints_controller(
             watcher::Config::default()
                 .labels(&format!("kubernetes.io/service-name={KUBERNETES_SERVICE}")),
             to(&service),
-        )
-        .watches(
+        );
+    if cannot_watch.is_none() {
+        builder = builder.watches(
             Api::<Endpoints>::namespaced(client.clone(), KUBERNETES_NAMESPACE),
             watcher::Config::default().fields(&format!("metadata.name={KUBERNETES_SERVICE}")),
             to(&service),
         );
+    }
     if args.endpoint_mode == cli::EndpointMode::PodIp {
         builder = builder.watches(
             Api::<EndpointSlice>::namespaced(client.clone(), &ns),
@@ -252,10 +244,7 @@ fn endpoints_controller(
         );
     }
     if args.leader_elect {
-        let identity = match &args.identity {
-            Some(identity) => identity.clone(),
-            None => hostname(),
-        };
+        let identity = app::leader_identity(args.identity.as_deref(), "steward-tcp-proxy");
         builder = builder.leader_election(LeaseConfig::new(&ns, &args.service_name, identity));
     }
     Ok(builder)
@@ -269,34 +258,39 @@ fn to<C>(
     move |_| vec![service.clone()]
 }
 
-fn hostname() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .map(|h| h.trim().to_owned())
-        .ok()
-        .filter(|h| !h.is_empty())
-        .unwrap_or_else(|| format!("steward-tcp-proxy-{}", std::process::id()))
+/// The HTTP proxy in front of the upstream: `--upstream-proxy`, else what `HTTPS_PROXY` and
+/// `NO_PROXY` say for the upstream.
+fn upstream_proxy(args: &Args) -> anyhow::Result<Option<HttpProxy>> {
+    if let Some(proxy) = &args.upstream_proxy {
+        tracing::info!(%proxy, "reaching the upstream through the HTTP proxy of --upstream-proxy");
+        return Ok(Some(proxy.clone()));
+    }
+    // A list of upstreams cannot be tunnelled; Relay::start says so if a proxy is asked for.
+    let Ok(target) = args.upstream_addr.parse::<TargetAddr>() else {
+        return Ok(None);
+    };
+    let proxy = http_connect::proxy_from_env(&target).context("HTTPS_PROXY")?;
+    if let Some(proxy) = &proxy {
+        tracing::info!(%proxy, "reaching the upstream through the HTTP proxy of HTTPS_PROXY");
+    }
+    Ok(proxy)
 }
 
-/// Dials the upstream every 10 s so `/readyz` says whether relaying can work.
+/// Dials the upstream (through the proxy, if any) every 10 s so `/readyz` says whether relaying
+/// can work.
 fn spawn_upstream_check(
-    upstream: String,
+    upstream: Upstream,
     timeout: Duration,
     health: Health,
     stop: CancellationToken,
 ) {
     health.set(UPSTREAM_CHECK, false, "not checked yet");
     tokio::spawn(async move {
+        let name = upstream.describe();
         loop {
-            let dial =
-                tokio::time::timeout(timeout, tokio::net::TcpStream::connect(&upstream)).await;
-            match dial {
-                Ok(Ok(_)) => health.set(UPSTREAM_CHECK, true, format!("{upstream} dialable")),
-                Ok(Err(err)) => health.set(UPSTREAM_CHECK, false, format!("{upstream}: {err}")),
-                Err(_) => health.set(
-                    UPSTREAM_CHECK,
-                    false,
-                    format!("{upstream}: no answer within {timeout:?}"),
-                ),
+            match upstream.connect(timeout).await {
+                Ok(_) => health.set(UPSTREAM_CHECK, true, format!("{name} dialable")),
+                Err(err) => health.set(UPSTREAM_CHECK, false, err.to_string()),
             }
             tokio::select! {
                 () = stop.cancelled() => return,

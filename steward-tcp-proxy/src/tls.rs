@@ -15,24 +15,27 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, SystemTime};
 
-use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
-use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName, UnixTime};
+use futures::future::BoxFuture;
+use proxy_core::accept::{AcceptError, Accepted, StreamAcceptor};
+use proxy_core::relay::{RelayConfig, Route};
+use proxy_core::tls::AcceptAnyCert;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
 use rustls::server::{ClientHello, ResolvesServerCert};
 use rustls::sign::CertifiedKey;
-use rustls::{DigitallySignedStruct, SignatureScheme};
+use tokio::net::TcpStream;
+use tokio_rustls::{LazyConfigAcceptor, TlsConnector};
 use tokio_util::sync::CancellationToken;
 
 /// Errors of the TLS set-up.
 #[derive(Debug, thiserror::Error)]
 pub enum TlsError {
     /// A file could not be read.
-    #[error("reading {path}: {source}")]
+    #[error("reading {path}: {cause}")]
     Read {
         /// The file.
         path: PathBuf,
         /// The I/O error.
-        #[source]
-        source: std::io::Error,
+        cause: std::io::Error,
     },
     /// A file holds no usable certificate or key.
     #[error("{path}: {problem}")]
@@ -44,7 +47,14 @@ pub enum TlsError {
     },
     /// rustls refused the configuration.
     #[error("TLS configuration: {0}")]
-    Rustls(#[from] rustls::Error),
+    Rustls(rustls::Error),
+}
+
+// By hand, not `#[from]`: the message carries the cause, so it is not also a `source()`.
+impl From<rustls::Error> for TlsError {
+    fn from(err: rustls::Error) -> Self {
+        Self::Rustls(err)
+    }
 }
 
 /// The serving certificate, reloaded when its files change.
@@ -112,9 +122,9 @@ fn modified(cert: &Path, key: &Path) -> Option<SystemTime> {
 }
 
 fn read(path: &Path) -> Result<Vec<u8>, TlsError> {
-    fs::read(path).map_err(|source| TlsError::Read {
+    fs::read(path).map_err(|cause| TlsError::Read {
         path: path.to_owned(),
-        source,
+        cause,
     })
 }
 
@@ -176,7 +186,7 @@ pub fn upstream_client_config(
     if insecure {
         return Ok(builder
             .dangerous()
-            .with_custom_certificate_verifier(Arc::new(AcceptAnyCert(provider)))
+            .with_custom_certificate_verifier(Arc::new(AcceptAnyCert::new(provider)))
             .with_no_client_auth());
     }
     let mut roots = rustls::RootCertStore::empty();
@@ -215,51 +225,57 @@ pub fn server_config(
     Ok(config)
 }
 
-/// `--upstream-insecure`: accepts any certificate, still checks handshake signatures.
+/// TLS termination as proxy-core's accept layer: client hello, upstream TLS with the client's ALPN
+/// offer, our handshake with the upstream's choice; proxy-core then relays the two streams.
 #[derive(Debug)]
-struct AcceptAnyCert(Arc<rustls::crypto::CryptoProvider>);
+pub struct TerminatingAcceptor {
+    /// Our serving certificate.
+    pub cert: Arc<ReloadingCert>,
+    /// The upstream leg's client configuration (without ALPN).
+    pub client: Arc<rustls::ClientConfig>,
+    /// The server name to verify the upstream as.
+    pub upstream_name: ServerName<'static>,
+}
 
-impl ServerCertVerifier for AcceptAnyCert {
-    fn verify_server_cert(
-        &self,
-        _end_entity: &CertificateDer<'_>,
-        _intermediates: &[CertificateDer<'_>],
-        _server_name: &ServerName<'_>,
-        _ocsp_response: &[u8],
-        _now: UnixTime,
-    ) -> Result<ServerCertVerified, rustls::Error> {
-        Ok(ServerCertVerified::assertion())
-    }
-
-    fn verify_tls12_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        rustls::crypto::verify_tls12_signature(
-            message,
-            cert,
-            dss,
-            &self.0.signature_verification_algorithms,
-        )
-    }
-
-    fn verify_tls13_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        rustls::crypto::verify_tls13_signature(
-            message,
-            cert,
-            dss,
-            &self.0.signature_verification_algorithms,
-        )
-    }
-
-    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        self.0.signature_verification_algorithms.supported_schemes()
+impl StreamAcceptor for TerminatingAcceptor {
+    fn accept<'a>(
+        &'a self,
+        client: TcpStream,
+        route: &'a Route,
+        config: &'a RelayConfig,
+    ) -> BoxFuture<'a, Result<Accepted, AcceptError>> {
+        Box::pin(async move {
+            let handshake = |what: &str, e: &dyn std::fmt::Display| {
+                AcceptError::Handshake(format!("{what}: {e}"))
+            };
+            let _ = client.set_nodelay(true);
+            let start = LazyConfigAcceptor::new(rustls::server::Acceptor::default(), client)
+                .await
+                .map_err(|e| handshake("client hello", &e))?;
+            let offered: Vec<Vec<u8>> = start
+                .client_hello()
+                .alpn()
+                .map(|protocols| protocols.map(<[u8]>::to_vec).collect())
+                .unwrap_or_default();
+            let upstream_tcp = route.upstream.connect(config.connect_timeout).await?;
+            let _ = upstream_tcp.set_nodelay(true);
+            let mut client_config = (*self.client).clone();
+            client_config.alpn_protocols = offered;
+            let upstream = TlsConnector::from(Arc::new(client_config))
+                .connect(self.upstream_name.clone(), upstream_tcp)
+                .await
+                .map_err(|e| handshake("TLS to the upstream", &e))?;
+            let chosen = upstream.get_ref().1.alpn_protocol().map(<[u8]>::to_vec);
+            let server = server_config(Arc::clone(&self.cert), chosen)
+                .map_err(|e| handshake("server configuration", &e))?;
+            let client = start
+                .into_stream(Arc::new(server))
+                .await
+                .map_err(|e| handshake("client handshake", &e))?;
+            Ok(Accepted {
+                client: Box::new(client),
+                upstream: Box::new(upstream),
+            })
+        })
     }
 }

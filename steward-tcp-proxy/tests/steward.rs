@@ -2,14 +2,14 @@
 //! `--endpoint-reconciler-type=none` (and one with the default reconciler, for the fight).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::net::{Ipv4Addr, SocketAddr, TcpListener};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::net::{Ipv4Addr, SocketAddr};
+use std::path::Path;
+use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::{StreamExt as _, TryStreamExt as _};
-use k8s_openapi::api::core::v1::{ConfigMap, Endpoints, Namespace, Service};
+use k8s_openapi::api::core::v1::{ConfigMap, Endpoints, Namespace};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::api::events::v1::Event;
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
@@ -18,7 +18,9 @@ use kube::ResourceExt as _;
 use kube::api::{Api, ListParams, Patch, PatchParams, PostParams, WatchEvent, WatchParams};
 use tokio::sync::{Mutex, OnceCell};
 
-const BIN: &str = env!("CARGO_BIN_EXE_steward-tcp-proxy");
+mod support;
+
+use support::*;
 
 /// The plane every test but the fight shares: no built-in endpoint reconciler.
 static PLANE: OnceCell<ControlPlane> = OnceCell::const_new();
@@ -35,137 +37,6 @@ async fn plane() -> &'static ControlPlane {
                 .unwrap()
         })
         .await
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-fn apiserver_addr(plane: &ControlPlane) -> String {
-    plane.server_url().trim_start_matches("https://").to_owned()
-}
-
-/// A steward-tcp-proxy child process, killed on drop.
-struct Proxy {
-    child: Child,
-    listen: SocketAddr,
-    health: SocketAddr,
-    metrics: SocketAddr,
-    log: PathBuf,
-}
-
-impl Proxy {
-    fn start(kubeconfig: &Path, upstream: &str, extra: &[&str]) -> Self {
-        let listen = SocketAddr::from((Ipv4Addr::LOCALHOST, free_port()));
-        let health = SocketAddr::from((Ipv4Addr::LOCALHOST, free_port()));
-        let metrics = SocketAddr::from((Ipv4Addr::LOCALHOST, free_port()));
-        let log = tempfile::Builder::new()
-            .prefix("steward-log-")
-            .tempfile()
-            .unwrap()
-            .into_temp_path()
-            .keep()
-            .unwrap();
-        let out = std::fs::File::create(&log).unwrap();
-        let child = Command::new(BIN)
-            .arg(format!("--kubeconfig={}", kubeconfig.display()))
-            .arg(format!("--upstream-addr={upstream}"))
-            .arg(format!("--listen-addr={listen}"))
-            .arg(format!("--health-addr={health}"))
-            .arg(format!("--metrics-addr={metrics}"))
-            .args(extra)
-            .env_remove("KUBECONFIG")
-            .env("RUST_LOG", "info")
-            .stdout(Stdio::null())
-            .stderr(out)
-            .spawn()
-            .unwrap();
-        Self {
-            child,
-            listen,
-            health,
-            metrics,
-            log,
-        }
-    }
-
-    fn logs(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-
-    async fn get(&self, addr: SocketAddr, path: &str) -> Option<(u16, String)> {
-        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
-        let mut stream = tokio::net::TcpStream::connect(addr).await.ok()?;
-        let request = format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
-        stream.write_all(request.as_bytes()).await.ok()?;
-        let mut response = String::new();
-        stream.read_to_string(&mut response).await.ok()?;
-        let code = response.split_whitespace().nth(1)?.parse().ok()?;
-        let body = response.split_once("\r\n\r\n").map(|(_, b)| b.to_owned())?;
-        Some((code, body))
-    }
-
-    async fn readyz(&self) -> Option<(u16, String)> {
-        self.get(self.health, "/readyz").await
-    }
-
-    async fn metrics_text(&self) -> String {
-        self.get(self.metrics, "/metrics")
-            .await
-            .map(|r| r.1)
-            .unwrap_or_default()
-    }
-
-    fn terminate(&self) {
-        let pid = rustix::process::Pid::from_raw(self.child.id() as i32).unwrap();
-        rustix::process::kill_process(pid, rustix::process::Signal::TERM).unwrap();
-    }
-}
-
-impl Drop for Proxy {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let _ = std::fs::remove_file(&self.log);
-    }
-}
-
-/// Whether the exposition has exactly this sample line.
-fn metric_line(text: &str, line: &str) -> bool {
-    text.lines().any(|l| l == line)
-}
-
-async fn create_proxy_service(client: &kube::Client, ns: &str) -> Service {
-    let svc: Service = serde_json::from_value(serde_json::json!({
-        "apiVersion": "v1", "kind": "Service",
-        "metadata": {"name": "proxy", "namespace": ns},
-        "spec": {"ports": [{"name": "https", "port": 6443, "targetPort": 16443}]},
-    }))
-    .unwrap();
-    Api::<Service>::namespaced(client.clone(), ns)
-        .create(&PostParams::default(), &svc)
-        .await
-        .unwrap()
-}
-
-/// The addresses and port of `default/kubernetes` as the slice says.
-async fn published(client: &kube::Client) -> Option<(Vec<String>, i32)> {
-    let slice = Api::<EndpointSlice>::namespaced(client.clone(), "default")
-        .get_opt("kubernetes")
-        .await
-        .unwrap()?;
-    let addresses = slice
-        .endpoints
-        .unwrap_or_default()
-        .into_iter()
-        .flat_map(|e| e.addresses)
-        .collect();
-    let port = slice.ports.unwrap_or_default().first()?.port?;
-    Some((addresses, port))
 }
 
 #[tokio::test]
@@ -528,32 +399,36 @@ async fn runs_under_the_charts_rbac_alone() {
     )
     .await;
     tokio::time::sleep(Duration::from_millis(500)).await;
-    let logs = proxy.logs();
+    // Counted where no refusal can hide: the API server's audit log for steward's user.
+    let user = format!("system:serviceaccount:{ns}:steward-tcp-proxy");
+    let requests = plane.requests_by(&user).await.unwrap();
+    let forbidden: Vec<_> = requests
+        .iter()
+        .filter(|e| e.response_status.as_ref().is_some_and(|s| s.code == 403))
+        .map(|e| format!("{} {}", e.verb, e.request_uri))
+        .collect();
+    assert!(!requests.is_empty(), "no request by {user} audited");
     assert!(
-        !logs.to_lowercase().contains("forbidden"),
-        "the chart's RBAC is missing something:\n{logs}"
+        forbidden.is_empty(),
+        "the chart's RBAC is missing something: {forbidden:?}\n{}",
+        proxy.logs()
     );
 }
 
 fn helm_template(ns: &str, upstream: &str) -> String {
     let helm = k8s_reconcile::testing::helm().unwrap();
     let chart = Path::new(env!("CARGO_MANIFEST_DIR")).join("chart");
-    let output = Command::new(helm)
-        .args(["template", "steward-tcp-proxy"])
-        .arg(&chart)
-        .args(["--namespace", ns])
-        .arg(format!("--set=upstreamAddr={upstream}"))
-        .args(["--set=serviceName=proxy", "--set=endpointMode=cluster-ip"])
-        .args(["--show-only", "templates/serviceaccount.yaml"])
-        .args(["--show-only", "templates/rbac.yaml"])
-        .output()
-        .unwrap();
-    assert!(
-        output.status.success(),
-        "{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    String::from_utf8(output.stdout).unwrap()
+    proxy_core::testing::stdout_of(
+        Command::new(helm)
+            .args(["template", "steward-tcp-proxy"])
+            .arg(&chart)
+            .args(["--namespace", ns])
+            .arg(format!("--set=upstreamAddr={upstream}"))
+            .args(["--set=serviceName=proxy", "--set=endpointMode=cluster-ip"])
+            .args(["--show-only", "templates/serviceaccount.yaml"])
+            .args(["--show-only", "templates/rbac.yaml"]),
+    )
+    .unwrap()
 }
 
 #[tokio::test]
@@ -567,6 +442,8 @@ async fn sigterm_drops_readiness_and_drains_a_long_watch() {
             &format!("--service-namespace={ns}"),
             "--service-name=absent",
             "--drain-timeout=3s",
+            // The deadline alone: a quiet watch stays open until it.
+            "--drain-idle=0",
         ],
     );
     eventually("listening", Duration::from_secs(10), || async {
@@ -627,6 +504,80 @@ async fn sigterm_drops_readiness_and_drains_a_long_watch() {
     .0
     .unwrap();
     assert!(status.success(), "{status}");
+}
+
+#[tokio::test]
+async fn sigterm_keeps_accepting_for_the_shutdown_delay_then_closes_quiet_connections_early() {
+    let plane = plane().await;
+    let ns = plane.create_namespace("steward-delay").await.unwrap();
+    let mut proxy = Proxy::start(
+        plane.kubeconfig_path(),
+        &apiserver_addr(plane),
+        &[
+            &format!("--service-namespace={ns}"),
+            "--service-name=absent",
+            "--shutdown-delay=2s",
+            "--drain-timeout=30s",
+            "--drain-idle=50ms",
+        ],
+    );
+    eventually("listening", Duration::from_secs(10), || async {
+        tokio::net::TcpStream::connect(proxy.listen).await.is_ok()
+    })
+    .await;
+    let through = client_through(plane, proxy.listen).await;
+    let configmaps: Api<ConfigMap> = Api::namespaced(through, &ns);
+    let mut events = configmaps
+        .watch(&WatchParams::default().timeout(60), "0")
+        .await
+        .unwrap()
+        .boxed();
+
+    let signalled = Instant::now();
+    proxy.terminate();
+    eventually(
+        "not ready after SIGTERM",
+        Duration::from_secs(1),
+        || async {
+            proxy
+                .readyz()
+                .await
+                .is_some_and(|(code, body)| code == 503 && body.contains("shutting down"))
+        },
+    )
+    .await;
+    // During the delay a new client, as kube-proxy may still send one, is served.
+    let late = client_through(plane, proxy.listen).await;
+    Api::<ConfigMap>::namespaced(late, &ns)
+        .list(&ListParams::default())
+        .await
+        .expect("a new connection during the shutdown delay is relayed");
+    // After it, the quiet watch is closed at once, long before the 30 s deadline, and the
+    // process exits cleanly.
+    let ended = tokio::time::timeout(Duration::from_secs(8), async {
+        while let Ok(Some(_)) = events.try_next().await {}
+    })
+    .await;
+    let closed = signalled.elapsed();
+    assert!(ended.is_ok(), "the quiet watch was kept until the deadline");
+    assert!(
+        closed >= Duration::from_millis(1900),
+        "closed during the shutdown delay: {closed:?}"
+    );
+    let status = tokio::task::spawn_blocking(move || {
+        let status = proxy.child.wait();
+        (status, proxy)
+    })
+    .await
+    .unwrap()
+    .0
+    .unwrap();
+    assert!(status.success(), "{status}");
+    assert!(
+        signalled.elapsed() < Duration::from_secs(15),
+        "the drain waited for the deadline: {:?}",
+        signalled.elapsed()
+    );
 }
 
 #[tokio::test]
@@ -880,4 +831,523 @@ fn bad_flags_exit_with_status_2_and_a_clear_message() {
     }
     let help = Command::new(BIN).arg("--help").output().unwrap();
     assert!(help.status.success());
+}
+
+/// Sends a plain HTTP request to `addr`, a relay in front of the (TLS) API server, and returns
+/// the answer: the API server's "HTTP request to an HTTPS server" proves the bytes got there.
+async fn plain_http_through(addr: SocketAddr) -> String {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    stream
+        .write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .await
+        .unwrap();
+    let mut answer = Vec::new();
+    tokio::time::timeout(Duration::from_secs(10), stream.read_to_end(&mut answer))
+        .await
+        .unwrap()
+        .unwrap();
+    String::from_utf8_lossy(&answer).into_owned()
+}
+
+#[tokio::test]
+async fn colon_port_listens_on_both_families_and_boolean_flags_take_gos_forms() {
+    let plane = plane().await;
+    let ns = plane.create_namespace("steward-dual").await.unwrap();
+    let (listen, health, metrics) = (free_port(), free_port(), free_port());
+    let texts = [
+        format!(":{listen}"),
+        format!(":{health}"),
+        format!(":{metrics}"),
+    ];
+    let proxy = Proxy::start_with(
+        plane.kubeconfig_path(),
+        &apiserver_addr(plane),
+        &[
+            &format!("--service-namespace={ns}"),
+            "--service-name=absent",
+            // Go's boolean forms, as the original's callers pass them.
+            "--leader-elect=false",
+            "--upstream-insecure=false",
+        ],
+        &[("STEWARD_LEADER_ELECT", "True")],
+        Some([&texts[0], &texts[1], &texts[2]]),
+    );
+    let v6 = |port| SocketAddr::from((std::net::Ipv6Addr::LOCALHOST, port));
+    let v4 = |port| SocketAddr::from((Ipv4Addr::LOCALHOST, port));
+    eventually("listening", Duration::from_secs(10), || async {
+        tokio::net::TcpStream::connect(v4(listen)).await.is_ok()
+    })
+    .await;
+    // The relay, over IPv6 only and over IPv4, reaches the API server.
+    for addr in [v6(listen), v4(listen)] {
+        let answer = plain_http_through(addr).await;
+        assert!(
+            answer.contains("HTTP request to an HTTPS server"),
+            "through {addr}: {answer}\n{}",
+            proxy.logs()
+        );
+    }
+    // The operations servers too.
+    for (port, path) in [(health, "/healthz"), (metrics, "/metrics")] {
+        for addr in [v6(port), v4(port)] {
+            eventually(
+                &format!("{path} on {addr}"),
+                Duration::from_secs(5),
+                || async {
+                    proxy
+                        .get(addr, path)
+                        .await
+                        .is_some_and(|(code, _)| code == 200)
+                },
+            )
+            .await;
+        }
+    }
+    // --leader-elect=false beat the environment's True: no Lease is taken.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let leases = Api::<k8s_openapi::api::coordination::v1::Lease>::namespaced(
+        plane.client().await.unwrap(),
+        &ns,
+    )
+    .list(&ListParams::default())
+    .await
+    .unwrap();
+    assert!(leases.items.is_empty(), "{:?}", leases.items);
+}
+
+#[test]
+fn a_bad_boolean_is_a_usage_error_naming_the_value() {
+    let out = Command::new(BIN)
+        .args(["--upstream-addr=h:1", "--leader-elect=maybe"])
+        .env_remove("STEWARD_LEADER_ELECT")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("--leader-elect") && stderr.contains("\"maybe\" is not a boolean"),
+        "{stderr}"
+    );
+    // The environment variable takes Go's spellings too: `T` is true, and asks for TLS mode.
+    let out = Command::new(BIN)
+        .arg("--upstream-addr=h:1")
+        .env("STEWARD_UPSTREAM_INSECURE", "T")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("--upstream-insecure needs TLS-termination mode"),
+        "{stderr}"
+    );
+}
+
+fn apiserver_port(plane: &ControlPlane) -> u16 {
+    apiserver_addr(plane)
+        .rsplit_once(':')
+        .unwrap()
+        .1
+        .parse()
+        .unwrap()
+}
+
+#[tokio::test]
+async fn the_upstream_is_reached_through_an_http_proxy() {
+    use proxy_core::testing::{Tinyproxy, TinyproxyConfig};
+    let plane = plane().await;
+    let ns = plane.create_namespace("steward-egress").await.unwrap();
+    let port = apiserver_port(plane);
+    let tiny = Tinyproxy::start(&TinyproxyConfig {
+        basic_auth: Some(("steward".into(), "s3cret".into())),
+        connect_ports: vec![port],
+    })
+    .await
+    .unwrap();
+    let args = [
+        &format!("--service-namespace={ns}")[..],
+        "--service-name=absent",
+    ];
+    // Credentials from the environment variable of --upstream-proxy (percent-encoding decoded).
+    let url = format!("http://steward:s3c%72et@{}", tiny.addr());
+    let proxy = Proxy::start_with(
+        plane.kubeconfig_path(),
+        &apiserver_addr(plane),
+        &args,
+        &[("STEWARD_UPSTREAM_PROXY", &url)],
+        None,
+    );
+    eventually(
+        "ready through the proxy",
+        Duration::from_secs(20),
+        || async {
+            proxy.readyz().await.is_some_and(|(code, body)| {
+                code == 200 && body.contains(&format!("via {}", tiny.url()))
+            })
+        },
+    )
+    .await;
+    let through = client_through(plane, proxy.listen).await;
+    let namespaces = Api::<Namespace>::all(through)
+        .list(&ListParams::default())
+        .await
+        .unwrap();
+    assert!(namespaces.items.iter().any(|n| n.name_any() == ns));
+    let logs = tiny.logs();
+    assert!(
+        logs.contains(&format!("CONNECT 127.0.0.1:{port}")),
+        "tinyproxy saw no tunnel:\n{logs}"
+    );
+    let logs = proxy.logs();
+    assert!(logs.contains("through the HTTP proxy"), "{logs}");
+    assert!(
+        !logs.contains("s3cret") && !logs.contains("s3c%72et"),
+        "{logs}"
+    );
+    drop(proxy);
+
+    // Without the credentials, with wrong ones, and towards a port the proxy refuses: /readyz
+    // names the problem, and no password reaches the logs.
+    let refusing = Tinyproxy::start(&TinyproxyConfig {
+        basic_auth: None,
+        connect_ports: vec![port.wrapping_add(1).max(1)],
+    })
+    .await
+    .unwrap();
+    for (url, expected) in [
+        (tiny.url(), "requires credentials"),
+        (
+            format!("http://steward:wr0ng@{}", tiny.addr()),
+            "refused the ones given",
+        ),
+        (refusing.url(), "refused CONNECT"),
+    ] {
+        let proxy = Proxy::start(
+            plane.kubeconfig_path(),
+            &apiserver_addr(plane),
+            &[&args[..], &[&format!("--upstream-proxy={url}")]].concat(),
+        );
+        eventually(
+            &format!("/readyz says {expected:?}"),
+            Duration::from_secs(20),
+            || async {
+                proxy
+                    .readyz()
+                    .await
+                    .is_some_and(|(code, body)| code == 503 && body.contains(expected))
+            },
+        )
+        .await;
+        let logs = proxy.logs();
+        assert!(!logs.contains("wr0ng"), "{logs}");
+    }
+}
+
+#[tokio::test]
+async fn https_proxy_and_no_proxy_are_honoured_for_the_upstream() {
+    use proxy_core::testing::{Tinyproxy, TinyproxyConfig};
+    let plane = plane().await;
+    let ns = plane.create_namespace("steward-env-proxy").await.unwrap();
+    let port = apiserver_port(plane);
+    let tiny = Tinyproxy::start(&TinyproxyConfig {
+        basic_auth: Some(("steward".into(), "s3cret".into())),
+        connect_ports: vec![port],
+    })
+    .await
+    .unwrap();
+    // Loopback addresses and `localhost` never go through a proxy (Go's rule), so the upstream
+    // is named `127.1`: a host name to these rules, which the proxy resolves to 127.0.0.1.
+    let upstream = format!("127.1:{port}");
+    let args = [
+        &format!("--service-namespace={ns}")[..],
+        "--service-name=absent",
+    ];
+    let url = format!("http://steward:s3cret@{}", tiny.addr());
+    let proxy = Proxy::start_with(
+        plane.kubeconfig_path(),
+        &upstream,
+        &args,
+        &[
+            ("HTTPS_PROXY", &url),
+            ("NO_PROXY", "example.com,10.0.0.0/8"),
+        ],
+        None,
+    );
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let ready = proxy.readyz().await;
+        if ready.as_ref().is_some_and(|(code, body)| {
+            *code == 200 && body.contains(&format!("{upstream} via {}", tiny.url()))
+        }) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "not ready through HTTPS_PROXY: {ready:?}\n{}",
+            proxy.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let namespaces = Api::<Namespace>::all(client_through(plane, proxy.listen).await)
+        .list(&ListParams::default())
+        .await
+        .unwrap();
+    assert!(namespaces.items.iter().any(|n| n.name_any() == ns));
+    let logs = tiny.logs();
+    assert!(
+        logs.contains(&format!("CONNECT 127.1:{port}")),
+        "tinyproxy saw no tunnel:\n{logs}"
+    );
+    drop(proxy);
+
+    // NO_PROXY exempts the upstream: the (refusing) proxy is not used. The lowercase names work
+    // as well.
+    let refusing = Tinyproxy::start(&TinyproxyConfig {
+        basic_auth: None,
+        connect_ports: vec![port.wrapping_add(1).max(1)],
+    })
+    .await
+    .unwrap();
+    let proxy = Proxy::start_with(
+        plane.kubeconfig_path(),
+        &upstream,
+        &args,
+        // 127.0.0.1 for steward's own Kubernetes client, which honours them too.
+        &[
+            ("https_proxy", &refusing.url()),
+            ("no_proxy", "127.1,127.0.0.1"),
+        ],
+        None,
+    );
+    eventually("ready directly", Duration::from_secs(20), || async {
+        proxy.readyz().await.is_some_and(|(code, body)| {
+            code == 200 && body.contains(&format!("{upstream} dialable"))
+        })
+    })
+    .await;
+    let (_, body) = proxy.readyz().await.unwrap();
+    assert!(!body.contains(" via "), "{body}");
+}
+
+/// The original's ClusterRole (Steward's `steward:tcp-proxy`): EndpointSlices, Services, Leases
+/// and core Events, but no Endpoints and no `events.k8s.io`.
+fn originals_cluster_role(name: &str) -> k8s_openapi::api::rbac::v1::ClusterRole {
+    serde_json::from_value(serde_json::json!({
+        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
+        "metadata": {"name": name},
+        "rules": [
+            {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
+             "verbs": ["get", "list", "watch", "create", "update", "patch"]},
+            {"apiGroups": [""], "resources": ["services"], "verbs": ["get", "list", "watch"]},
+            {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
+             "verbs": ["get", "create", "update"]},
+            {"apiGroups": [""], "resources": ["events"], "verbs": ["create", "patch"]},
+        ],
+    }))
+    .unwrap()
+}
+
+#[tokio::test]
+async fn under_the_originals_narrower_cluster_role_the_slice_is_managed_without_403s() {
+    use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding};
+    let plane = plane().await;
+    let _turn = KUBERNETES_ENDPOINTS.lock().await;
+    let client = plane.client().await.unwrap();
+    let ns = plane.create_namespace("steward-narrow").await.unwrap();
+    let svc = create_proxy_service(&client, &ns).await;
+    let cluster_ip = svc.spec.unwrap().cluster_ip.unwrap();
+    let role_name = format!("steward-tcp-proxy-{ns}");
+    Api::<ClusterRole>::all(client.clone())
+        .create(&PostParams::default(), &originals_cluster_role(&role_name))
+        .await
+        .unwrap();
+    let binding: ClusterRoleBinding = serde_json::from_value(serde_json::json!({
+        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+        "metadata": {"name": role_name},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": role_name},
+        "subjects": [{"kind": "ServiceAccount", "name": "steward-tcp-proxy", "namespace": ns}],
+    }))
+    .unwrap();
+    Api::<ClusterRoleBinding>::all(client.clone())
+        .create(&PostParams::default(), &binding)
+        .await
+        .unwrap();
+    let user = format!("system:serviceaccount:{ns}:steward-tcp-proxy");
+    let kubeconfig = plane
+        .kubeconfig_as(&Identity::service_account(&ns, "steward-tcp-proxy"))
+        .await
+        .unwrap();
+    let proxy = Proxy::start(
+        &kubeconfig,
+        &apiserver_addr(plane),
+        &[
+            &format!("--service-namespace={ns}"),
+            "--service-name=proxy",
+            "--endpoint-mode=cluster-ip",
+            "--reconcile-interval=1s",
+        ],
+    );
+    let expected = (vec![cluster_ip], 6443);
+    eventually(
+        "slice written under the narrow role",
+        Duration::from_secs(20),
+        || async { published(&client).await.as_ref() == Some(&expected) },
+    )
+    .await;
+    // Drift is still repaired, several times over (and the 1 s resync reconciles all along).
+    let slices: Api<EndpointSlice> = Api::namespaced(client.clone(), "default");
+    for n in 0..3 {
+        slices
+            .patch(
+                "kubernetes",
+                &PatchParams::default(),
+                &Patch::Merge(serde_json::json!({"endpoints": [{"addresses": [format!("10.0.0.{}", 80 + n)]}]})),
+            )
+            .await
+            .unwrap();
+        eventually(
+            "drift repaired under the narrow role",
+            Duration::from_secs(5),
+            || async { published(&client).await.as_ref() == Some(&expected) },
+        )
+        .await;
+    }
+    tokio::time::sleep(Duration::from_secs(3)).await;
+
+    // Ready, and /readyz and the metric name what is missing.
+    let (code, body) = proxy.readyz().await.unwrap();
+    assert_eq!(code, 200, "{body}");
+    assert!(
+        body.contains(r#"missing permission patch endpoints "kubernetes" in namespace default"#),
+        "{body}"
+    );
+    let metrics = proxy.metrics_text().await;
+    for line in [
+        r#"steward_missing_permission{verb="patch",resource="endpoints",namespace="default"} 1"#,
+        &format!(
+            r#"steward_missing_permission{{verb="create",resource="events.events.k8s.io",namespace="{ns}"}} 1"#
+        ),
+    ] {
+        assert!(metric_line(&metrics, line), "{line} not in\n{metrics}");
+    }
+    // One warning per missing permission, however many reconciles ran.
+    let logs = proxy.logs();
+    let warnings = logs
+        .matches(r#"missing RBAC permission: patch endpoints "kubernetes""#)
+        .count();
+    assert_eq!(warnings, 1, "{logs}");
+    // And the API server refused steward nothing: what is missing was asked, not tried.
+    plane.writes_by(&user).await.unwrap(); // waits until the audit log has caught up
+    let forbidden: Vec<_> = plane
+        .audit_events()
+        .unwrap()
+        .into_iter()
+        .filter(|e| e.user.username == user)
+        .filter(|e| e.response_status.as_ref().is_some_and(|s| s.code == 403))
+        .map(|e| format!("{} {}", e.verb, e.request_uri))
+        .collect();
+    assert!(forbidden.len() <= 1, "403s for steward: {forbidden:?}");
+    eprintln!("forbidden requests by steward under the narrow role: {forbidden:?}");
+}
+
+#[tokio::test]
+async fn a_forbidden_endpoints_write_closes_the_gate_after_one_403() {
+    use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding};
+    let plane = plane().await;
+    let _turn = KUBERNETES_ENDPOINTS.lock().await;
+    let client = plane.client().await.unwrap();
+    let ns = plane.create_namespace("steward-403").await.unwrap();
+    let svc = create_proxy_service(&client, &ns).await;
+    let cluster_ip = svc.spec.unwrap().cluster_ip.unwrap();
+    // The original's role plus get/patch/list/watch of the kubernetes Endpoints, but not create:
+    // asking says the write is allowed, and with the object gone the write is a create, refused.
+    let role_name = format!("steward-tcp-proxy-{ns}");
+    let mut role = originals_cluster_role(&role_name);
+    role.rules.get_or_insert_default().push(
+        serde_json::from_value(serde_json::json!({
+            "apiGroups": [""], "resources": ["endpoints"], "resourceNames": ["kubernetes"],
+            "verbs": ["get", "patch", "list", "watch"],
+        }))
+        .unwrap(),
+    );
+    Api::<ClusterRole>::all(client.clone())
+        .create(&PostParams::default(), &role)
+        .await
+        .unwrap();
+    let binding: ClusterRoleBinding = serde_json::from_value(serde_json::json!({
+        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+        "metadata": {"name": role_name},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": role_name},
+        "subjects": [{"kind": "ServiceAccount", "name": "steward-tcp-proxy", "namespace": ns}],
+    }))
+    .unwrap();
+    Api::<ClusterRoleBinding>::all(client.clone())
+        .create(&PostParams::default(), &binding)
+        .await
+        .unwrap();
+    let _ = Api::<Endpoints>::namespaced(client.clone(), "default")
+        .delete("kubernetes", &Default::default())
+        .await;
+    let user = format!("system:serviceaccount:{ns}:steward-tcp-proxy");
+    let kubeconfig = plane
+        .kubeconfig_as(&Identity::service_account(&ns, "steward-tcp-proxy"))
+        .await
+        .unwrap();
+    let proxy = Proxy::start(
+        &kubeconfig,
+        &apiserver_addr(plane),
+        &[
+            &format!("--service-namespace={ns}"),
+            "--service-name=proxy",
+            "--endpoint-mode=cluster-ip",
+            "--reconcile-interval=1s",
+        ],
+    );
+    let expected = (vec![cluster_ip], 6443);
+    eventually("slice written", Duration::from_secs(20), || async {
+        published(&client).await.as_ref() == Some(&expected)
+    })
+    .await;
+    // Many reconciles (1 s resync, and a drift repair).
+    let slices: Api<EndpointSlice> = Api::namespaced(client.clone(), "default");
+    slices
+        .patch(
+            "kubernetes",
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({"endpoints": [{"addresses": ["10.0.0.90"]}]})),
+        )
+        .await
+        .unwrap();
+    eventually("drift repaired", Duration::from_secs(5), || async {
+        published(&client).await.as_ref() == Some(&expected)
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let (code, body) = proxy.readyz().await.unwrap();
+    assert_eq!(code, 200, "{body}");
+    assert!(
+        body.contains(r#"missing permission create endpoints "kubernetes" in namespace default"#),
+        "{body}"
+    );
+    plane.writes_by(&user).await.unwrap();
+    let forbidden: Vec<_> = plane
+        .audit_events()
+        .unwrap()
+        .into_iter()
+        .filter(|e| e.user.username == user)
+        .filter(|e| e.response_status.as_ref().is_some_and(|s| s.code == 403))
+        .map(|e| format!("{} {}", e.verb, e.request_uri))
+        .collect();
+    assert_eq!(
+        forbidden.len(),
+        1,
+        "one refused write, then none: {forbidden:?}"
+    );
+    let logs = proxy.logs();
+    assert_eq!(
+        logs.matches("missing RBAC permission: create endpoints")
+            .count(),
+        1,
+        "{logs}"
+    );
 }

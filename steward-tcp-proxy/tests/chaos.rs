@@ -1,0 +1,510 @@
+//! steward-tcp-proxy on a bad day, on a real kube-apiserver and etcd: the API server restarts,
+//! etcd restarts after a compaction, another holder takes the Lease, a verb is taken out of its
+//! Role. Each test has a control plane
+//! of its own, since it breaks it on purpose.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod support;
+
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::ConfigMap;
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
+use k8s_reconcile::testing::{AuditEvent, ControlPlane, Identity, eventually};
+use kube::api::{Api, Patch, PatchParams, PostParams};
+use support::{Proxy, create_proxy_service, published};
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+use tokio::net::TcpStream;
+
+const USER: &str = "steward-chaos";
+
+/// A control plane of its own, steward (leader-elected, ClusterIP mode) relaying to an echo
+/// server, and the addresses it publishes.
+struct Setup {
+    plane: ControlPlane,
+    client: kube::Client,
+    ns: String,
+    proxy: Proxy,
+    expected: (Vec<String>, i32),
+}
+
+async fn setup(identity: &str) -> Setup {
+    let plane = ControlPlane::builder()
+        .apiserver_arg("--endpoint-reconciler-type=none")
+        .start()
+        .await
+        .unwrap();
+    let client = plane.client().await.unwrap();
+    let ns = plane.create_namespace("steward-chaos").await.unwrap();
+    let cluster_ip = create_proxy_service(&client, &ns)
+        .await
+        .spec
+        .unwrap()
+        .cluster_ip
+        .unwrap();
+    let echo = proxy_core::testing::echo_server().await.unwrap();
+    let kubeconfig = plane
+        .kubeconfig_as(&Identity::User {
+            name: USER.into(),
+            group: Some("system:masters".into()),
+        })
+        .await
+        .unwrap();
+    let proxy = Proxy::start(
+        &kubeconfig,
+        &echo.to_string(),
+        &[
+            &format!("--service-namespace={ns}"),
+            "--service-name=proxy",
+            "--endpoint-mode=cluster-ip",
+            "--leader-elect",
+            &format!("--identity={identity}"),
+        ],
+    );
+    let expected = (vec![cluster_ip], 6443);
+    eventually("steward publishes", Duration::from_secs(30), || async {
+        published(&client).await.as_ref() == Some(&expected)
+    })
+    .await;
+    eventually("steward is ready", Duration::from_secs(10), || async {
+        proxy.readyz().await.is_some_and(|(code, _)| code == 200)
+    })
+    .await;
+    Setup {
+        plane,
+        client,
+        ns,
+        proxy,
+        expected,
+    }
+}
+
+/// One echo round trip on a held connection.
+async fn round_trip(stream: &mut TcpStream, n: usize) -> bool {
+    let message = format!("message {n}\n");
+    if stream.write_all(message.as_bytes()).await.is_err() {
+        return false;
+    }
+    let mut back = vec![0; message.len()];
+    let read = tokio::time::timeout(Duration::from_secs(2), stream.read_exact(&mut back)).await;
+    matches!(read, Ok(Ok(_))) && back == message.as_bytes()
+}
+
+/// Rewrites the slice's addresses by hand, as an intruder would.
+async fn edit_slice(client: &kube::Client) {
+    Api::<EndpointSlice>::namespaced(client.clone(), "default")
+        .patch(
+            "kubernetes",
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({"endpoints": [{"addresses": ["10.0.0.77"]}]})),
+        )
+        .await
+        .unwrap();
+}
+
+/// The audit events of `USER` from index `from` on.
+fn steward_events(plane: &ControlPlane, from: usize) -> Vec<AuditEvent> {
+    plane
+        .audit_events()
+        .unwrap()
+        .into_iter()
+        .skip(from)
+        .filter(|e| e.user.username == USER)
+        .collect()
+}
+
+fn resource(e: &AuditEvent) -> &str {
+    e.object_ref.as_ref().map_or("", |o| o.resource.as_str())
+}
+
+#[tokio::test]
+async fn api_server_restart_keeps_relaying_and_repairs_within_a_second() {
+    let s = setup("chaos-restart").await;
+    let mut held = TcpStream::connect(s.proxy.listen).await.unwrap();
+    assert!(round_trip(&mut held, 0).await);
+
+    // While the API server is stopped for 5 s, the held connection keeps relaying and /readyz
+    // stays 200: steward's data path does not need the API.
+    let outage = s.plane.restart_apiserver(Duration::from_secs(5));
+    let probe = async {
+        let (mut echoed, mut ready, mut samples) = (0, 0, 0);
+        let mut unready = String::new();
+        let until = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < until {
+            samples += 1;
+            if round_trip(&mut held, samples).await {
+                echoed += 1;
+            }
+            match s.proxy.readyz().await {
+                Some((200, _)) => ready += 1,
+                other => unready = format!("{other:?}"),
+            }
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+        (echoed, ready, samples, unready)
+    };
+    let (restarted, (echoed, ready, samples, unready)) = tokio::join!(outage, probe);
+    restarted.unwrap();
+    let api_back = Instant::now();
+    eprintln!("during the outage: {echoed}/{samples} echoes, {ready}/{samples} /readyz 200");
+    assert_eq!(
+        echoed,
+        samples,
+        "the held connection broke:\n{}",
+        s.proxy.logs()
+    );
+    assert_eq!(
+        ready,
+        samples,
+        "steward went unready: {unready}\n{}",
+        s.proxy.logs()
+    );
+
+    // A slice edited as the API comes back (steward's watches are still broken) is repaired
+    // within a second.
+    edit_slice(&s.client).await;
+    let mut repaired = None;
+    while api_back.elapsed() < Duration::from_secs(10) {
+        if published(&s.client).await.as_ref() == Some(&s.expected) {
+            repaired = Some(api_back.elapsed());
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let repaired = repaired.unwrap_or_else(|| panic!("never repaired:\n{}", s.proxy.logs()));
+    eprintln!("edit repaired {repaired:?} after the API server was back");
+    assert!(
+        repaired <= Duration::from_secs(1),
+        "repaired only after {repaired:?}:\n{}",
+        s.proxy.logs()
+    );
+    assert!(round_trip(&mut held, 1000).await, "held connection after");
+}
+
+#[tokio::test]
+async fn etcd_restart_after_compaction_deletes_and_recreates_nothing() {
+    let s = setup("chaos-etcd").await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let from = s.plane.audit_events().unwrap().len();
+
+    // Writes the watches will have to skip.
+    let maps: Api<ConfigMap> = Api::namespaced(s.client.clone(), &s.ns);
+    for i in 0..20 {
+        let mut cm = ConfigMap::default();
+        cm.metadata.name = Some(format!("churn-{i}"));
+        maps.create(&PostParams::default(), &cm).await.unwrap();
+    }
+    // With the API server down (so no bookmark can tell a client a newer revision), etcd is
+    // compacted past everything and restarted, then the API server starts with a fresh watch
+    // cache: resuming any watch from before is 410 Gone.
+    let since_stop = s.plane.audit_events().unwrap().len();
+    s.plane.stop_apiserver().await.unwrap();
+    let revision = s.plane.compact_etcd().await.unwrap();
+    s.plane.restart_etcd(Duration::from_secs(2)).await.unwrap();
+    s.plane.start_apiserver().await.unwrap();
+    eprintln!("compacted etcd at revision {revision}; restarted etcd and the API server");
+
+    // steward lists its objects again (proof the fault reached its watches) ...
+    let relisted = Instant::now();
+    while !steward_events(&s.plane, since_stop)
+        .iter()
+        .any(|e| e.verb == "list" && resource(e) == "endpointslices")
+    {
+        let seen: Vec<_> = steward_events(&s.plane, since_stop)
+            .iter()
+            .map(|e| format!("{} {} {:?}", e.verb, e.request_uri, e.response_status))
+            .collect();
+        assert!(
+            relisted.elapsed() < Duration::from_secs(15),
+            "steward did not list the slices again; its requests since: {seen:#?}\n{}",
+            s.proxy.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    s.plane.writes_by(USER).await.unwrap();
+    // ... and across the whole fault it deleted and re-created nothing.
+    let events = steward_events(&s.plane, from);
+    let destructive: Vec<_> = events
+        .iter()
+        .filter(|e| matches!(e.verb.as_str(), "delete" | "deletecollection" | "create"))
+        .map(|e| format!("{} {}", e.verb, e.request_uri))
+        .collect();
+    let writes: Vec<_> = events
+        .iter()
+        .filter(|e| e.is_write())
+        .map(|e| format!("{} {}", e.verb, resource(e)))
+        .collect();
+    eprintln!(
+        "steward's requests across the fault: {}; writes: {writes:?}",
+        events.len()
+    );
+    assert!(destructive.is_empty(), "{destructive:?}");
+    assert!(
+        writes.iter().all(|w| w.ends_with(" leases")),
+        "writes other than the Lease across the fault: {writes:?}"
+    );
+    assert_eq!(published(&s.client).await, Some(s.expected.clone()));
+}
+
+#[tokio::test]
+async fn a_lost_lease_stops_the_writes_before_the_new_holder_starts() {
+    let s = setup("chaos-leader").await;
+    let leases: Api<Lease> = Api::namespaced(s.client.clone(), &s.ns);
+    let lease = leases.get("proxy").await.unwrap();
+    assert_eq!(
+        lease.spec.as_ref().unwrap().holder_identity.as_deref(),
+        Some("chaos-leader")
+    );
+    // Another holder takes the Lease for 8 s (as a new leader would after a partition).
+    let taken = Instant::now();
+    let now = MicroTime(k8s_openapi::jiff::Timestamp::now());
+    leases
+        .patch(
+            "proxy",
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({"spec": {
+                "holderIdentity": "intruder",
+                "leaseDurationSeconds": 8,
+                "acquireTime": now,
+                "renewTime": now,
+            }})),
+        )
+        .await
+        .unwrap();
+    let from = s.plane.audit_events().unwrap().len();
+    // Wait past one renew period of steward's, then edit: the old leader must leave it alone.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let edited = s.plane.audit_events().unwrap().len();
+    edit_slice(&s.client).await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let meanwhile: Vec<_> = steward_events(&s.plane, edited)
+        .into_iter()
+        .filter(|e| e.is_write() && resource(e) != "leases")
+        .map(|e| format!("{} {}", e.verb, e.request_uri))
+        .collect();
+    assert!(
+        meanwhile.is_empty(),
+        "steward wrote while another held the Lease: {meanwhile:?}\n{}",
+        s.proxy.logs()
+    );
+    assert_ne!(published(&s.client).await, Some(s.expected.clone()));
+
+    // Once the intruder's term runs out, steward takes the Lease back and repairs.
+    eventually(
+        "steward leads again and repairs",
+        Duration::from_secs(30),
+        || async { published(&s.client).await.as_ref() == Some(&s.expected) },
+    )
+    .await;
+    let back = taken.elapsed();
+    let lease = leases.get("proxy").await.unwrap();
+    assert_eq!(
+        lease.spec.unwrap().holder_identity.as_deref(),
+        Some("chaos-leader")
+    );
+    assert!(
+        back >= Duration::from_secs(8),
+        "repaired after {back:?}, inside the intruder's term"
+    );
+    // Every slice write after the takeover came after the Lease was back in steward's hands.
+    let writes: Vec<_> = steward_events(&s.plane, from)
+        .into_iter()
+        .filter(|e| e.is_write())
+        .map(|e| format!("{} {}", e.verb, resource(&e)))
+        .collect();
+    eprintln!("steward's writes from the takeover on: {writes:?} (back after {back:?})");
+    let first_slice = writes.iter().position(|w| w.ends_with(" endpointslices"));
+    let first_lease = writes.iter().position(|w| w.ends_with(" leases"));
+    assert!(
+        matches!((first_lease, first_slice), (Some(l), Some(w)) if l < w),
+        "the slice was written before the Lease was retaken: {writes:?}"
+    );
+}
+
+/// The chart's rules for `default` (see chart/templates/rbac.yaml), with or without the write
+/// verbs on the named slices.
+fn kubernetes_endpoints_role(with_patch: bool) -> Role {
+    let slice_verbs = if with_patch {
+        serde_json::json!(["get", "update", "patch"])
+    } else {
+        serde_json::json!(["get"])
+    };
+    serde_json::from_value(serde_json::json!({
+        "metadata": {"name": "steward-perm", "namespace": "default"},
+        "rules": [
+            {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
+             "resourceNames": ["kubernetes", "kubernetes-ipv6", "kubernetes-ipv4"], "verbs": slice_verbs},
+            {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
+             "verbs": ["list", "watch", "create", "delete"]},
+            {"apiGroups": [""], "resources": ["endpoints"], "resourceNames": ["kubernetes"],
+             "verbs": ["get", "list", "watch", "update", "patch"]},
+            {"apiGroups": [""], "resources": ["endpoints"], "verbs": ["create"]},
+        ],
+    }))
+    .unwrap()
+}
+
+#[tokio::test]
+async fn a_verb_taken_away_is_reported_backed_off_and_recovered() {
+    let plane = ControlPlane::builder()
+        .apiserver_arg("--endpoint-reconciler-type=none")
+        .start()
+        .await
+        .unwrap();
+    let client = plane.client().await.unwrap();
+    let ns = plane.create_namespace("steward-perm").await.unwrap();
+    let cluster_ip = create_proxy_service(&client, &ns)
+        .await
+        .spec
+        .unwrap()
+        .cluster_ip
+        .unwrap();
+    let user = "steward-perm";
+    let params = PatchParams::apply("chaos-test").force();
+    let roles: Api<Role> = Api::namespaced(client.clone(), "default");
+    roles
+        .patch(
+            user,
+            &params,
+            &Patch::Apply(kubernetes_endpoints_role(true)),
+        )
+        .await
+        .unwrap();
+    let own: Role = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": user, "namespace": ns},
+        "rules": [
+            {"apiGroups": [""], "resources": ["services"], "verbs": ["get", "list", "watch"]},
+            {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
+             "verbs": ["get", "create", "update"]},
+            {"apiGroups": ["", "events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]},
+        ],
+    }))
+    .unwrap();
+    Api::<Role>::namespaced(client.clone(), &ns)
+        .patch(user, &params, &Patch::Apply(own))
+        .await
+        .unwrap();
+    for namespace in ["default", ns.as_str()] {
+        let binding: RoleBinding = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": user, "namespace": namespace},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": user},
+            "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": user}],
+        }))
+        .unwrap();
+        Api::<RoleBinding>::namespaced(client.clone(), namespace)
+            .patch(user, &params, &Patch::Apply(binding))
+            .await
+            .unwrap();
+    }
+    let kubeconfig = plane
+        .kubeconfig_as(&Identity::User {
+            name: user.into(),
+            group: None,
+        })
+        .await
+        .unwrap();
+    let echo = proxy_core::testing::echo_server().await.unwrap();
+    let proxy = Proxy::start(
+        &kubeconfig,
+        &echo.to_string(),
+        &[
+            &format!("--service-namespace={ns}"),
+            "--service-name=proxy",
+            "--endpoint-mode=cluster-ip",
+            "--leader-elect",
+            "--identity=perm",
+        ],
+    );
+    let expected = (vec![cluster_ip], 6443);
+    eventually("steward publishes", Duration::from_secs(30), || async {
+        published(&client).await.as_ref() == Some(&expected)
+    })
+    .await;
+
+    // Take `patch` and `update` on the slice away, then edit it: every repair is now forbidden.
+    roles
+        .patch(
+            user,
+            &params,
+            &Patch::Apply(kubernetes_endpoints_role(false)),
+        )
+        .await
+        .unwrap();
+    let from = plane.audit_events().unwrap().len();
+    let log_from = proxy.logs().len();
+    edit_slice(&client).await;
+    let window = Duration::from_secs(20);
+    tokio::time::sleep(window).await;
+    plane.writes_by(user).await.unwrap();
+    let forbidden = plane
+        .audit_events()
+        .unwrap()
+        .into_iter()
+        .skip(from)
+        .filter(|e| e.user.username == user)
+        .filter(|e| e.response_status.as_ref().is_some_and(|s| s.code == 403))
+        .count();
+    let logs = proxy.logs()[log_from..].to_owned();
+    let said = logs.lines().filter(|l| l.contains("forbidden")).count();
+    eprintln!("{forbidden} forbidden requests and {said} log lines saying so in {window:?}");
+    assert!(forbidden >= 1, "steward never tried to repair:\n{logs}");
+    // Backed off (200 ms doubling): about 8 attempts in 20 s; a hot loop would make hundreds.
+    assert!(
+        forbidden <= 10,
+        "{forbidden} forbidden requests in {window:?}: not backing off"
+    );
+    assert!(
+        said <= forbidden,
+        "said {said} times for {forbidden} denials:\n{logs}"
+    );
+    assert!(
+        logs.contains("patch") && logs.contains("endpointslices"),
+        "the log does not name the verb and resource:\n{logs}"
+    );
+
+    // The verb comes back: repaired within one backoff period (at most 30 s).
+    roles
+        .patch(
+            user,
+            &params,
+            &Patch::Apply(kubernetes_endpoints_role(true)),
+        )
+        .await
+        .unwrap();
+    let restored = Instant::now();
+    eventually(
+        "repaired once the verb is back",
+        Duration::from_secs(31),
+        || async { published(&client).await.as_ref() == Some(&expected) },
+    )
+    .await;
+    eprintln!("repaired {:?} after the verb came back", restored.elapsed());
+}
+
+#[tokio::test]
+async fn sigterm_while_the_api_server_is_down_still_exits() {
+    let mut s = setup("chaos-sigterm").await;
+    s.plane.stop_apiserver().await.unwrap();
+    // Let a reconcile or a Lease renewal be in flight against the missing API server.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let terminated = Instant::now();
+    s.proxy.terminate();
+    let mut status = None;
+    while terminated.elapsed() < Duration::from_secs(30) {
+        if let Some(exit) = s.proxy.child.try_wait().unwrap() {
+            status = Some(exit);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let took = terminated.elapsed();
+    s.plane.start_apiserver().await.unwrap();
+    let status =
+        status.unwrap_or_else(|| panic!("still running 30 s after SIGTERM:\n{}", s.proxy.logs()));
+    eprintln!("exited {status} {took:?} after SIGTERM with the API server down");
+    assert!(status.success(), "{status}:\n{}", s.proxy.logs());
+}

@@ -1,0 +1,164 @@
+//! What the steward integration tests share: the binary as a child process, the proxy Service
+//! and the published `default/kubernetes` addresses.
+#![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
+
+use std::net::{Ipv4Addr, SocketAddr};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+
+use k8s_openapi::api::core::v1::Service;
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use k8s_reconcile::testing::ControlPlane;
+use kube::api::{Api, PostParams};
+
+pub const BIN: &str = env!("CARGO_BIN_EXE_steward-tcp-proxy");
+
+pub fn free_port() -> u16 {
+    proxy_core::testing::free_port().unwrap()
+}
+
+pub fn apiserver_addr(plane: &ControlPlane) -> String {
+    plane.server_url().trim_start_matches("https://").to_owned()
+}
+
+/// A steward-tcp-proxy child process, killed on drop.
+pub struct Proxy {
+    pub child: Child,
+    pub listen: SocketAddr,
+    pub health: SocketAddr,
+    pub metrics: SocketAddr,
+    pub log: PathBuf,
+}
+
+impl Proxy {
+    pub fn start(kubeconfig: &Path, upstream: &str, extra: &[&str]) -> Self {
+        Self::start_with(kubeconfig, upstream, extra, &[], None)
+    }
+
+    /// `env` is added to the child's environment; `listen`, when given, is the text of
+    /// `--listen-addr`, `--health-addr` and `--metrics-addr` (the fields then hold their 127.0.0.1
+    /// forms).
+    pub fn start_with(
+        kubeconfig: &Path,
+        upstream: &str,
+        extra: &[&str],
+        env: &[(&str, &str)],
+        listen: Option<[&str; 3]>,
+    ) -> Self {
+        let [listen, health, metrics] = match listen {
+            Some(texts) => texts.map(|t| {
+                let port = t.rsplit_once(':').unwrap().1.parse::<u16>().unwrap();
+                (t.to_owned(), SocketAddr::from((Ipv4Addr::LOCALHOST, port)))
+            }),
+            None => [(); 3].map(|()| {
+                let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, free_port()));
+                (addr.to_string(), addr)
+            }),
+        };
+        let log = tempfile::Builder::new()
+            .prefix("steward-log-")
+            .tempfile()
+            .unwrap()
+            .into_temp_path()
+            .keep()
+            .unwrap();
+        let out = std::fs::File::create(&log).unwrap();
+        let child = Command::new(BIN)
+            .arg(format!("--kubeconfig={}", kubeconfig.display()))
+            .arg(format!("--upstream-addr={upstream}"))
+            .arg(format!("--listen-addr={}", listen.0))
+            .arg(format!("--health-addr={}", health.0))
+            .arg(format!("--metrics-addr={}", metrics.0))
+            .args(extra)
+            .env_remove("KUBECONFIG")
+            .env_remove("HTTPS_PROXY")
+            .env_remove("https_proxy")
+            .env("RUST_LOG", "info")
+            .envs(env.iter().copied())
+            .stdout(Stdio::null())
+            .stderr(out)
+            .spawn()
+            .unwrap();
+        Self {
+            child,
+            listen: listen.1,
+            health: health.1,
+            metrics: metrics.1,
+            log,
+        }
+    }
+
+    pub fn logs(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    pub async fn get(&self, addr: SocketAddr, path: &str) -> Option<(u16, String)> {
+        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+        let mut stream = tokio::net::TcpStream::connect(addr).await.ok()?;
+        let request = format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+        stream.write_all(request.as_bytes()).await.ok()?;
+        let mut response = String::new();
+        stream.read_to_string(&mut response).await.ok()?;
+        let code = response.split_whitespace().nth(1)?.parse().ok()?;
+        let body = response.split_once("\r\n\r\n").map(|(_, b)| b.to_owned())?;
+        Some((code, body))
+    }
+
+    pub async fn readyz(&self) -> Option<(u16, String)> {
+        self.get(self.health, "/readyz").await
+    }
+
+    pub async fn metrics_text(&self) -> String {
+        self.get(self.metrics, "/metrics")
+            .await
+            .map(|r| r.1)
+            .unwrap_or_default()
+    }
+
+    pub fn terminate(&self) {
+        let pid = rustix::process::Pid::from_raw(self.child.id() as i32).unwrap();
+        rustix::process::kill_process(pid, rustix::process::Signal::TERM).unwrap();
+    }
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_file(&self.log);
+    }
+}
+
+/// Whether the exposition has exactly this sample line.
+pub fn metric_line(text: &str, line: &str) -> bool {
+    text.lines().any(|l| l == line)
+}
+
+pub async fn create_proxy_service(client: &kube::Client, ns: &str) -> Service {
+    let svc: Service = serde_json::from_value(serde_json::json!({
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": {"name": "proxy", "namespace": ns},
+        "spec": {"ports": [{"name": "https", "port": 6443, "targetPort": 16443}]},
+    }))
+    .unwrap();
+    Api::<Service>::namespaced(client.clone(), ns)
+        .create(&PostParams::default(), &svc)
+        .await
+        .unwrap()
+}
+
+/// The addresses and port of `default/kubernetes` as the slice says.
+pub async fn published(client: &kube::Client) -> Option<(Vec<String>, i32)> {
+    let slice = Api::<EndpointSlice>::namespaced(client.clone(), "default")
+        .get_opt("kubernetes")
+        .await
+        .unwrap()?;
+    let addresses = slice
+        .endpoints
+        .unwrap_or_default()
+        .into_iter()
+        .flat_map(|e| e.addresses)
+        .collect();
+    let port = slice.ports.unwrap_or_default().first()?.port?;
+    Some((addresses, port))
+}
