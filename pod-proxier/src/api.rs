@@ -2,7 +2,6 @@
 //! delete, V2 introspection and an OpenAPI document. Every answer carries a correct HTTP status
 //! and the `{"code","msg","data"}` envelope; bad input is refused before anything changes.
 
-use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -13,20 +12,19 @@ use axum::extract::{DefaultBodyLimit, MatchedPath, RawQuery, Request, State};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
-use http::{HeaderMap, StatusCode};
+use http::HeaderMap;
 use serde_json::{Value, json};
 
-use crate::auth::{Access, Authenticator, Caller};
 use crate::config::Settings;
 use crate::crd::MappingKind;
 use crate::error::{self, ApiError};
-use crate::mappings::{Mappings, is_expired, now_millis};
+use crate::forwarding::Mappings;
 use crate::metrics::{Metrics, RequestLabels};
 use crate::names;
-use crate::v1::{MappingView, V1};
-
-/// TTL used when a request gives none (the original's form default; its JSON default was 0).
-pub const DEFAULT_TTL_SECONDS: u64 = 60;
+use crate::pod_mappings::{DEFAULT_TTL_SECONDS, MappingView, V1};
+use crate::ttl::{is_expired, now_millis};
+use k8s_reconcile::app::rest::{self, Fields};
+use k8s_reconcile::auth::{Authenticator, Caller, ResourceAccess};
 
 /// Everything the handlers share.
 pub struct AppState {
@@ -120,49 +118,6 @@ async fn method_not_allowed() -> ApiError {
     )
 }
 
-/// Query or form fields, each at most once, only the `allowed` names.
-fn parse_pairs(
-    text: &str,
-    allowed: &[&str],
-    what: &str,
-) -> Result<Vec<(String, String)>, ApiError> {
-    let pairs: Vec<(String, String)> = serde_urlencoded::from_str(text)
-        .map_err(|e| ApiError::BadRequest(format!("malformed {what}: {e}")))?;
-    let mut seen = BTreeSet::new();
-    for (key, _) in &pairs {
-        if !allowed.contains(&key.as_str()) {
-            return Err(ApiError::BadRequest(format!(
-                "unknown {what} parameter {key:?}; expected {}",
-                allowed.join(", ")
-            )));
-        }
-        if !seen.insert(key.clone()) {
-            return Err(ApiError::BadRequest(format!(
-                "{what} parameter {key:?} is given more than once"
-            )));
-        }
-    }
-    Ok(pairs)
-}
-
-fn field<'a>(pairs: &'a [(String, String)], name: &str) -> Option<&'a str> {
-    pairs
-        .iter()
-        .find(|(k, _)| k == name)
-        .map(|(_, v)| v.as_str())
-}
-
-fn parse_bool(name: &str, value: Option<&str>) -> Result<bool, ApiError> {
-    match value {
-        None => Ok(false),
-        Some("true" | "1") => Ok(true),
-        Some("false" | "0") => Ok(false),
-        Some(other) => Err(ApiError::BadRequest(format!(
-            "{name} must be true or false, not {other:?}"
-        ))),
-    }
-}
-
 /// A validated mapping request.
 #[derive(Debug, PartialEq, Eq)]
 pub struct MappingRequest {
@@ -243,10 +198,10 @@ pub fn parse_mapping_request(
         String::from_utf8(body.to_vec())
             .map_err(|_| ApiError::BadRequest("form body is not valid UTF-8".to_owned()))?
     };
-    let pairs = parse_pairs(&text, POST_FIELDS, "form")?;
-    let pod_name = field(&pairs, "pod_name").ok_or_else(missing_pod_name)?;
+    let fields = Fields::parse(&text, POST_FIELDS, "form")?;
+    let pod_name = fields.get("pod_name").ok_or_else(missing_pod_name)?;
     let (namespace, pod) = names::parse_pod_name(pod_name).map_err(ApiError::BadRequest)?;
-    let ttl = match field(&pairs, "time") {
+    let ttl = match fields.get("time") {
         None => DEFAULT_TTL_SECONDS,
         Some(text) => parse_ttl_text(text)?,
     };
@@ -254,7 +209,7 @@ pub fn parse_mapping_request(
         namespace,
         pod,
         ttl_seconds: check_ttl(ttl, max)?,
-        close_connections: parse_bool("close_connections", field(&pairs, "close_connections"))?,
+        close_connections: fields.flag("close_connections")?,
     })
 }
 
@@ -356,27 +311,21 @@ fn v1(state: &AppState) -> Result<&V1, ApiError> {
     })
 }
 
-fn portforward<'a>(namespace: &'a str, pod: &'a str) -> Access<'a> {
-    Access {
-        namespace,
-        verb: "create",
-        resource: "pods",
-        subresource: Some("portforward"),
-        name: Some(pod),
+/// Refuses a namespace outside --allowed-namespaces.
+fn in_scope(settings: &Settings, namespace: &str) -> Result<(), ApiError> {
+    if settings.namespace_allowed(namespace) {
+        return Ok(());
     }
+    Err(ApiError::OutOfScope(format!(
+        "namespace {namespace:?} is not served by this pod-proxier (allowed: {})",
+        settings.allowed_namespaces.join(", ")
+    )))
 }
 
-fn body_or_error(body: Result<Bytes, BytesRejection>, limit: usize) -> Result<Bytes, ApiError> {
-    body.map_err(|rejection| {
-        if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
-            ApiError::TooLarge(format!("request body is larger than {limit} bytes"))
-        } else {
-            ApiError::BadRequest(format!(
-                "cannot read the request body: {}",
-                rejection.body_text()
-            ))
-        }
-    })
+fn portforward<'a>(namespace: &'a str, pod: &'a str) -> ResourceAccess<'a> {
+    ResourceAccess::new("create", "pods", namespace)
+        .subresource("portforward")
+        .name(pod)
 }
 
 async fn post_mapping(
@@ -387,14 +336,14 @@ async fn post_mapping(
 ) -> Result<Response, ApiError> {
     let v1 = v1(&state)?;
     let caller = state.auth.authenticate(&headers).await?;
-    let body = body_or_error(body, state.settings.max_body_bytes)?;
+    let body = rest::read_body(body, state.settings.max_body_bytes)?;
     let request = parse_mapping_request(
         &headers,
         query.as_deref(),
         &body,
         state.settings.max_mapping_time,
     )?;
-    v1.check_namespace(&request.namespace)?;
+    in_scope(&state.settings, &request.namespace)?;
     state
         .auth
         .authorize(&caller, &portforward(&request.namespace, &request.pod))
@@ -405,20 +354,20 @@ async fn post_mapping(
             &request.pod,
             Duration::from_secs(request.ttl_seconds),
             request.close_connections,
-            &caller.username,
+            caller.username(),
         )
         .await?;
     Ok(error::ok(data))
 }
 
-/// `(namespace, pod, all query pairs)`.
-type PodQuery = (String, String, Vec<(String, String)>);
+/// `(namespace, pod, all query fields)`.
+type PodQuery = (String, String, Fields);
 
 fn pod_from_query(query: Option<&str>, allowed: &[&str]) -> Result<PodQuery, ApiError> {
-    let pairs = parse_pairs(query.unwrap_or(""), allowed, "query")?;
-    let pod_name = field(&pairs, "pod_name").ok_or_else(missing_pod_name)?;
+    let fields = Fields::parse(query.unwrap_or(""), allowed, "query")?;
+    let pod_name = fields.get("pod_name").ok_or_else(missing_pod_name)?;
     let (namespace, pod) = names::parse_pod_name(pod_name).map_err(ApiError::BadRequest)?;
-    Ok((namespace, pod, pairs))
+    Ok((namespace, pod, fields))
 }
 
 async fn get_mapping(
@@ -429,7 +378,7 @@ async fn get_mapping(
     let v1 = v1(&state)?;
     let caller = state.auth.authenticate(&headers).await?;
     let (namespace, pod, _) = pod_from_query(query.as_deref(), &["pod_name"])?;
-    v1.check_namespace(&namespace)?;
+    in_scope(&state.settings, &namespace)?;
     state
         .auth
         .authorize(&caller, &portforward(&namespace, &pod))
@@ -444,10 +393,10 @@ async fn delete_mapping(
 ) -> Result<Response, ApiError> {
     let v1 = v1(&state)?;
     let caller = state.auth.authenticate(&headers).await?;
-    let (namespace, pod, pairs) =
+    let (namespace, pod, fields) =
         pod_from_query(query.as_deref(), &["pod_name", "close_connections"])?;
-    let close = parse_bool("close_connections", field(&pairs, "close_connections"))?;
-    v1.check_namespace(&namespace)?;
+    let close = fields.flag("close_connections")?;
+    in_scope(&state.settings, &namespace)?;
     state
         .auth
         .authorize(&caller, &portforward(&namespace, &pod))
@@ -478,13 +427,9 @@ async fn visible(
         let target = &mapping.spec.target;
         let access = match kind {
             MappingKind::Pod => portforward(&target.namespace, &target.name),
-            MappingKind::Service => Access {
-                namespace: &target.namespace,
-                verb: "get",
-                resource: "services",
-                subresource: None,
-                name: Some(&target.name),
-            },
+            MappingKind::Service => {
+                ResourceAccess::new("get", "services", &target.namespace).name(&target.name)
+            }
         };
         let key = (target.namespace.clone(), target.name.clone());
         let allowed = match decided.get(&key) {
@@ -509,7 +454,7 @@ async fn list_v1(
 ) -> Result<Response, ApiError> {
     v1(&state)?;
     let caller = state.auth.authenticate(&headers).await?;
-    parse_pairs(query.as_deref().unwrap_or(""), &[], "query")?;
+    Fields::parse(query.as_deref().unwrap_or(""), &[], "query")?;
     let views = visible(&state, &caller, MappingKind::Pod, None).await?;
     Ok(error::ok(json!(views)))
 }
@@ -531,17 +476,12 @@ async fn list_v2(
 ) -> Result<Response, ApiError> {
     v2_enabled(&state)?;
     let caller = state.auth.authenticate(&headers).await?;
-    let pairs = parse_pairs(query.as_deref().unwrap_or(""), &["namespace"], "query")?;
-    let namespace = field(&pairs, "namespace");
+    let fields = Fields::parse(query.as_deref().unwrap_or(""), &["namespace"], "query")?;
+    let namespace = fields.get("namespace");
     if let Some(ns) = namespace {
-        names::validate_dns_label(ns)
+        k8s_reconcile::app::validate_dns_label(ns)
             .map_err(|e| ApiError::BadRequest(format!("namespace {ns:?}: {e}")))?;
-        if !state.settings.namespace_allowed(ns) {
-            return Err(ApiError::OutOfScope(format!(
-                "namespace {ns:?} is not served by this pod-proxier (allowed: {})",
-                state.settings.allowed_namespaces.join(", ")
-            )));
-        }
+        in_scope(&state.settings, ns)?;
     }
     let views = visible(&state, &caller, MappingKind::Service, namespace).await?;
     Ok(error::ok(json!(views)))
@@ -554,28 +494,17 @@ async fn get_v2(
 ) -> Result<Response, ApiError> {
     v2_enabled(&state)?;
     let caller = state.auth.authenticate(&headers).await?;
-    let pairs = parse_pairs(query.as_deref().unwrap_or(""), &["service"], "query")?;
-    let service = field(&pairs, "service").ok_or_else(|| {
+    let fields = Fields::parse(query.as_deref().unwrap_or(""), &["service"], "query")?;
+    let service = fields.get("service").ok_or_else(|| {
         ApiError::BadRequest("service is required, as <namespace>/<service>".to_owned())
     })?;
     let (namespace, name) = names::parse_service_name(service).map_err(ApiError::BadRequest)?;
-    if !state.settings.namespace_allowed(&namespace) {
-        return Err(ApiError::OutOfScope(format!(
-            "namespace {namespace:?} is not served by this pod-proxier (allowed: {})",
-            state.settings.allowed_namespaces.join(", ")
-        )));
-    }
+    in_scope(&state.settings, &namespace)?;
     state
         .auth
         .authorize(
             &caller,
-            &Access {
-                namespace: &namespace,
-                verb: "get",
-                resource: "services",
-                subresource: None,
-                name: Some(&name),
-            },
+            &ResourceAccess::new("get", "services", &namespace).name(&name),
         )
         .await?;
     let now = now_millis();
@@ -645,7 +574,7 @@ mod tests {
             let err =
                 parse_mapping_request(&json_headers(), None, body.as_bytes(), MAX).unwrap_err();
             assert!(err.to_string().contains(expected), "{body}: {err}");
-            assert_eq!(err.status(), StatusCode::BAD_REQUEST);
+            assert_eq!(err.status(), http::StatusCode::BAD_REQUEST);
         }
     }
 }

@@ -5,26 +5,30 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
+use k8s_reconcile::app::rest::{self, ApiLimits};
+use k8s_reconcile::leader::LeaseConfig;
+use k8s_reconcile::leading::{Leadership, run_while_leading};
 use k8s_reconcile::metrics::ControllerMetrics;
 use k8s_reconcile::ops::{self, Health};
+use kube::Client;
 use kube::api::{Api, ListParams};
-use kube::config::{KubeConfigOptions, Kubeconfig};
-use kube::{Client, Config};
 use prometheus_client::registry::Registry;
 use proxy_core::metrics::PrometheusObserver;
 use proxy_core::upstream::HealthCheck;
 
 use crate::api::{AppState, router};
-use crate::auth::Authenticator;
 use crate::config::{AuthMode, BackendKind, Settings};
+use crate::crd::CONTROLLER;
 use crate::crd::PortMapping;
 use crate::dataplane::embedded::EmbeddedPlane;
 use crate::dataplane::haproxy::HaproxyPlane;
 use crate::dataplane::{DataPlane, DesiredPorts, PortRoute};
-use crate::leader::{self, LeaderWork};
-use crate::mappings::spawn_sync_loop;
+use crate::expiry::sweep_expired;
+use crate::forwarding::spawn_sync_loop;
 use crate::metrics::Metrics;
-use crate::v1::V1;
+use crate::pod_mappings::V1;
+use crate::service_ports::{V2Inputs, V2Reconciler};
+use k8s_reconcile::auth::Authenticator;
 
 /// How to try pod-proxier without a cluster, shown whenever none is reachable.
 pub const LOCAL_TRIAL_HINT: &str = "\
@@ -36,8 +40,13 @@ To try it locally with the project's control plane:
   cargo run -p pod-proxier -- crd | kubectl apply -f -
   cargo run -p pod-proxier -- --enable-v1 --auth none --listen-addr 127.0.0.1 --api-listen-addr 127.0.0.1";
 
+/// The answer over --max-api-connections, in the API's envelope.
+const BUSY_BODY: &str =
+    r#"{"code":50003,"msg":"too many connections to this API; retry in a second"}"#;
+
 /// Why pod-proxier could not start.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum StartError {
     /// No usable kubeconfig, or the API server does not answer.
     #[error("cannot reach a Kubernetes API server: {0}\n\n{LOCAL_TRIAL_HINT}")]
@@ -57,18 +66,10 @@ pub enum StartError {
     Forbidden(String),
     /// A Kubernetes call failed at start.
     #[error("Kubernetes API call failed at start: {0}")]
-    Kube(#[from] kube::Error),
+    Kube(kube::Error),
     /// The data plane could not start.
     #[error("data plane: {0}")]
     DataPlane(String),
-    /// The API port could not be bound.
-    #[error("cannot listen on {addr} for the API: {source}")]
-    Bind {
-        /// The address.
-        addr: std::net::SocketAddr,
-        /// Why.
-        source: std::io::Error,
-    },
     /// Operations server, signals, leader election.
     #[error(transparent)]
     Framework(#[from] k8s_reconcile::Error),
@@ -76,19 +77,9 @@ pub enum StartError {
 
 /// A client from `--kubeconfig`, or the usual inference.
 pub async fn client(kubeconfig: Option<&Path>) -> Result<Client, StartError> {
-    let config = match kubeconfig {
-        Some(path) => {
-            let text = Kubeconfig::read_from(path)
-                .map_err(|e| StartError::NoCluster(format!("reading {}: {e}", path.display())))?;
-            Config::from_custom_kubeconfig(text, &KubeConfigOptions::default())
-                .await
-                .map_err(|e| StartError::NoCluster(format!("{}: {e}", path.display())))?
-        }
-        None => Config::infer().await.map_err(|e| {
-            StartError::NoCluster(format!("no kubeconfig and not in a cluster ({e})"))
-        })?,
-    };
-    let client = Client::try_from(config).map_err(|e| StartError::NoCluster(e.to_string()))?;
+    let client = k8s_reconcile::app::kube_client(kubeconfig)
+        .await
+        .map_err(|e| StartError::NoCluster(e.to_string()))?;
     match tokio::time::timeout(Duration::from_secs(10), client.apiserver_version()).await {
         Ok(Ok(_)) => Ok(client),
         Ok(Err(err)) => Err(StartError::NoCluster(err.to_string())),
@@ -118,7 +109,7 @@ pub async fn run(settings: Settings) -> Result<(), StartError> {
         Err(kube::Error::Api(status)) if status.code == 403 => {
             return Err(StartError::Forbidden(settings.state_namespace.clone()));
         }
-        Err(err) => return Err(err.into()),
+        Err(err) => return Err(StartError::Kube(err)),
     }
 
     let mut registry = Registry::default();
@@ -170,23 +161,29 @@ pub async fn run(settings: Settings) -> Result<(), StartError> {
         shutdown.clone(),
     );
 
-    let work = Arc::new(LeaderWork {
-        settings: Arc::clone(&settings),
-        client: client.clone(),
-        api: api.clone(),
-        mappings: mappings.clone(),
-        metrics: metrics.clone(),
-    });
-    let leader_task = tokio::spawn(leader::run(
-        work,
-        controller_metrics,
-        health.clone(),
+    let leadership = Leadership {
+        name: CONTROLLER.to_owned(),
+        health: health.clone(),
+        metrics: Some(controller_metrics),
+    };
+    let leader_task = tokio::spawn(lead(
+        V2Inputs {
+            settings: Arc::clone(&settings),
+            client: client.clone(),
+            api: api.clone(),
+            mappings: mappings.clone(),
+            metrics: metrics.clone(),
+        },
+        leadership,
         shutdown.clone(),
     ));
 
     let state = Arc::new(AppState {
         settings: Arc::clone(&settings),
-        auth: Authenticator::new(settings.auth, client.clone()),
+        auth: match settings.auth {
+            AuthMode::None => Authenticator::allow_all("anonymous (--auth=none)"),
+            AuthMode::Kubernetes => Authenticator::new(client.clone()),
+        },
         v1: settings.enable_v1.then(|| {
             V1::new(
                 Arc::clone(&settings),
@@ -198,21 +195,19 @@ pub async fn run(settings: Settings) -> Result<(), StartError> {
         mappings,
         metrics,
     });
-    let listener = tokio::net::TcpListener::bind(settings.api_addr)
-        .await
-        .map_err(|source| StartError::Bind {
-            addr: settings.api_addr,
-            source,
-        })?;
-    let api_shutdown = shutdown.clone();
-    let api_task = tokio::spawn(async move {
-        let served = axum::serve(listener, router(state))
-            .with_graceful_shutdown(async move { api_shutdown.cancelled().await })
-            .await;
-        if let Err(err) = served {
-            tracing::error!(error = %err, "API server failed");
-        }
-    });
+    let listener = rest::bind_api(settings.api_addr).await?;
+    let limits = ApiLimits {
+        header_read_timeout: settings.header_read_timeout,
+        max_connections: settings.max_api_connections,
+        busy_body: BUSY_BODY,
+        drain_timeout: settings.request_timeout,
+    };
+    let api_task = tokio::spawn(rest::serve_api(
+        listener,
+        router(state),
+        limits,
+        shutdown.clone(),
+    ));
     let ops_task = ops::serve(
         settings.metrics_addr,
         ops::router(health, registry),
@@ -238,4 +233,37 @@ pub async fn run(settings: Settings) -> Result<(), StartError> {
     plane.shutdown(settings.drain_timeout).await;
     let _ = ops_task.await;
     Ok(())
+}
+
+/// Campaigns for the Lease and, while holding it, removes expired mappings and (with V2)
+/// allocates Service ports. Followers only forward and serve the API.
+async fn lead(
+    inputs: V2Inputs,
+    leadership: Leadership,
+    shutdown: tokio_util::sync::CancellationToken,
+) -> Result<(), k8s_reconcile::Error> {
+    let settings = Arc::clone(&inputs.settings);
+    let lease = LeaseConfig::new(
+        settings.state_namespace.clone(),
+        settings.lease_name.clone(),
+        settings.identity.clone(),
+    );
+    let client = inputs.client.clone();
+    run_while_leading(client, lease, &leadership, shutdown, move |stop| {
+        let sweep = sweep_expired(inputs.api.clone(), inputs.mappings.clone(), stop.clone());
+        let v2 = settings
+            .enable_v2
+            .then(|| V2Reconciler::new(inputs.clone()));
+        let identity = settings.identity.clone();
+        async move {
+            tracing::info!(%identity, "leading: removing expired mappings and allocating V2 ports");
+            match v2 {
+                Some(v2) => {
+                    tokio::join!(sweep, v2.run(stop));
+                }
+                None => sweep.await,
+            }
+        }
+    })
+    .await
 }

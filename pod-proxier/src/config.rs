@@ -40,14 +40,7 @@ pub enum AuthMode {
     None,
 }
 
-/// Log line format.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum LogFormat {
-    /// Human-readable lines.
-    Text,
-    /// One JSON object per line.
-    Json,
-}
+pub use k8s_reconcile::app::LogFormat;
 
 /// pod-proxier: TTL-managed TCP mappings to Pods (V1) and published Service ports (V2).
 #[derive(Debug, Clone, Parser)]
@@ -275,6 +268,20 @@ pub struct Cli {
     )]
     pub request_timeout: u64,
 
+    /// Longest time a client may take to send a request's headers, in seconds; slower or idle
+    /// connections are closed.
+    #[arg(
+        long,
+        env = "POD_PROXIER_HEADER_READ_TIMEOUT",
+        default_value_t = 5,
+        global = true
+    )]
+    pub header_read_timeout: u64,
+
+    /// Most API connections served at once; one more gets 503 and is closed at once.
+    #[arg(long, env = "POD_PROXIER_MAX_API_CONNECTIONS", default_value_t = 512, value_parser = clap::value_parser!(u32).range(1..), global = true)]
+    pub max_api_connections: u32,
+
     /// On SIGTERM, how long established connections may continue, in seconds.
     #[arg(
         long,
@@ -416,6 +423,10 @@ pub struct Settings {
     pub max_body_bytes: usize,
     /// Request timeout.
     pub request_timeout: Duration,
+    /// Header read timeout.
+    pub header_read_timeout: Duration,
+    /// Concurrent API connections.
+    pub max_api_connections: usize,
     /// Drain on shutdown.
     pub drain_timeout: Duration,
     /// Explicit kubeconfig.
@@ -493,13 +504,13 @@ impl Cli {
             if ns.is_empty() {
                 continue;
             }
-            names::validate_dns_label(ns)
+            k8s_reconcile::app::validate_dns_label(ns)
                 .map_err(|e| format!("--allowed-namespaces: {ns:?}: {e}"))?;
             if !allowed.iter().any(|a| a == ns) {
                 allowed.push(ns.to_owned());
             }
         }
-        names::validate_dns_label(&self.state_namespace)
+        k8s_reconcile::app::validate_dns_label(&self.state_namespace)
             .map_err(|e| format!("--state-namespace {:?}: {e}", self.state_namespace))?;
         if self.max_mapping_time == 0 || self.max_mapping_time > 365 * 24 * 3600 {
             return Err(format!(
@@ -516,6 +527,7 @@ impl Cli {
         for (flag, value) in [
             ("--resync-time", self.resync_time),
             ("--request-timeout", self.request_timeout),
+            ("--header-read-timeout", self.header_read_timeout),
         ] {
             if value == 0 {
                 return Err(format!("{flag} must be at least 1 second"));
@@ -552,7 +564,7 @@ impl Cli {
                 self.api_addr
             ));
         }
-        let identity = self.identity.clone().unwrap_or_else(default_identity);
+        let identity = k8s_reconcile::app::leader_identity(self.identity.as_deref(), "pod-proxier");
         Ok(Settings {
             enable_v1: self.enable_v1,
             enable_v2: self.enable_v2,
@@ -581,18 +593,13 @@ impl Cli {
             lease_name: self.lease_name.clone(),
             max_body_bytes: self.max_body_bytes,
             request_timeout: Duration::from_secs(self.request_timeout),
+            header_read_timeout: Duration::from_secs(self.header_read_timeout),
+            max_api_connections: self.max_api_connections as usize,
             drain_timeout: Duration::from_secs(self.drain_timeout),
             kubeconfig: self.kubeconfig.clone(),
             warnings,
         })
     }
-}
-
-fn default_identity() -> String {
-    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .map(|h| h.trim().to_owned())
-        .unwrap_or_else(|_| "pod-proxier".to_owned());
-    format!("{host}-{}", std::process::id())
 }
 
 impl Settings {
@@ -610,7 +617,22 @@ mod tests {
     fn cli(args: &[&str]) -> Cli {
         let mut all = vec!["pod-proxier"];
         all.extend_from_slice(args);
-        Cli::try_parse_from(all).unwrap()
+        k8s_reconcile::app::try_parse_args_from(all).unwrap()
+    }
+
+    #[test]
+    fn boolean_flags_take_go_values() {
+        let c = cli(&["--enable-v1=true", "--enable-v2=false", "--off-check"]);
+        assert!(c.enable_v1 && !c.enable_v2 && c.off_check);
+        let c = cli(&["--enable-v1=1", "--enable-v2=T", "--off-check=F"]);
+        assert!(c.enable_v1 && c.enable_v2 && !c.off_check);
+        let err = k8s_reconcile::app::try_parse_args_from::<Cli, _, _>([
+            "pod-proxier",
+            "--enable-v1=maybe",
+        ])
+        .err()
+        .unwrap();
+        assert!(err.to_string().contains("not a boolean"), "{err}");
     }
 
     #[test]

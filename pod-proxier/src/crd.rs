@@ -9,6 +9,9 @@ use kube::core::crd::CustomResourceExt as _;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
+/// pod-proxier's name as a writer: server-side apply field manager, Event reporter, leader
+/// gauge.
+pub const CONTROLLER: &str = "pod-proxier";
 /// The API group of [`PortMapping`].
 pub const GROUP: &str = "podproxier.kube-netkit.io";
 /// Label holding the mapping kind (`pod` or `service`), for selecting one kind.
@@ -108,9 +111,41 @@ pub struct PortMappingStatus {
     pub message: Option<String>,
 }
 
+impl PortMapping {
+    /// The mapping `name` in the state namespace, labelled with its kind and target for
+    /// selection by `kubectl`.
+    pub fn owned(name: &str, state_namespace: &str, spec: PortMappingSpec) -> Self {
+        let labels = [
+            (KIND_LABEL.to_owned(), spec.kind.label().to_owned()),
+            (
+                TARGET_NAMESPACE_LABEL.to_owned(),
+                spec.target.namespace.clone(),
+            ),
+            (TARGET_NAME_LABEL.to_owned(), label_value(&spec.target.name)),
+        ];
+        let mut mapping = PortMapping::new(name, spec);
+        mapping.metadata.namespace = Some(state_namespace.to_owned());
+        mapping.metadata.labels = Some(labels.into());
+        mapping
+    }
+}
+
 /// The CustomResourceDefinition as YAML, for `kubectl apply`, the chart and kustomize.
 pub fn crd_yaml() -> Result<String, serde_yaml_ng::Error> {
     serde_yaml_ng::to_string(&PortMapping::crd())
+}
+
+/// A label value for a name (labels are limited to 63 characters).
+pub fn label_value(name: &str) -> String {
+    if name.len() <= 63 {
+        name.to_owned()
+    } else {
+        name.chars()
+            .take(63)
+            .collect::<String>()
+            .trim_end_matches(['-', '.'])
+            .to_owned()
+    }
 }
 
 #[cfg(test)]

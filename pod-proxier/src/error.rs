@@ -6,7 +6,8 @@ use axum::response::{IntoResponse, Response};
 use http::StatusCode;
 use serde_json::{Value, json};
 
-use crate::auth::AuthError;
+use k8s_reconcile::app::rest::RequestError;
+use k8s_reconcile::auth::AuthError;
 
 /// `code` of a success (as the original).
 pub const CODE_OK: i64 = 10000;
@@ -26,13 +27,14 @@ pub const MSG_OK: &str = "operation succeeded";
 
 /// Every way a request fails.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum ApiError {
     /// The request is malformed or a value is out of range.
     #[error("{0}")]
     BadRequest(String),
-    /// Authentication failed.
-    #[error(transparent)]
-    Auth(#[from] AuthError),
+    /// Authentication or authorization failed (a refusal says what pod-proxier allows).
+    #[error("{0}{hint}", hint = if matches!(.0, AuthError::Forbidden { .. }) { FORBIDDEN_HINT } else { "" })]
+    Auth(AuthError),
     /// Allowed caller, but the target is outside what pod-proxier serves.
     #[error("{0}")]
     OutOfScope(String),
@@ -52,9 +54,9 @@ pub enum ApiError {
     /// The feature is off.
     #[error("{0}")]
     Disabled(String),
-    /// The body is over the limit.
+    /// Query or form fields, or the body, refused (400, or 413 over the size limit).
     #[error("{0}")]
-    TooLarge(String),
+    Request(RequestError),
     /// The body's content type is not supported.
     #[error("{0}")]
     UnsupportedMediaType(String),
@@ -69,7 +71,31 @@ pub enum ApiError {
     Timeout(u64),
     /// The Kubernetes API server failed.
     #[error("Kubernetes API call failed: {0}")]
-    Kube(#[from] kube::Error),
+    Kube(kube::Error),
+}
+
+/// Appended to a refusal.
+const FORBIDDEN_HINT: &str = ": pod-proxier allows what `kubectl port-forward` would need";
+
+// By hand, not `#[from]`: the message already carries the cause, so it is not also a `source()`.
+impl From<AuthError> for ApiError {
+    fn from(err: AuthError) -> Self {
+        Self::Auth(err)
+    }
+}
+
+// By hand, not `#[from]`: the message already carries the cause, so it is not also a `source()`.
+impl From<RequestError> for ApiError {
+    fn from(err: RequestError) -> Self {
+        Self::Request(err)
+    }
+}
+
+// By hand, not `#[from]`: the message already carries the cause, so it is not also a `source()`.
+impl From<kube::Error> for ApiError {
+    fn from(err: kube::Error) -> Self {
+        Self::Kube(err)
+    }
 }
 
 impl ApiError {
@@ -85,7 +111,7 @@ impl ApiError {
                 StatusCode::NOT_FOUND
             }
             ApiError::Conflict(_) => StatusCode::CONFLICT,
-            ApiError::TooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
+            ApiError::Request(err) => err.status(),
             ApiError::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             ApiError::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
             ApiError::Timeout(_) => StatusCode::SERVICE_UNAVAILABLE,

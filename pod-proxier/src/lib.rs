@@ -3,26 +3,28 @@
 //!
 //! * [`crd`]: the `PortMapping` custom resource, where every mapping lives.
 //! * [`config`]: flags, environment variables and their validation.
-//! * [`mappings`]: the cache of PortMappings and the loop that programs the data plane.
+//! * [`forwarding`]: on every replica, the cache of PortMappings and the loop that programs the
+//!   data plane; [`ttl`]: their deadlines.
 //! * [`dataplane`]: proxy-core in process ([`dataplane::embedded`]) or HAProxy through its
 //!   Runtime API ([`dataplane::haproxy`]).
-//! * [`v1`], [`v2`]: the two features; [`leader`]: what only the Lease holder does.
-//! * [`api`], [`auth`], [`error`], [`openapi`]: the HTTP API.
-//! * [`app`]: wiring and shutdown; [`bench`](mod@bench): POST-to-first-byte measurement.
-#![deny(missing_docs)]
+//! * [`pod_mappings`] (V1): one entry port to one Pod for a TTL; [`service_ports`] (V2): a port of
+//!   the range for every Service port named `--port-name`.
+//! * [`expiry`]: the Lease holder removes expired mappings (the leader wiring is in [`app`]).
+//! * [`api`], [`error`], [`openapi`]: the HTTP API (callers are checked with
+//!   [`k8s_reconcile::auth`]).
+//! * [`app`]: wiring, leader work and shutdown.
 
 pub mod api;
 pub mod app;
-pub mod auth;
-pub mod bench;
 pub mod config;
 pub mod crd;
 pub mod dataplane;
 pub mod error;
-pub mod leader;
-pub mod mappings;
+pub mod expiry;
+pub mod forwarding;
 pub mod metrics;
 pub mod names;
 pub mod openapi;
-pub mod v1;
-pub mod v2;
+pub mod pod_mappings;
+pub mod service_ports;
+pub mod ttl;

@@ -10,7 +10,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
 use crate::crd::{MappingKind, PortMapping};
-use crate::mappings::is_expired;
+use crate::ttl::is_expired;
 
 /// Labels naming a mapping kind.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]

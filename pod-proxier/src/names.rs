@@ -1,57 +1,7 @@
-//! Kubernetes name rules, checked before any API call so bad input gets a precise message.
+//! Kubernetes name rules, checked before any API call so bad input gets a precise message. The
+//! DNS rules are the framework's ([`k8s_reconcile::app::values`]); port names are ours.
 
-/// A DNS-1123 label: namespaces, Service names.
-pub fn validate_dns_label(name: &str) -> Result<(), String> {
-    if name.is_empty() {
-        return Err("must not be empty".to_owned());
-    }
-    if name.len() > 63 {
-        return Err(format!(
-            "must be at most 63 characters (has {})",
-            name.len()
-        ));
-    }
-    if !name
-        .bytes()
-        .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-    {
-        return Err("may contain only lowercase letters, digits and '-'".to_owned());
-    }
-    if name.starts_with('-') || name.ends_with('-') {
-        return Err("must start and end with a letter or digit".to_owned());
-    }
-    Ok(())
-}
-
-/// A DNS-1123 subdomain: Pod names.
-pub fn validate_dns_subdomain(name: &str) -> Result<(), String> {
-    if name.is_empty() {
-        return Err("must not be empty".to_owned());
-    }
-    if name.len() > 253 {
-        return Err(format!(
-            "must be at most 253 characters (has {})",
-            name.len()
-        ));
-    }
-    for label in name.split('.') {
-        if label.is_empty() {
-            return Err("must not contain empty dot-separated parts".to_owned());
-        }
-        if !label
-            .bytes()
-            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-        {
-            return Err("may contain only lowercase letters, digits, '-' and '.'".to_owned());
-        }
-        if label.starts_with('-') || label.ends_with('-') {
-            return Err(
-                "each dot-separated part must start and end with a letter or digit".to_owned(),
-            );
-        }
-    }
-    Ok(())
-}
+use k8s_reconcile::app::{validate_dns_label, validate_dns_subdomain};
 
 /// A container or Service port name (IANA service name): at most 15 lowercase letters, digits
 /// and '-', with at least one letter, no '-' at either end and no "--".

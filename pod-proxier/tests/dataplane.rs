@@ -40,11 +40,7 @@ async fn greeting(addr: SocketAddr) -> Option<String> {
 }
 
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    proxy_core::testing::free_port().unwrap()
 }
 
 fn route(name: &str, upstreams: Vec<SocketAddr>, checked: bool, close: bool) -> PortRoute {

@@ -54,4 +54,8 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 - --log-level={{ $p.logLevel }}
 - --log-format={{ $p.logFormat }}
 - --drain-timeout={{ $p.drainTimeout }}
+- --header-read-timeout={{ $p.headerReadTimeout }}
+- --request-timeout={{ $p.requestTimeout }}
+- --max-api-connections={{ $p.maxApiConnections }}
+- --max-body-bytes={{ $p.maxBodyBytes }}
 {{- end -}}

@@ -3,43 +3,28 @@
 //! the mapping asks to close them.
 
 use std::collections::HashMap;
-use std::io;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures::future::BoxFuture;
 use proxy_core::metrics::RelayObserver;
 use proxy_core::relay::{RelayConfig, Route};
 use proxy_core::server::{ExistingConnections, ListenerConfig, ProxyServer, ServerConfig};
-use proxy_core::upstream::{Connector, HealthCheck, TargetAddr, Upstream, UpstreamSet};
-use tokio::net::TcpStream;
+use proxy_core::upstream::{HealthCheck, TargetAddr, Upstream, UpstreamSet};
 use tokio::sync::Mutex;
-use tokio_util::sync::CancellationToken;
+use tokio_util::sync::{CancellationToken, DropGuard};
 
 use super::{DesiredPorts, PortError, PortRoute};
 
-/// The upstream of an entry port without a mapping: every connection is closed at once.
-/// (The original forwarded idle entry ports to its own unauthenticated API.)
-#[derive(Debug)]
-struct NoMapping;
-
-impl Connector for NoMapping {
-    fn connect(&self) -> BoxFuture<'_, io::Result<TcpStream>> {
-        Box::pin(async {
-            Err(io::Error::new(
-                io::ErrorKind::ConnectionRefused,
-                "no mapping on this entry port",
-            ))
-        })
-    }
-}
+/// Why an entry port without a mapping closes every connection at once. (The original
+/// forwarded idle entry ports to its own unauthenticated API.)
+const NO_MAPPING: &str = "no mapping on this entry port";
 
 struct ActivePort {
     addr: SocketAddr,
     route: PortRoute,
-    /// Stops the health checks of the current upstream set.
-    checks: Option<CancellationToken>,
+    /// Stops the health checks of the current upstream set when dropped.
+    checks: Option<DropGuard>,
 }
 
 /// proxy-core listeners, one per entry port.
@@ -72,13 +57,10 @@ impl EmbeddedPlane {
         })
     }
 
-    fn build(&self, port: u16, route: &PortRoute) -> (Route, Option<CancellationToken>) {
+    fn build(&self, port: u16, route: &PortRoute) -> (Route, Option<DropGuard>) {
         let name = format!("{}:{port}", route.name);
         match route.upstreams.as_slice() {
-            [] => (
-                Route::new(name, Upstream::Connector(Arc::new(NoMapping))),
-                None,
-            ),
+            [] => (Route::new(name, Upstream::refuse(NO_MAPPING)), None),
             [single] if !route.health_checked => (Route::new(name, *single), None),
             targets => {
                 let targets = targets.iter().map(|a| TargetAddr::Socket(*a)).collect();
@@ -90,15 +72,14 @@ impl EmbeddedPlane {
                     Ok(set) => {
                         let set = Arc::new(set);
                         let cancel = CancellationToken::new();
-                        let checks = set.spawn_health_checks(cancel.clone()).map(|_| cancel);
+                        let checks = set
+                            .spawn_health_checks(cancel.clone())
+                            .map(|_| cancel.drop_guard());
                         (Route::new(name, Upstream::Set(set)), checks)
                     }
                     Err(err) => {
                         tracing::error!(port, error = %err, "invalid upstream set; refusing connections");
-                        (
-                            Route::new(name, Upstream::Connector(Arc::new(NoMapping))),
-                            None,
-                        )
+                        (Route::new(name, Upstream::refuse(NO_MAPPING)), None)
                     }
                 }
             }
@@ -117,9 +98,7 @@ impl EmbeddedPlane {
             .collect();
         for port in gone {
             if let Some(active) = ports.remove(&port) {
-                if let Some(checks) = active.checks {
-                    checks.cancel();
-                }
+                drop(active.checks);
                 let drain = if active.route.close_connections {
                     Duration::ZERO
                 } else {
@@ -149,16 +128,12 @@ impl EmbeddedPlane {
                     let (next, checks) = self.build(port, route);
                     match self.server.set_route(active.addr, next, existing) {
                         Ok(()) => {
-                            if let Some(old) = active.checks.take() {
-                                old.cancel();
-                            }
+                            // Replacing the guard stops the old set's checks.
                             active.checks = checks;
                             active.route = route.clone();
                         }
+                        // Dropping `checks` stops the new set's checks.
                         Err(err) => {
-                            if let Some(checks) = checks {
-                                checks.cancel();
-                            }
                             errors.push(PortError {
                                 port,
                                 message: err.to_string(),
@@ -182,9 +157,6 @@ impl EmbeddedPlane {
                             );
                         }
                         Err(err) => {
-                            if let Some(checks) = checks {
-                                checks.cancel();
-                            }
                             errors.push(PortError {
                                 port,
                                 message: err.to_string(),
@@ -199,12 +171,8 @@ impl EmbeddedPlane {
 
     /// Stops every listener and lets connections finish for up to `drain`.
     pub async fn shutdown(&self, drain: Duration) {
-        let mut ports = self.ports.lock().await;
-        for (_, active) in ports.drain() {
-            if let Some(checks) = active.checks {
-                checks.cancel();
-            }
-        }
+        // Dropping the ports' guards stops their health checks.
+        self.ports.lock().await.clear();
         let report = self.server.shutdown(drain).await;
         tracing::info!(
             finished = report.finished,

@@ -90,7 +90,7 @@ async fn callers_are_authenticated_and_authorized_like_port_forward() {
         .call("GET", "/api/v1/mappings", Some(&nobody), None)
         .await;
     assert_eq!(listed["data"].as_array().unwrap().len(), 0);
-    px.assert_never_forbidden();
+    px.assert_never_forbidden().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -481,5 +481,28 @@ async fn malformed_requests_get_clear_4xx_and_change_nothing() {
     let (status, reply) = px.call("GET", "/health", None, None).await;
     assert_eq!((status, reply["data"].clone()), (200, Value::from("pong")));
     assert!(!px.logs().contains("panicked"));
-    px.assert_never_forbidden();
+    px.assert_never_forbidden().await;
+}
+
+/// The "never forbidden" check can fail: a namespace allowed by flag but not bound by RBAC makes
+/// the API server refuse pod-proxier's V2 watches there, and the audit log shows it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_permission_the_binary_lacks_shows_in_the_audit_log() {
+    let env = Env::new("unbound", 1).await;
+    let unbound = env.plane.create_namespace("unbound-x").await.unwrap();
+    let px = Proxier::start(&env, &["--enable-v2", "--allowed-namespaces", &unbound]).await;
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    let forbidden = loop {
+        let forbidden = px.forbidden().await;
+        if !forbidden.is_empty() || std::time::Instant::now() > deadline {
+            break forbidden;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    };
+    assert!(
+        forbidden
+            .iter()
+            .any(|r| r.contains(&unbound) && r.contains("services")),
+        "{forbidden:?}"
+    );
 }

@@ -156,5 +156,5 @@ async fn haproxy_backend_carries_v1_traffic_without_reloads() {
     assert_eq!(_haproxy.0.id(), haproxy_pid);
     let haproxy_log = std::fs::read_to_string(dir.path().join("haproxy.log")).unwrap();
     assert!(!haproxy_log.contains("Reexecuting"), "{haproxy_log}");
-    px.assert_never_forbidden();
+    px.assert_never_forbidden().await;
 }

@@ -97,7 +97,11 @@ where
 impl Env {
     /// A state namespace and `target_count` target namespaces, with the chart's RBAC bound.
     pub async fn new(prefix: &str, target_count: usize) -> Env {
-        let plane = plane().await;
+        Self::on(plane().await, prefix, target_count).await
+    }
+
+    /// Like [`Env::new`], on `plane` (with the PortMapping CRD installed).
+    pub async fn on(plane: &'static ControlPlane, prefix: &str, target_count: usize) -> Env {
         let admin = plane.client().await.unwrap();
         let state_ns = plane
             .create_namespace(&format!("{prefix}-state"))
@@ -325,11 +329,7 @@ pub fn get_services_rule() -> PolicyRule {
 
 /// A free loopback port (from the ephemeral range; the V2 ranges stay below it).
 pub fn free_port() -> u16 {
-    StdListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    proxy_core::testing::free_port().unwrap()
 }
 
 /// `count` consecutive ports free on 127.0.0.1, from a range per test binary run.
@@ -355,6 +355,9 @@ pub struct Proxier {
     pub metrics: SocketAddr,
     pub log: PathBuf,
     args: Vec<String>,
+    /// The binary's user name at the API server.
+    pub user: String,
+    plane: &'static ControlPlane,
 }
 
 impl Proxier {
@@ -367,17 +370,12 @@ impl Proxier {
 
     /// The configuration `pod-proxier haproxy-config` prints for these flags.
     pub fn haproxy_config(&self) -> String {
-        let output = Command::new(env!("CARGO_BIN_EXE_pod-proxier"))
-            .arg("haproxy-config")
-            .args(&self.args)
-            .output()
-            .unwrap();
-        assert!(
-            output.status.success(),
-            "{}",
-            String::from_utf8_lossy(&output.stderr)
-        );
-        String::from_utf8(output.stdout).unwrap()
+        proxy_core::testing::stdout_of(
+            Command::new(env!("CARGO_BIN_EXE_pod-proxier"))
+                .arg("haproxy-config")
+                .args(&self.args),
+        )
+        .unwrap()
     }
 
     /// Like [`Self::start`], without starting.
@@ -421,6 +419,8 @@ impl Proxier {
             metrics,
             log,
             args,
+            user: format!("system:serviceaccount:{}:pod-proxier", env.state_ns),
+            plane: env.plane,
         }
     }
 
@@ -484,9 +484,18 @@ impl Proxier {
             metrics,
             log,
             args,
+            user: self.user.clone(),
+            plane: self.plane,
         };
         replica.spawn().await;
         replica
+    }
+
+    /// Whether the process still runs (it never exited or was restarted by anyone).
+    pub fn running(&mut self) -> bool {
+        self.child
+            .as_mut()
+            .is_some_and(|c| matches!(c.try_wait(), Ok(None)))
     }
 
     /// SIGKILL, no chance to clean up.
@@ -515,16 +524,25 @@ impl Proxier {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
 
-    /// Least privilege, proven: the binary never met a 403 from the API server.
-    pub fn assert_never_forbidden(&self) {
-        let logs = self.logs();
-        for line in logs.lines() {
-            let lower = line.to_ascii_lowercase();
-            assert!(
-                !(lower.contains("forbidden") || lower.contains(" 403")),
-                "pod-proxier met a permission error: {line}"
-            );
-        }
+    /// The binary's requests the API server answered 403, from its audit log (the binary's own
+    /// log could leave one out); panics if the binary made no request at all.
+    pub async fn forbidden(&self) -> Vec<String> {
+        let requests = self.plane.requests_by(&self.user).await.unwrap();
+        assert!(!requests.is_empty(), "no request by {} audited", self.user);
+        requests
+            .iter()
+            .filter(|e| e.response_status.as_ref().is_some_and(|s| s.code == 403))
+            .map(|e| format!("{} {}", e.verb, e.request_uri))
+            .collect()
+    }
+
+    /// Least privilege, proven: the API server never answered the binary 403.
+    pub async fn assert_never_forbidden(&self) {
+        let forbidden = self.forbidden().await;
+        assert!(
+            forbidden.is_empty(),
+            "the API server refused pod-proxier: {forbidden:?}"
+        );
     }
 
     pub async fn call(

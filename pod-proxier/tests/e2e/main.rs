@@ -8,5 +8,6 @@ mod haproxy;
 mod harness;
 mod restart;
 mod schemathesis;
+mod slow_clients;
 mod v1;
 mod v2;

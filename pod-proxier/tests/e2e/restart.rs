@@ -115,5 +115,5 @@ async fn kill_9_then_start_restores_mappings_ports_and_ttls() {
     let status = px.terminate();
     assert!(status.success(), "{status}");
     assert!(px.logs().contains("shutting down"));
-    px.assert_never_forbidden();
+    px.assert_never_forbidden().await;
 }

@@ -114,5 +114,5 @@ async fn schemathesis_finds_no_server_error() {
         .and_then(|n| n.parse().ok())
         .unwrap_or(0);
     assert!(generated >= 50 && !summary.contains("failed"), "{tail}");
-    px.assert_never_forbidden();
+    px.assert_never_forbidden().await;
 }

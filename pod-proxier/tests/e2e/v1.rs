@@ -239,17 +239,18 @@ async fn v1_maps_replaces_extends_expires_and_deletes() {
     assert_eq!((status, body["code"].clone()), (404, json!(40004)));
 
     // The bench helper: a mapping carries its first byte within a second of the POST.
-    let latency = pod_proxier::bench::post_to_first_byte(
+    let body = json!({"pod_name": format!("{ns}/pod-a"), "time": 60}).to_string();
+    let latency = proxy_core::testing::post_to_first_byte(
         px.api,
-        px.entry,
+        "/api/v1/mapping",
+        &body,
         Some(&token),
-        &format!("{ns}/pod-a"),
-        60,
+        px.entry,
         Duration::from_secs(5),
     )
     .await
     .unwrap();
     assert!(latency < Duration::from_secs(1), "{latency:?}");
     eprintln!("POST to first byte: {latency:?}");
-    px.assert_never_forbidden();
+    px.assert_never_forbidden().await;
 }

@@ -270,5 +270,5 @@ async fn v2_publishes_updates_releases_and_reports_exhaustion() {
         )
         .await;
     assert_eq!(status, 403);
-    px.assert_never_forbidden();
+    px.assert_never_forbidden().await;
 }

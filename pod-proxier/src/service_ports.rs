@@ -8,38 +8,32 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::net::{IpAddr, SocketAddr};
-use std::pin::pin;
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures::StreamExt as _;
-use futures::stream::{BoxStream, SelectAll};
 use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
+use k8s_reconcile::apply::delete_unchanged;
+use k8s_reconcile::endpointslice::{SERVICE_NAME_LABEL, ready_endpoints};
+use k8s_reconcile::watch_set::WatchSet;
 use k8s_reconcile::{Applier, Context};
 use kube::ResourceExt as _;
-use kube::api::{Api, DeleteParams, Preconditions};
-use kube::runtime::WatchStreamExt as _;
-use kube::runtime::reflector::{self, Store};
-use kube::runtime::watcher::{self, Event};
+use kube::api::Api;
+use kube::runtime::reflector::Store;
+use kube::runtime::watcher;
 use tokio_util::sync::CancellationToken;
 
-use crate::config::V2Target;
-use crate::crd::{
-    KIND_LABEL, MappingKind, MappingTarget, PortMapping, PortMappingSpec, TARGET_NAME_LABEL,
-    TARGET_NAMESPACE_LABEL,
-};
-use crate::leader::LeaderWork;
-use crate::mappings::now_millis;
-use crate::v1::{FIELD_MANAGER, label_value};
+use crate::config::{Settings, V2Target};
+use crate::crd::{CONTROLLER, MappingKind, MappingTarget, PortMapping, PortMappingSpec};
+use crate::forwarding::Mappings;
+use crate::metrics::Metrics;
+use crate::ttl::now_millis;
 
 /// How long a released port is avoided, so a client of the old Service does not land on a new
 /// one at once.
 const QUARANTINE_MILLIS: i64 = 60_000;
 /// Changes arriving within this window are reconciled together.
 const DEBOUNCE: Duration = Duration::from_millis(50);
-/// EndpointSlices name their Service with this label.
-const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
 
 /// One Service port that should be published.
 #[derive(Debug, Clone)]
@@ -55,9 +49,24 @@ pub fn mapping_name(namespace: &str, service: &str, port_name: &str) -> String {
     format!("svc.{namespace}.{service}.{port_name}")
 }
 
+/// What the V2 reconciler reads and writes.
+#[derive(Clone)]
+pub struct V2Inputs {
+    /// Flags.
+    pub settings: Arc<Settings>,
+    /// Client with pod-proxier's own identity.
+    pub client: kube::Client,
+    /// PortMappings of the state namespace.
+    pub api: Api<PortMapping>,
+    /// The cache of PortMappings.
+    pub mappings: Mappings,
+    /// Metrics.
+    pub metrics: Metrics,
+}
+
 /// The V2 reconciler, run by the leader.
 pub struct V2Reconciler {
-    work: Arc<LeaderWork>,
+    work: V2Inputs,
     applier: Applier,
     events: Context,
     services: BTreeMap<String, Store<Service>>,
@@ -82,11 +91,11 @@ fn version(mapping: &PortMapping) -> u64 {
 
 impl V2Reconciler {
     /// A reconciler for the leader's settings.
-    pub fn new(work: Arc<LeaderWork>) -> Self {
+    pub fn new(work: V2Inputs) -> Self {
         let client = work.client.clone();
         Self {
-            applier: Applier::new(client.clone(), FIELD_MANAGER),
-            events: Context::new(client, crate::leader::CONTROLLER, FIELD_MANAGER),
+            applier: Applier::new(client.clone(), CONTROLLER),
+            events: Context::new(client, CONTROLLER, CONTROLLER),
             work,
             services: BTreeMap::new(),
             slices: BTreeMap::new(),
@@ -100,70 +109,25 @@ impl V2Reconciler {
     /// Watches Services (and EndpointSlices) of every allowed namespace and reconciles on every
     /// change and every resync period, until `stop`.
     pub async fn run(mut self, stop: CancellationToken) {
-        let mut streams: SelectAll<BoxStream<'static, Result<bool, watcher::Error>>> =
-            SelectAll::new();
+        let mut watches = WatchSet::new(self.work.settings.resync, DEBOUNCE);
         let settings = Arc::clone(&self.work.settings);
         for namespace in &settings.allowed_namespaces {
-            let (store, writer) = reflector::store();
-            let api: Api<Service> = Api::namespaced(self.work.client.clone(), namespace);
-            streams.push(
-                reflector::reflector(
-                    writer,
-                    watcher::watcher(api, watcher::Config::default()).default_backoff(),
-                )
-                .map(|e| e.map(|e| matches!(e, Event::InitDone)))
-                .boxed(),
+            let client = self.work.client.clone();
+            let services = watches.watch(
+                Api::<Service>::namespaced(client.clone(), namespace),
+                watcher::Config::default(),
             );
-            self.services.insert(namespace.clone(), store);
+            self.services.insert(namespace.clone(), services);
             if settings.v2_target == V2Target::Endpoints {
-                let (store, writer) = reflector::store();
-                let api: Api<EndpointSlice> = Api::namespaced(self.work.client.clone(), namespace);
-                streams.push(
-                    reflector::reflector(
-                        writer,
-                        watcher::watcher(api, watcher::Config::default()).default_backoff(),
-                    )
-                    .map(|e| e.map(|e| matches!(e, Event::InitDone)))
-                    .boxed(),
+                let slices = watches.watch(
+                    Api::<EndpointSlice>::namespaced(client, namespace),
+                    watcher::Config::default(),
                 );
-                self.slices.insert(namespace.clone(), store);
+                self.slices.insert(namespace.clone(), slices);
             }
         }
-        let watches = streams.len();
-        let mut initialised = 0usize;
-        let mut resync = pin!(tokio::time::sleep(settings.resync));
-        let mut pending: Option<tokio::time::Instant> = None;
-        loop {
-            let debounce = async {
-                match pending {
-                    Some(at) => tokio::time::sleep_until(at).await,
-                    None => std::future::pending().await,
-                }
-            };
-            tokio::select! {
-                () = stop.cancelled() => return,
-                event = streams.next() => match event {
-                    Some(Ok(init_done)) => {
-                        if init_done {
-                            initialised += 1;
-                        }
-                        pending.get_or_insert_with(|| tokio::time::Instant::now() + DEBOUNCE);
-                    }
-                    Some(Err(err)) => tracing::warn!(error = %err, "watching Services or EndpointSlices"),
-                    None => return,
-                },
-                () = &mut resync => {
-                    resync.as_mut().reset(tokio::time::Instant::now() + settings.resync);
-                    pending = Some(tokio::time::Instant::now());
-                }
-                () = debounce => {
-                    pending = None;
-                    // Every watch must have listed once, or absent objects would look deleted.
-                    if initialised >= watches {
-                        self.reconcile().await;
-                    }
-                }
-            }
+        while watches.next_pass(&stop).await {
+            self.reconcile().await;
         }
     }
 
@@ -185,36 +149,17 @@ impl V2Reconciler {
                     return upstreams;
                 };
                 let name = service.name_any();
-                for slice in store.state() {
-                    if slice.labels().get(SERVICE_NAME_LABEL) != Some(&name) {
-                        continue;
-                    }
-                    let Some(slice_port) = slice
-                        .ports
-                        .iter()
-                        .flatten()
-                        .find(|p| p.name.as_deref() == Some(port_name))
-                        .and_then(|p| p.port)
-                        .and_then(|p| u16::try_from(p).ok())
-                    else {
-                        continue;
-                    };
-                    for endpoint in slice.endpoints.iter().flatten() {
-                        let ready = endpoint
-                            .conditions
-                            .as_ref()
-                            .and_then(|c| c.ready)
-                            .unwrap_or(true);
-                        if !ready {
-                            continue;
-                        }
-                        for address in &endpoint.addresses {
-                            if let Ok(ip) = address.parse::<IpAddr>() {
-                                upstreams.push(SocketAddr::new(ip, slice_port).to_string());
-                            }
-                        }
-                    }
-                }
+                let slices: Vec<_> = store
+                    .state()
+                    .into_iter()
+                    .filter(|slice| slice.labels().get(SERVICE_NAME_LABEL) == Some(&name))
+                    .collect();
+                let ready = ready_endpoints(slices.iter().map(AsRef::as_ref), Some(port_name));
+                upstreams.extend(
+                    ready
+                        .into_iter()
+                        .map(|e| SocketAddr::new(e.ip, e.port).to_string()),
+                );
             }
         }
         upstreams.sort();
@@ -260,15 +205,14 @@ impl V2Reconciler {
     }
 
     fn mapping(&self, name: &str, wanted: &Wanted, entry_port: u16) -> PortMapping {
-        let namespace = wanted.service.namespace().unwrap_or_default();
-        let service = wanted.service.name_any();
-        let mut mapping = PortMapping::new(
+        PortMapping::owned(
             name,
+            &self.work.settings.state_namespace,
             PortMappingSpec {
                 kind: MappingKind::Service,
                 target: MappingTarget {
-                    namespace: namespace.clone(),
-                    name: service.clone(),
+                    namespace: wanted.service.namespace().unwrap_or_default(),
+                    name: wanted.service.name_any(),
                     port_name: Some(wanted.port_name.clone()),
                     port: Some(wanted.port),
                 },
@@ -278,20 +222,7 @@ impl V2Reconciler {
                 close_connections: false,
                 requested_by: None,
             },
-        );
-        mapping.metadata.namespace = Some(self.work.settings.state_namespace.clone());
-        mapping.metadata.labels = Some(
-            [
-                (
-                    KIND_LABEL.to_owned(),
-                    MappingKind::Service.label().to_owned(),
-                ),
-                (TARGET_NAMESPACE_LABEL.to_owned(), namespace),
-                (TARGET_NAME_LABEL.to_owned(), label_value(&service)),
-            ]
-            .into(),
-        );
-        mapping
+        )
     }
 
     /// One full pass: release what is no longer wanted, update and allocate the rest.
@@ -328,13 +259,7 @@ impl V2Reconciler {
                 }
                 continue;
             }
-            let params = DeleteParams {
-                preconditions: Some(Preconditions {
-                    resource_version: mapping.resource_version(),
-                    uid: None,
-                }),
-                ..DeleteParams::default()
-            };
+            let params = delete_unchanged(mapping.resource_version());
             match self.work.api.delete(name, &params).await {
                 Ok(_) => {
                     self.deleted.insert(name.clone());

@@ -1,5 +1,5 @@
-//! The local view of the PortMapping objects, and the loop that keeps the data plane equal to
-//! them.
+//! Forwarding, on every replica: the local view of the PortMapping objects, and the loop that
+//! keeps the data plane equal to them.
 //!
 //! Every replica runs this loop, so every replica forwards the same way. Expiry is enforced here
 //! on a timer at the exact deadline, independently of the leader deleting the object later, so a
@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt as _;
-use k8s_openapi::jiff::Timestamp;
+use k8s_reconcile::watch_set::WatchBackoff;
 use kube::ResourceExt as _;
 use kube::api::Api;
 use kube::runtime::WatchStreamExt as _;
@@ -24,38 +24,7 @@ use crate::config::Settings;
 use crate::crd::{MappingKind, PortMapping};
 use crate::dataplane::{DataPlane, DesiredPorts, PortRoute};
 use crate::metrics::Metrics;
-
-/// Milliseconds since the Unix epoch, now.
-pub fn now_millis() -> i64 {
-    Timestamp::now().as_millisecond()
-}
-
-/// RFC 3339 text of a millisecond timestamp.
-pub fn format_millis(millis: i64) -> String {
-    Timestamp::from_millisecond(millis)
-        .map(|t| t.to_string())
-        .unwrap_or_else(|_| "invalid".to_owned())
-}
-
-/// Milliseconds of an RFC 3339 timestamp.
-pub fn parse_millis(text: &str) -> Option<i64> {
-    text.parse::<Timestamp>().ok().map(|t| t.as_millisecond())
-}
-
-/// The expiry of a mapping, in milliseconds; `None` for mappings without TTL.
-pub fn expiry_millis(mapping: &PortMapping) -> Option<i64> {
-    mapping.spec.expires_at.as_deref().and_then(parse_millis)
-}
-
-/// Whether `mapping` has a TTL that has run out at `now`.
-pub fn is_expired(mapping: &PortMapping, now: i64) -> bool {
-    match (&mapping.spec.expires_at, expiry_millis(mapping)) {
-        (None, _) => false,
-        (Some(_), Some(deadline)) => deadline <= now,
-        // An unreadable deadline counts as over: never forward forever by accident.
-        (Some(_), None) => true,
-    }
-}
+use crate::ttl::{expiry_millis, is_expired, now_millis};
 
 /// The versions of the mappings the data plane currently forwards for, by object name.
 pub type AppliedVersions = HashMap<String, String>;
@@ -173,7 +142,7 @@ pub fn spawn_sync_loop(
     let task = tokio::spawn(async move {
         let events = reflector::reflector(
             writer,
-            watcher::watcher(api, watcher::Config::default()).default_backoff(),
+            watcher::watcher(api, watcher::Config::default()).backoff(WatchBackoff::default()),
         );
         let mut events = std::pin::pin!(events);
         let mut synced = false;

@@ -8,21 +8,20 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::Pod;
+use k8s_reconcile::apply::delete_unchanged;
 use kube::ResourceExt as _;
-use kube::api::{Api, DeleteParams, Patch, PatchParams, Preconditions};
+use kube::api::{Api, Patch, PatchParams};
 use serde::Serialize;
 use serde_json::json;
 
 use crate::config::Settings;
-use crate::crd::{
-    KIND_LABEL, MappingKind, MappingTarget, PortMapping, PortMappingSpec, TARGET_NAME_LABEL,
-    TARGET_NAMESPACE_LABEL,
-};
+use crate::crd::{CONTROLLER, MappingKind, MappingTarget, PortMapping, PortMappingSpec};
 use crate::error::{ApiError, CODE_ERROR, CODE_NOT_FOUND};
-use crate::mappings::{Mappings, expiry_millis, format_millis, is_expired, now_millis};
+use crate::forwarding::Mappings;
+use crate::ttl::{expiry_millis, format_millis, is_expired, now_millis};
 
-/// The server-side apply field manager of pod-proxier.
-pub const FIELD_MANAGER: &str = "pod-proxier";
+/// TTL used when a request gives none (the original's form default; its JSON default was 0).
+pub const DEFAULT_TTL_SECONDS: u64 = 60;
 
 /// How long a write waits for the local data plane before answering.
 const APPLY_WAIT: Duration = Duration::from_secs(3);
@@ -115,18 +114,6 @@ impl V1 {
         format!("v1-entry-{}", self.settings.entry_port)
     }
 
-    /// Refuses namespaces outside `--allowed-namespaces`.
-    pub fn check_namespace(&self, namespace: &str) -> Result<(), ApiError> {
-        if self.settings.namespace_allowed(namespace) {
-            Ok(())
-        } else {
-            Err(ApiError::OutOfScope(format!(
-                "namespace {namespace:?} is not served by this pod-proxier (allowed: {})",
-                self.settings.allowed_namespaces.join(", ")
-            )))
-        }
-    }
-
     /// The current, unexpired V1 mapping.
     pub fn current(&self) -> Option<Arc<PortMapping>> {
         self.mappings
@@ -196,8 +183,9 @@ impl V1 {
         let expires_at = now_millis().saturating_add(ttl_millis);
         let previous = self.current();
         let name = self.mapping_name();
-        let mut mapping = PortMapping::new(
+        let mapping = PortMapping::owned(
             &name,
+            &self.settings.state_namespace,
             PortMappingSpec {
                 kind: MappingKind::Pod,
                 target: MappingTarget {
@@ -213,20 +201,11 @@ impl V1 {
                 requested_by: Some(requested_by.to_owned()),
             },
         );
-        mapping.metadata.namespace = Some(self.settings.state_namespace.clone());
-        mapping.metadata.labels = Some(
-            [
-                (KIND_LABEL.to_owned(), MappingKind::Pod.label().to_owned()),
-                (TARGET_NAMESPACE_LABEL.to_owned(), namespace.to_owned()),
-                (TARGET_NAME_LABEL.to_owned(), label_value(pod_name)),
-            ]
-            .into(),
-        );
         let written = self
             .api
             .patch(
                 &name,
-                &PatchParams::apply(FIELD_MANAGER).force(),
+                &PatchParams::apply(CONTROLLER).force(),
                 &Patch::Apply(&mapping),
             )
             .await?;
@@ -318,14 +297,7 @@ impl V1 {
                 .wait_applied(&name, version.as_deref(), APPLY_WAIT)
                 .await;
         }
-        let params = DeleteParams {
-            preconditions: Some(Preconditions {
-                resource_version: version,
-                uid: None,
-            }),
-            ..DeleteParams::default()
-        };
-        match self.api.delete(&name, &params).await {
+        match self.api.delete(&name, &delete_unchanged(version)).await {
             Ok(_) => {}
             Err(kube::Error::Api(status)) if status.code == 409 => {
                 return Err(ApiError::Conflict(format!(
@@ -338,18 +310,5 @@ impl V1 {
         self.mappings.wait_applied(&name, None, APPLY_WAIT).await;
         tracing::info!(pod = %qualified, "pod unmapped");
         Ok(json!({"pod_name": qualified, "entry_port": self.settings.entry_port, "mapped": false}))
-    }
-}
-
-/// A label value for a name (labels are limited to 63 characters).
-pub fn label_value(name: &str) -> String {
-    if name.len() <= 63 {
-        name.to_owned()
-    } else {
-        name.chars()
-            .take(63)
-            .collect::<String>()
-            .trim_end_matches(['-', '.'])
-            .to_owned()
     }
 }

@@ -1,0 +1,437 @@
+//! pod-proxier on a bad day, on a real kube-apiserver and etcd of its own: the API server stops
+//! while mappings are served, etcd is compacted and restarted, the API server comes back with a
+//! fresh watch cache (every watch gets 410 Gone). The data path keeps forwarding, the process is
+//! never restarted, and nothing is deleted or re-created because it was briefly missing from a
+//! cache. A Lease taken by another holder: the old leader stops writing until it leads again. A
+//! verb taken out of its Role: said in the log, retried with backoff, recovered when it returns.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+#[path = "e2e/harness.rs"]
+mod harness;
+
+use std::time::{Duration, Instant};
+
+use harness::{Env, Proxier, backend, eventually, free_range, greeting};
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::{ConfigMap, Service};
+use k8s_openapi::api::rbac::v1::Role;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
+use k8s_reconcile::testing::ControlPlane;
+use kube::CustomResourceExt as _;
+use kube::api::{Api, Patch, PatchParams, PostParams};
+use pod_proxier::crd::PortMapping;
+use serde_json::json;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn api_server_and_etcd_restarts_keep_every_mapping() {
+    // Broken on purpose, so a plane of its own (it lives until the test binary exits).
+    let plane: &'static ControlPlane =
+        Box::leak(Box::new(ControlPlane::builder().start().await.unwrap()));
+    plane.install_crds(&[PortMapping::crd()]).await.unwrap();
+    let env = Env::on(plane, "chaos", 1).await;
+    let ns = env.targets[0].clone();
+    let a = backend("127.0.0.61", "chaos-pod").await;
+    env.pod(
+        &ns,
+        "pod-a",
+        "127.0.0.61",
+        Some(("jprofiler-port", a.port())),
+    )
+    .await;
+    let (start, end) = free_range(3);
+    let mut px = Proxier::start(
+        &env,
+        &[
+            "--enable-v1",
+            "--enable-v2",
+            "--port-range-start",
+            &start.to_string(),
+            "--port-range-end",
+            &end.to_string(),
+            "--off-check",
+        ],
+    )
+    .await;
+    let token = env.debugger(&ns).await;
+    let (status, body) = px
+        .call(
+            "POST",
+            "/api/v1/mapping",
+            Some(&token),
+            Some(json!({"pod_name": format!("{ns}/pod-a"), "time": 600})),
+        )
+        .await;
+    assert_eq!(status, 200, "{body}");
+    let svc: Service = serde_json::from_value(json!({"apiVersion": "v1", "kind": "Service",
+        "metadata": {"name": "svc-a", "namespace": ns},
+        "spec": {"ports": [{"name": "debug", "port": 80}]}}))
+    .unwrap();
+    Api::<Service>::namespaced(env.admin.clone(), &ns)
+        .create(&PostParams::default(), &svc)
+        .await
+        .unwrap();
+    let svc_name = format!("svc.{ns}.svc-a.debug");
+    eventually("svc-a is published", Duration::from_secs(10), || async {
+        env.mappings().get_opt(&svc_name).await.unwrap().is_some()
+    })
+    .await;
+    // Steady state first: the leader has written every mapping's status.
+    eventually(
+        "every mapping has a status",
+        Duration::from_secs(10),
+        || async {
+            env.mappings()
+                .list(&Default::default())
+                .await
+                .unwrap()
+                .items
+                .iter()
+                .all(|m| m.status.as_ref().is_some_and(|s| s.phase.is_some()))
+        },
+    )
+    .await;
+    let before: Vec<_> = env
+        .mappings()
+        .list(&Default::default())
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .map(|m| (m.metadata.name, m.metadata.uid, m.spec.entry_port))
+        .collect();
+    assert_eq!(greeting(px.entry).await.as_deref(), Some("chaos-pod"));
+
+    // History every watch must skip, then the API server stops; while it is down the data path
+    // forwards; etcd is compacted and restarted; the API server comes back.
+    let maps: Api<ConfigMap> = Api::namespaced(env.admin.clone(), &ns);
+    for i in 0..20 {
+        let mut cm = ConfigMap::default();
+        cm.metadata.name = Some(format!("churn-{i}"));
+        maps.create(&PostParams::default(), &cm).await.unwrap();
+    }
+    plane.requests_by(&px.user).await.unwrap();
+    let since_stop = plane.audit_events().unwrap().len();
+    plane.stop_apiserver().await.unwrap();
+    let mut answered_while_down = 0;
+    for _ in 0..5 {
+        if greeting(px.entry).await.as_deref() == Some("chaos-pod") {
+            answered_while_down += 1;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let revision = plane.compact_etcd().await.unwrap();
+    plane.restart_etcd(Duration::from_secs(2)).await.unwrap();
+    plane.start_apiserver().await.unwrap();
+    let back = Instant::now();
+    eprintln!(
+        "while the API server was down: {answered_while_down}/5 answered through the entry port; etcd compacted at {revision}"
+    );
+    assert_eq!(answered_while_down, 5, "{}", px.logs());
+
+    // pod-proxier lists its mappings again: the fault reached its watches.
+    let user = px.user.clone();
+    let ours = |from: usize| {
+        plane
+            .audit_events()
+            .unwrap()
+            .into_iter()
+            .skip(from)
+            .filter(|e| e.user.username == user)
+            .collect::<Vec<_>>()
+    };
+    eventually(
+        "pod-proxier lists the PortMappings again",
+        Duration::from_secs(20),
+        || async {
+            ours(since_stop).iter().any(|e| {
+                e.verb == "list"
+                    && e.object_ref
+                        .as_ref()
+                        .is_some_and(|o| o.resource == "portmappings")
+            })
+        },
+    )
+    .await;
+    let relisted = back.elapsed();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    plane.requests_by(&user).await.unwrap();
+    let events = ours(since_stop);
+    let destructive: Vec<_> = events
+        .iter()
+        .filter(|e| matches!(e.verb.as_str(), "delete" | "deletecollection" | "create"))
+        .map(|e| format!("{} {}", e.verb, e.request_uri))
+        .collect();
+    let denied_writes: Vec<_> = events
+        .iter()
+        .filter(|e| e.is_write() && e.response_status.as_ref().is_some_and(|s| s.code == 403))
+        .map(|e| format!("{} {}", e.verb, e.request_uri))
+        .collect();
+    let mut writes = std::collections::BTreeMap::new();
+    for e in events.iter().filter(|e| e.is_write()) {
+        let (resource, sub) = e.object_ref.as_ref().map_or(("", ""), |o| {
+            (o.resource.as_str(), o.subresource.as_deref().unwrap_or(""))
+        });
+        let agent = e.user_agent.as_deref().unwrap_or("");
+        *writes
+            .entry(format!("{} {resource}/{sub} ({agent})", e.verb))
+            .or_insert(0) += 1;
+    }
+    eprintln!(
+        "pod-proxier's requests across the fault: {}; writes {writes:?}; relisted {relisted:?} after the API server was back",
+        events.len(),
+    );
+    // Only the Lease is renewed: no mapping is rewritten because of the fault.
+    assert!(
+        writes.keys().all(|w| w.contains(" leases/")),
+        "writes other than the Lease across the fault: {writes:?}"
+    );
+    assert!(destructive.is_empty(), "{destructive:?}\n{}", px.logs());
+    assert!(denied_writes.is_empty(), "{denied_writes:?}");
+    let after: Vec<_> = env
+        .mappings()
+        .list(&Default::default())
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .map(|m| (m.metadata.name, m.metadata.uid, m.spec.entry_port))
+        .collect();
+    assert_eq!(after, before, "mappings changed across the fault");
+    assert!(px.running(), "the process exited:\n{}", px.logs());
+    assert_eq!(greeting(px.entry).await.as_deref(), Some("chaos-pod"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_lease_stops_the_writes_before_the_new_holder_starts() {
+    let env = Env::new("chaos-lease", 1).await;
+    let ns = env.targets[0].clone();
+    let a = backend("127.0.0.62", "lease-pod").await;
+    env.pod(
+        &ns,
+        "pod-a",
+        "127.0.0.62",
+        Some(("jprofiler-port", a.port())),
+    )
+    .await;
+    let px = Proxier::start(&env, &["--enable-v1"]).await;
+    let identity = format!("replica-{}", env.state_ns);
+    let leases: Api<Lease> = Api::namespaced(env.admin.clone(), &env.state_ns);
+    let holder = || async {
+        leases
+            .get_opt("pod-proxier")
+            .await
+            .unwrap()
+            .and_then(|l| l.spec?.holder_identity)
+    };
+    eventually("pod-proxier leads", Duration::from_secs(20), || async {
+        holder().await.as_deref() == Some(identity.as_str())
+    })
+    .await;
+    let token = env.debugger(&ns).await;
+    let (status, body) = px
+        .call(
+            "POST",
+            "/api/v1/mapping",
+            Some(&token),
+            Some(json!({"pod_name": format!("{ns}/pod-a"), "time": 4})),
+        )
+        .await;
+    assert_eq!(status, 200, "{body}");
+    let name = env
+        .mappings()
+        .list(&Default::default())
+        .await
+        .unwrap()
+        .items
+        .first()
+        .and_then(|m| m.metadata.name.clone())
+        .unwrap();
+
+    eventually(
+        "the leader wrote the mapping's status",
+        Duration::from_secs(10),
+        || async {
+            env.mappings()
+                .get(&name)
+                .await
+                .unwrap()
+                .status
+                .is_some_and(|s| s.phase.is_some())
+        },
+    )
+    .await;
+
+    // Another holder takes the Lease for 10 s; the mapping expires 4 s after it was made. The old
+    // leader must leave its deletion (and every other write) to whoever holds the Lease.
+    let now = MicroTime(k8s_openapi::jiff::Timestamp::now());
+    let taken = Instant::now();
+    leases
+        .patch(
+            "pod-proxier",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {
+                "holderIdentity": "intruder",
+                "leaseDurationSeconds": 10,
+                "acquireTime": now,
+                "renewTime": now,
+            }})),
+        )
+        .await
+        .unwrap();
+    // A real successor waits out the old term; this one does not, so give the old leader one
+    // renew period (2 s) to see it, then count.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let plane = env.plane;
+    plane.requests_by(&px.user).await.unwrap();
+    let from = plane.audit_events().unwrap().len();
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    plane.requests_by(&px.user).await.unwrap();
+    let meanwhile: Vec<_> = plane
+        .audit_events()
+        .unwrap()
+        .into_iter()
+        .skip(from)
+        .filter(|e| e.user.username == px.user && e.is_write())
+        .filter(|e| e.object_ref.as_ref().is_none_or(|o| o.resource != "leases"))
+        .map(|e| format!("{} {}", e.verb, e.request_uri))
+        .collect();
+    assert!(
+        meanwhile.is_empty(),
+        "pod-proxier wrote while another held the Lease: {meanwhile:?}\n{}",
+        px.logs()
+    );
+    assert!(
+        env.mappings().get_opt(&name).await.unwrap().is_some(),
+        "the expired mapping was removed inside the intruder's term"
+    );
+
+    // The intruder's term runs out: pod-proxier leads again and removes the expired mapping.
+    eventually(
+        "pod-proxier leads again and removes the expired mapping",
+        Duration::from_secs(30),
+        || async { env.mappings().get_opt(&name).await.unwrap().is_none() },
+    )
+    .await;
+    let removed = taken.elapsed();
+    eprintln!("expired mapping removed {removed:?} after the takeover (intruder's term: 10 s)");
+    assert!(
+        removed >= Duration::from_secs(10),
+        "removed after {removed:?}"
+    );
+    assert_eq!(holder().await.as_deref(), Some(identity.as_str()));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_verb_taken_away_is_reported_backed_off_and_recovered() {
+    let env = Env::new("chaos-perm", 1).await;
+    let ns = env.targets[0].clone();
+    let a = backend("127.0.0.63", "perm-pod").await;
+    env.pod(
+        &ns,
+        "pod-a",
+        "127.0.0.63",
+        Some(("jprofiler-port", a.port())),
+    )
+    .await;
+    let px = Proxier::start(&env, &["--enable-v1"]).await;
+    // `patch` on portmappings/status leaves the state Role: the leader cannot write a status.
+    let roles: Api<Role> = Api::namespaced(env.admin.clone(), &env.state_ns);
+    let full = roles.get("pod-proxier").await.unwrap();
+    let mut narrowed = full.clone();
+    narrowed.metadata.managed_fields = None;
+    narrowed.metadata.resource_version = None;
+    narrowed.rules.get_or_insert_with(Vec::new).retain(|r| {
+        !r.resources
+            .iter()
+            .flatten()
+            .any(|x| x == "portmappings/status")
+    });
+    roles
+        .replace(
+            "pod-proxier",
+            &PostParams::default(),
+            &with_version(&roles, narrowed.clone()).await,
+        )
+        .await
+        .unwrap();
+    let plane = env.plane;
+    plane.requests_by(&px.user).await.unwrap();
+    let from = plane.audit_events().unwrap().len();
+    let log_from = px.logs().len();
+    let token = env.debugger(&ns).await;
+    let (status, body) = px
+        .call(
+            "POST",
+            "/api/v1/mapping",
+            Some(&token),
+            Some(json!({"pod_name": format!("{ns}/pod-a"), "time": 600})),
+        )
+        .await;
+    assert_eq!(status, 200, "{body}");
+    // Mapping works without its status: the data path does not need it.
+    assert_eq!(greeting(px.entry).await.as_deref(), Some("perm-pod"));
+    let window = Duration::from_secs(20);
+    tokio::time::sleep(window).await;
+    plane.requests_by(&px.user).await.unwrap();
+    let denied = plane
+        .audit_events()
+        .unwrap()
+        .into_iter()
+        .skip(from)
+        .filter(|e| e.user.username == px.user)
+        .filter(|e| e.response_status.as_ref().is_some_and(|s| s.code == 403))
+        .count();
+    let logs = px.logs()[log_from..].to_owned();
+    let said = logs
+        .lines()
+        .filter(|l| l.contains("updating status"))
+        .count();
+    eprintln!("{denied} denied status writes and {said} log lines saying so in {window:?}");
+    assert!(denied >= 1, "the leader never tried:\n{logs}");
+    // Backed off (1 s doubling): about 5 attempts in 20 s, not one a second.
+    assert!(
+        denied <= 6,
+        "{denied} denied requests in {window:?}: not backing off"
+    );
+    assert!(said <= denied, "said {said} times for {denied} denials");
+    assert!(
+        logs.contains("patch") && logs.contains("portmappings/status"),
+        "the log does not name the verb and resource:\n{logs}"
+    );
+
+    // The verb comes back: the status is written within one backoff period (at most 60 s).
+    roles
+        .replace(
+            "pod-proxier",
+            &PostParams::default(),
+            &with_version(&roles, full).await,
+        )
+        .await
+        .unwrap();
+    let restored = Instant::now();
+    eventually("the status is written", Duration::from_secs(61), || async {
+        env.mappings()
+            .list(&Default::default())
+            .await
+            .unwrap()
+            .items
+            .iter()
+            .all(|m| m.status.as_ref().is_some_and(|s| s.phase.is_some()))
+    })
+    .await;
+    eprintln!(
+        "status written {:?} after the verb came back",
+        restored.elapsed()
+    );
+}
+
+/// `role` with the current resourceVersion of its namesake, for a replace.
+async fn with_version(roles: &Api<Role>, mut role: Role) -> Role {
+    let current = roles
+        .get(&role.metadata.name.clone().unwrap())
+        .await
+        .unwrap();
+    role.metadata.resource_version = current.metadata.resource_version;
+    role.metadata.managed_fields = None;
+    role
+}
