@@ -6,15 +6,14 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use k8s_reconcile::ops::{self, Health};
+use k8s_reconcile::app;
+use k8s_reconcile::ops::Health;
 use kube::api::Api;
 use prometheus_client::registry::Registry;
-use proxy_core::copy::RelayCounters;
-use proxy_core::relay::{RelayConfig, relay_streams};
+use rstream_client::forward::{TARGET_CONNECT_TIMEOUT, relay_to};
 use rstream_client::supervisor::{StableHostname, Supervisor, SupervisorConfig, SupervisorState};
 use rstream_client::tls::{ClientIdentity, TlsOptions};
 use rstream_client::{Client, RstreamStream};
-use tokio::net::TcpStream;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -24,22 +23,20 @@ use crate::api::{RstreamTunnel, RstreamTunnelStatus};
 use crate::names;
 use crate::status::{self, reasons, types};
 
-/// How long a dial to the target may take.
-const TARGET_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// Delay before a failed status report is tried again.
 const REPORT_RETRY: Duration = Duration::from_secs(2);
 
 /// Why the agent cannot run.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum AgentError {
     /// The configuration file cannot be read.
-    #[error("reading {path}: {source}")]
+    #[error("reading {path}: {cause}")]
     ReadConfig {
         /// The file.
         path: PathBuf,
         /// The cause.
-        #[source]
-        source: std::io::Error,
+        cause: std::io::Error,
     },
     /// The configuration is invalid.
     #[error(transparent)]
@@ -47,12 +44,25 @@ pub enum AgentError {
     /// The credentials or TLS settings cannot be used.
     #[error("credentials: {0}")]
     Credentials(String),
+    /// A transport option cannot be honoured (the manager refuses these before an agent runs).
+    #[error("unsupported transport options: {0}")]
+    Unsupported(String),
+    /// The HTTP proxy settings cannot be used.
+    #[error("{0}")]
+    Proxy(String),
     /// The Kubernetes client cannot be built.
     #[error("Kubernetes client: {0}")]
-    Kube(#[from] kube::Error),
+    Kube(kube::Error),
     /// The health server cannot start.
     #[error(transparent)]
     Ops(#[from] k8s_reconcile::Error),
+}
+
+// By hand, not `#[from]`: the message carries the cause, so it is not also a `source()`.
+impl From<kube::Error> for AgentError {
+    fn from(err: kube::Error) -> Self {
+        Self::Kube(err)
+    }
 }
 
 /// Runtime options (flags).
@@ -248,13 +258,20 @@ async fn follow_state(
 fn client_for(config: &AgentConfig, options: &AgentOptions) -> Result<Client, AgentError> {
     let bad = |e: rstream_client::Error| AgentError::Credentials(e.to_string());
     let mut tls = TlsOptions::new();
+    let mut proxy = None;
+    let mut ip_family = None;
+    let mut local_address = None;
     if let Some(transport) = &config.connection.transport {
-        if transport.use_quic == Some(true)
-            || transport.mode == Some(crate::api::TransportMode::Quic)
-        {
-            return Err(AgentError::Credentials(
-                "transport mode quic is not supported by this agent".into(),
-            ));
+        let refused = crate::agent_config::unsupported_transport(
+            transport.mode,
+            transport.use_quic,
+            transport.bind.as_ref(),
+            transport.ip_family,
+            transport.dns.as_ref(),
+            transport.mptcp,
+        );
+        if !refused.is_empty() {
+            return Err(AgentError::Unsupported(refused.join("; ")));
         }
         if let Some(name) = transport
             .dns
@@ -263,14 +280,50 @@ fn client_for(config: &AgentConfig, options: &AgentOptions) -> Result<Client, Ag
         {
             tls = tls.server_name(name);
         }
-        if transport.proxy.is_some() || transport.bind.is_some() || transport.mptcp == Some(true) {
-            tracing::warn!(
-                component = "runner",
-                "transport proxy, bind and mptcp options are not supported by this agent and are ignored"
-            );
+        ip_family = match transport.ip_family {
+            Some(crate::api::IpFamily::Ipv4) => Some(rstream_client::IpFamily::V4),
+            Some(crate::api::IpFamily::Ipv6) => Some(rstream_client::IpFamily::V6),
+            Some(crate::api::IpFamily::Auto) | None => None,
+        };
+        if let Some(address) = transport
+            .bind
+            .as_ref()
+            .and_then(|b| b.address.as_deref())
+            .map(str::trim)
+            .filter(|a| !a.is_empty())
+        {
+            let ip = address.parse().map_err(|_| {
+                AgentError::Unsupported(format!(
+                    "transport.bind.address: '{address}' is not an IP address"
+                ))
+            })?;
+            local_address = Some(ip);
+        }
+        if let Some(p) = &transport.proxy {
+            // The manager injects the credentials as environment variables named here.
+            let from_env = |name: &Option<String>| {
+                name.as_deref()
+                    .and_then(|n| std::env::var(n).ok())
+                    .map(|v| v.trim().to_owned())
+                    .filter(|v| !v.is_empty())
+            };
+            let username = from_env(&p.username_env);
+            let password = from_env(&p.password_env);
+            let built = crate::agent_config::http_proxy(
+                p.http.as_deref(),
+                username.as_deref(),
+                password.as_deref(),
+                p.headers.as_ref(),
+            )
+            .map_err(AgentError::Proxy)?;
+            proxy = Some(built);
         }
     }
-    if let Some(ca) = &options.ca_file {
+    for ca in options
+        .ca_file
+        .iter()
+        .chain(config.connection.ca_file.as_ref().map(PathBuf::from).iter())
+    {
         tls = tls.ca_file(ca).map_err(bad)?;
     }
     let token = std::env::var(names::TOKEN_ENV)
@@ -302,47 +355,40 @@ fn client_for(config: &AgentConfig, options: &AgentOptions) -> Result<Client, Ag
             }
         }
     }
+    if let Some(proxy) = proxy {
+        builder = builder.proxy(proxy);
+    }
+    if let Some(family) = ip_family {
+        builder = builder.ip_family(family);
+    }
+    if let Some(address) = local_address {
+        builder = builder.local_address(address);
+    }
     builder.tls(tls).build().map_err(bad)
 }
 
+/// Relays one tunnel stream to the target with the client's relay (proxy-core's copy engine).
 async fn forward(stream: RstreamStream, target: Arc<str>, cancel: CancellationToken) {
-    let upstream =
-        match tokio::time::timeout(TARGET_CONNECT_TIMEOUT, TcpStream::connect(&*target)).await {
-            Ok(Ok(s)) => s,
-            Ok(Err(error)) => {
-                tracing::warn!(component = "runner", %target, %error, "cannot reach the target");
-                return;
-            }
-            Err(_) => {
-                tracing::warn!(component = "runner", %target, "timed out connecting to the target");
-                return;
-            }
-        };
-    let _ = upstream.set_nodelay(true);
-    let counters = RelayCounters::new();
-    let summary = relay_streams(
-        stream,
-        upstream,
-        &RelayConfig::default(),
-        &counters,
-        &cancel,
-    )
-    .await;
-    tracing::debug!(
-        component = "runner",
-        to_target = summary.to_upstream,
-        to_client = summary.to_client,
-        ending = summary.ending.as_str(),
-        "stream finished"
-    );
+    match relay_to(stream, &target, TARGET_CONNECT_TIMEOUT, &cancel).await {
+        Ok(summary) => tracing::debug!(
+            component = "runner",
+            to_target = summary.to_upstream,
+            to_client = summary.to_client,
+            ending = summary.ending.as_str(),
+            "stream finished"
+        ),
+        Err(error) => {
+            tracing::warn!(component = "runner", %target, %error, "cannot reach the target");
+        }
+    }
 }
 
 /// Runs the agent until `shutdown`.
 pub async fn run(options: AgentOptions, shutdown: CancellationToken) -> Result<(), AgentError> {
     let text =
-        std::fs::read_to_string(&options.config).map_err(|source| AgentError::ReadConfig {
+        std::fs::read_to_string(&options.config).map_err(|cause| AgentError::ReadConfig {
             path: options.config.clone(),
-            source,
+            cause,
         })?;
     let config = AgentConfig::from_yaml(&text)?;
     let tunnel_options = config.tunnel_options()?;
@@ -357,11 +403,8 @@ pub async fn run(options: AgentOptions, shutdown: CancellationToken) -> Result<(
 
     let health = Health::new();
     health.set("tunnel", false, "not online");
-    if let Some(addr) = options.health_bind_address {
-        let router = ops::router(health.clone(), Arc::new(Registry::default()));
-        ops::serve(addr, router, shutdown.clone()).await?;
-        tracing::info!(component = "health", %addr, "serving /healthz and /readyz");
-    }
+    let registry = Arc::new(Registry::default());
+    app::serve_ops(options.health_bind_address, &health, &registry, &shutdown).await?;
 
     let reporter = match config.kubernetes.as_ref().filter(|k| k.enabled) {
         Some(k) => {

@@ -223,7 +223,9 @@ pub struct TransportSpec {
     {"rule": "!has(self.engine) || !has(self.region)",
      "message": "region cannot be combined with engine"},
     {"rule": "!has(self.engine) || !has(self.controlPlaneHeaders) || size(self.controlPlaneHeaders) == 0",
-     "message": "controlPlaneHeaders cannot be combined with engine"}
+     "message": "controlPlaneHeaders cannot be combined with engine"},
+    {"rule": "!has(self.caSecretRef) || !has(self.mtls) || !has(self.mtls.caSecretRef)",
+     "message": "caSecretRef and mtls.caSecretRef both name the engine CA; set one"}
 ]))]
 pub struct RstreamConnectionSpec {
     /// Project endpoint, resolved to an engine through the control plane (preferred hosted path).
@@ -263,6 +265,10 @@ pub struct RstreamConnectionSpec {
     /// Client-certificate authentication.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mtls: Option<MtlsSpec>,
+    /// PEM CA bundle the engine's certificate is checked against, with either kind of
+    /// authentication: a self-hosted engine with a private CA. Added to the system roots.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ca_secret_ref: Option<SecretKeyRef>,
     /// Agent-to-engine network options.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub transport: Option<TransportSpec>,

@@ -5,13 +5,11 @@
 //! * [`agent`]: the per-tunnel data plane of the `rstream-agent` binary.
 //! * [`agent_config`]: the agent configuration file the manager renders.
 //! * [`names`]: names and labels of the objects created per tunnel.
-#![forbid(unsafe_code)]
 #![cfg_attr(test, allow(clippy::unwrap_used, clippy::expect_used))]
 
 pub mod agent;
 pub mod agent_config;
 pub mod api;
-pub mod logging;
 pub mod manager;
 pub mod names;
 pub mod status;

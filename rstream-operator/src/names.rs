@@ -15,6 +15,8 @@ pub const CONFIG_KEY: &str = "config.yaml";
 pub const CONFIG_DIR: &str = "/etc/rstream-agent";
 /// Where the mTLS material is mounted.
 pub const MTLS_DIR: &str = "/var/run/rstream/mtls";
+/// Where the engine CA of `spec.caSecretRef` is mounted (as `ca.crt`).
+pub const ENGINE_CA_DIR: &str = "/var/run/rstream/engine-ca";
 /// Env var holding the token.
 pub const TOKEN_ENV: &str = "RSTREAM_AUTHENTICATION_TOKEN";
 /// Env var holding the agent pod's name.

@@ -57,6 +57,9 @@ pub mod reasons {
     pub const READY: &str = "Ready";
     /// Ready=False until the Deployment is available.
     pub const WAITING_FOR_DEPLOYMENT: &str = "WaitingForDeployment";
+    /// The manager could not apply the agent's objects (the message says why, e.g. a missing
+    /// RBAC verb); it retries with backoff.
+    pub const CHILDREN_NOT_APPLIED: &str = "ChildrenNotApplied";
     /// Ready=False until the tunnel is online.
     pub const WAITING_FOR_TUNNEL: &str = "WaitingForTunnel";
     /// Ready=False while deleting.

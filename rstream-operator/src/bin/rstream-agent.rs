@@ -4,9 +4,9 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::Parser;
+use k8s_reconcile::app::{self, LogFormat};
 use k8s_reconcile::ops;
 use rstream_operator::agent::{self, AgentOptions};
-use rstream_operator::logging::{self, LogFormat};
 
 /// Keeps one rstream tunnel up, forwards its streams to the target Service and reports its state
 /// into the RstreamTunnel status.
@@ -42,7 +42,8 @@ struct Args {
 }
 
 async fn run(args: Args) -> Result<(), String> {
-    let health_bind_address = logging::parse_bind_address(&args.health_bind_address)?;
+    let health_bind_address = app::parse_optional_listen_addr(&args.health_bind_address)
+        .map_err(|e| format!("--health-bind-address: {e}"))?;
     let shutdown = ops::shutdown_on_signals().map_err(|e| e.to_string())?;
     let options = AgentOptions {
         config: args.config,
@@ -55,16 +56,8 @@ async fn run(args: Args) -> Result<(), String> {
         .map_err(|e| e.to_string())
 }
 
-#[tokio::main]
-async fn main() -> ExitCode {
+fn main() -> ExitCode {
     let args = Args::parse();
-    logging::init(args.log_format, &args.log_level);
-    match run(args).await {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(error) => {
-            tracing::error!(component = "runner", %error, "rstream-agent failed");
-            eprintln!("rstream-agent: {error}");
-            ExitCode::FAILURE
-        }
-    }
+    app::init_logging(args.log_format, Some(&args.log_level));
+    app::block_on("rstream-agent", run(args))
 }

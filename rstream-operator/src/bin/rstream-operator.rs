@@ -4,11 +4,10 @@ use std::process::ExitCode;
 use std::sync::Arc;
 
 use clap::Parser;
+use k8s_reconcile::app::{self, LogFormat};
 use k8s_reconcile::metrics::ControllerMetrics;
 use k8s_reconcile::ops::{self, Health};
 use prometheus_client::registry::Registry;
-use rstream_operator::agent_config::parse_duration;
-use rstream_operator::logging::{self, LogFormat};
 use rstream_operator::manager::{self, ManagerOptions};
 
 /// Default agent image (the original operator's).
@@ -18,7 +17,8 @@ const DEFAULT_AGENT_IMAGE: &str = concat!(
 );
 const SA_NAMESPACE_FILE: &str = "/var/run/secrets/kubernetes.io/serviceaccount/namespace";
 
-/// Manages rstream tunnels from RstreamConnection and RstreamTunnel resources.
+/// Manages rstream tunnels from RstreamConnection and RstreamTunnel resources. Boolean flags take
+/// Go's forms (`--leader-elect`, `--leader-elect=true`, `--leader-elect=false`).
 #[derive(Debug, Parser)]
 #[command(name = "rstream-operator", version)]
 struct Args {
@@ -58,22 +58,13 @@ struct Args {
     log_level: String,
 }
 
-fn identity() -> String {
-    std::env::var("POD_NAME")
-        .ok()
-        .filter(|n| !n.is_empty())
-        .or_else(|| std::env::var("HOSTNAME").ok().filter(|n| !n.is_empty()))
-        .unwrap_or_else(|| format!("rstream-operator-{}", std::process::id()))
-}
-
 async fn run(args: Args) -> Result<(), String> {
-    let metrics_addr = logging::parse_bind_address(&args.metrics_bind_address)?;
-    let health_addr = logging::parse_bind_address(&args.health_probe_bind_address)?;
-    let resync =
-        parse_duration(&args.resync_period).map_err(|e| format!("--resync-period: {e}"))?;
-    if resync.is_zero() {
-        return Err("--resync-period must be positive".into());
-    }
+    let metrics_addr = app::parse_optional_listen_addr(&args.metrics_bind_address)
+        .map_err(|e| format!("--metrics-bind-address: {e}"))?;
+    let health_addr = app::parse_optional_listen_addr(&args.health_probe_bind_address)
+        .map_err(|e| format!("--health-probe-bind-address: {e}"))?;
+    let resync = app::parse_positive_duration(&args.resync_period)
+        .map_err(|e| format!("--resync-period: {e}"))?;
     if args.agent_image.trim().is_empty() {
         return Err("--agent-image must not be empty".into());
     }
@@ -86,16 +77,14 @@ async fn run(args: Args) -> Result<(), String> {
     let metrics = ControllerMetrics::register(&mut registry);
     let registry = Arc::new(registry);
     let health = Health::new();
-    let mut servers = Vec::new();
-    for addr in [metrics_addr, health_addr].into_iter().flatten() {
-        let router = ops::router(health.clone(), Arc::clone(&registry));
-        servers.push(
-            ops::serve(addr, router, shutdown.clone())
-                .await
-                .map_err(|e| e.to_string())?,
-        );
-        tracing::info!(%addr, "serving /healthz, /readyz and /metrics");
-    }
+    let servers = app::serve_ops(
+        [metrics_addr, health_addr].into_iter().flatten(),
+        &health,
+        &registry,
+        &shutdown,
+    )
+    .await
+    .map_err(|e| e.to_string())?;
 
     let leader_election = args.leader_elect.then(|| {
         let namespace = args
@@ -108,7 +97,7 @@ async fn run(args: Args) -> Result<(), String> {
                     .map(|s| s.trim().to_owned())
             })
             .unwrap_or_else(|| "rstream-system".to_owned());
-        (namespace, identity())
+        (namespace, app::leader_identity(None, "rstream-operator"))
     });
     let options = ManagerOptions {
         agent_image: args.agent_image.trim().to_owned(),
@@ -127,16 +116,37 @@ async fn run(args: Args) -> Result<(), String> {
     result.map_err(|e| e.to_string())
 }
 
-#[tokio::main]
-async fn main() -> ExitCode {
-    let args = Args::parse();
-    logging::init(args.log_format, &args.log_level);
-    match run(args).await {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(error) => {
-            tracing::error!(%error, "rstream-operator failed");
-            eprintln!("rstream-operator: {error}");
-            ExitCode::FAILURE
+fn main() -> ExitCode {
+    let args: Args = app::parse_args();
+    app::init_logging(args.log_format, Some(&args.log_level));
+    app::block_on("rstream-operator", run(args))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn leader_elect_takes_gos_boolean_forms() {
+        let parse = |args: &[&str]| {
+            app::try_parse_args_from::<Args, _, _>(
+                std::iter::once("rstream-operator").chain(args.iter().copied()),
+            )
+        };
+        for (args, expected) in [
+            (&[][..], false),
+            (&["--leader-elect"], true),
+            (&["--leader-elect=true"], true),
+            (&["--leader-elect=1"], true),
+            (&["--leader-elect=false"], false),
+            (&["--leader-elect=F"], false),
+        ] {
+            let parsed = parse(args).map(|a| a.leader_elect);
+            assert!(
+                matches!(parsed, Ok(v) if v == expected),
+                "{args:?}: {parsed:?}"
+            );
         }
+        assert!(parse(&["--leader-elect=maybe"]).is_err());
     }
 }

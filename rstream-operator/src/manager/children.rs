@@ -245,29 +245,22 @@ pub fn deployment(
         read_only: Some(true),
         ..VolumeMount::default()
     }];
-    if let Some(m) = &cspec.mtls {
-        let project = |r: &SecretKeyRef, path: &str| VolumeProjection {
-            secret: Some(SecretProjection {
-                name: r.name.clone(),
-                items: Some(vec![KeyToPath {
-                    key: r.key.clone(),
-                    path: path.to_owned(),
-                    mode: None,
-                    ..KeyToPath::default()
-                }]),
-                optional: None,
-            }),
-            ..VolumeProjection::default()
-        };
-        let mut sources = vec![
-            project(&m.cert_secret_ref, "tls.crt"),
-            project(&m.key_secret_ref, "tls.key"),
-        ];
-        if let Some(ca) = &m.ca_secret_ref {
-            sources.push(project(ca, "ca.crt"));
-        }
+    let project = |r: &SecretKeyRef, path: &str| VolumeProjection {
+        secret: Some(SecretProjection {
+            name: r.name.clone(),
+            items: Some(vec![KeyToPath {
+                key: r.key.clone(),
+                path: path.to_owned(),
+                mode: None,
+                ..KeyToPath::default()
+            }]),
+            optional: None,
+        }),
+        ..VolumeProjection::default()
+    };
+    let mut mount_secrets = |name: &str, dir: &str, sources: Vec<VolumeProjection>| {
         volumes.push(Volume {
-            name: "mtls".to_owned(),
+            name: name.to_owned(),
             projected: Some(ProjectedVolumeSource {
                 sources: Some(sources),
                 ..ProjectedVolumeSource::default()
@@ -275,11 +268,28 @@ pub fn deployment(
             ..Volume::default()
         });
         mounts.push(VolumeMount {
-            name: "mtls".to_owned(),
-            mount_path: names::MTLS_DIR.to_owned(),
+            name: name.to_owned(),
+            mount_path: dir.to_owned(),
             read_only: Some(true),
             ..VolumeMount::default()
         });
+    };
+    if let Some(ca) = &cspec.ca_secret_ref {
+        mount_secrets(
+            "engine-ca",
+            names::ENGINE_CA_DIR,
+            vec![project(ca, "ca.crt")],
+        );
+    }
+    if let Some(m) = &cspec.mtls {
+        let mut sources = vec![
+            project(&m.cert_secret_ref, "tls.crt"),
+            project(&m.key_secret_ref, "tls.key"),
+        ];
+        if let Some(ca) = &m.ca_secret_ref {
+            sources.push(project(ca, "ca.crt"));
+        }
+        mount_secrets("mtls", names::MTLS_DIR, sources);
     }
 
     let container = Container {

@@ -39,6 +39,10 @@ impl Reconciler for ConnectionReconciler {
             Err(e @ ResolveError::SecretMissing(_)) => {
                 (Action::Done, Err((reasons::SECRET_MISSING, e.to_string())))
             }
+            // Only an edit of the spec changes this: no timed retry.
+            Err(e @ ResolveError::InvalidSpec(_)) => {
+                (Action::Done, Err((reasons::INVALID_SPEC, e.to_string())))
+            }
             Err(e) => (
                 Action::RequeueAfter(RETRY_UNRESOLVED),
                 Err((reasons::INVALID_SPEC, e.to_string())),

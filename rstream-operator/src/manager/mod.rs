@@ -29,16 +29,24 @@ pub use tunnel::TunnelReconciler;
 
 /// Errors of a reconcile (retried with backoff).
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum ManagerError {
     /// A Kubernetes API call failed.
     #[error("Kubernetes API: {0}")]
-    Kube(#[from] kube::Error),
+    Kube(kube::Error),
     /// The framework (apply, finalizer) failed.
     #[error(transparent)]
     Framework(#[from] k8s_reconcile::Error),
     /// The agent configuration could not be rendered.
     #[error("rendering the agent configuration: {0}")]
     Render(String),
+}
+
+// By hand, not `#[from]`: the message carries the cause, so it is not also a `source()`.
+impl From<kube::Error> for ManagerError {
+    fn from(err: kube::Error) -> Self {
+        Self::Kube(err)
+    }
 }
 
 /// Name of the tunnel controller (metrics, field manager).
@@ -115,6 +123,7 @@ pub fn references_secret(connection: &RstreamConnection, name: &str) -> bool {
     let spec = &connection.spec;
     let mut refs = Vec::new();
     refs.extend(spec.token_secret_ref.iter());
+    refs.extend(spec.ca_secret_ref.iter());
     if let Some(m) = &spec.mtls {
         refs.push(&m.cert_secret_ref);
         refs.push(&m.key_secret_ref);

@@ -11,10 +11,12 @@ use rstream_client::resolve::{
 };
 use rstream_client::tls::TlsOptions;
 
+use crate::agent_config::{http_proxy, unsupported_transport};
 use crate::api::{DEFAULT_API_URL, RstreamConnection, SecretKeyRef};
 
 /// Why a connection cannot be used.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum ResolveError {
     /// The RstreamConnection does not exist.
     #[error("RstreamConnection {0} not found")]
@@ -25,9 +27,20 @@ pub enum ResolveError {
     /// The settings cannot be resolved (bad engine, control-plane error, region...).
     #[error("{0}")]
     Invalid(String),
+    /// The spec asks for something the agent cannot do (a transport option it does not
+    /// implement, unusable proxy settings); the message names the field.
+    #[error("{0}")]
+    InvalidSpec(String),
     /// An API call failed (retried with backoff).
     #[error("Kubernetes API: {0}")]
-    Kube(#[from] kube::Error),
+    Kube(kube::Error),
+}
+
+// By hand, not `#[from]`: the message carries the cause, so it is not also a `source()`.
+impl From<kube::Error> for ResolveError {
+    fn from(err: kube::Error) -> Self {
+        Self::Kube(err)
+    }
 }
 
 /// A usable connection.
@@ -107,11 +120,28 @@ pub async fn resolve(
     let secrets: Api<Secret> = Api::namespaced(client.clone(), &namespace);
     let spec = &connection.spec;
     let mut versions = BTreeSet::new();
+    // Refused before anything is read: an agent would have to ignore these, or crash-loop.
+    if let Some(t) = &spec.transport {
+        let refused = unsupported_transport(
+            t.mode,
+            t.use_quic,
+            t.bind.as_ref(),
+            t.ip_family,
+            t.dns.as_ref(),
+            t.mptcp,
+        );
+        if !refused.is_empty() {
+            return Err(ResolveError::InvalidSpec(refused.join("; ")));
+        }
+    }
 
     let token = match &spec.token_secret_ref {
         Some(r) => Some(read_key(&secrets, r, "tokenSecretRef", Some(&mut versions)).await?),
         None => None,
     };
+    if let Some(ca) = &spec.ca_secret_ref {
+        read_key(&secrets, ca, "caSecretRef", Some(&mut versions)).await?;
+    }
     if let Some(m) = &spec.mtls {
         read_key(
             &secrets,
@@ -136,25 +166,42 @@ pub async fn resolve(
             "no credentials: set tokenSecretRef or mtls".to_owned(),
         ));
     }
-    if let Some(proxy) = spec.transport.as_ref().and_then(|t| t.proxy.as_ref()) {
-        if let Some(r) = &proxy.username_secret_ref {
-            read_key(
-                &secrets,
-                r,
-                "transport.proxy.usernameSecretRef",
-                Some(&mut versions),
+    // The proxy carries the control-plane lookup here, and the agent's engine connections.
+    let mut proxy = None;
+    if let Some(p) = spec.transport.as_ref().and_then(|t| t.proxy.as_ref()) {
+        let username = match &p.username_secret_ref {
+            Some(r) => Some(
+                read_key(
+                    &secrets,
+                    r,
+                    "transport.proxy.usernameSecretRef",
+                    Some(&mut versions),
+                )
+                .await?,
+            ),
+            None => None,
+        };
+        let password = match &p.password_secret_ref {
+            Some(r) => Some(
+                read_key(
+                    &secrets,
+                    r,
+                    "transport.proxy.passwordSecretRef",
+                    Some(&mut versions),
+                )
+                .await?,
+            ),
+            None => None,
+        };
+        proxy = Some(
+            http_proxy(
+                p.http.as_deref(),
+                username.as_deref(),
+                password.as_deref(),
+                p.headers.as_ref(),
             )
-            .await?;
-        }
-        if let Some(r) = &proxy.password_secret_ref {
-            read_key(
-                &secrets,
-                r,
-                "transport.proxy.passwordSecretRef",
-                Some(&mut versions),
-            )
-            .await?;
-        }
+            .map_err(ResolveError::InvalidSpec)?,
+        );
     }
     // Header values go to the control plane only; they are not agent Secrets.
     let mut headers = Vec::new();
@@ -199,6 +246,9 @@ pub async fn resolve(
             .trim_end_matches('/')
             .to_owned();
         let mut cp = ControlPlaneOptions::new(api_url.clone());
+        if let Some(proxy) = proxy {
+            cp = cp.proxy(proxy);
+        }
         for (name, value) in headers {
             cp = cp.header(name, value).map_err(invalid)?;
         }

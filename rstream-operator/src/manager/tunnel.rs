@@ -179,6 +179,10 @@ fn agent_config(
     AgentConfig {
         connection: ConnectionConfig {
             engine: resolved.engine.to_string(),
+            ca_file: cspec
+                .ca_secret_ref
+                .as_ref()
+                .map(|_| format!("{}/ca.crt", names::ENGINE_CA_DIR)),
             mtls,
             transport,
         },
@@ -418,10 +422,15 @@ impl Reconciler for TunnelReconciler {
                         }
                         _ => None,
                     };
+                    // A connection asking for what no agent can do makes the tunnel's spec unusable.
+                    let reason = match &e {
+                        ResolveError::InvalidSpec(_) => reasons::INVALID_SPEC,
+                        _ => reasons::CONNECTION_MISSING,
+                    };
                     let blocked = Blocked {
-                        accepted: Some((reasons::CONNECTION_MISSING, message.clone())),
+                        accepted: Some((reason, message.clone())),
                         resolved,
-                        reason: reasons::CONNECTION_MISSING,
+                        reason,
                         message,
                     };
                     self.write_blocked(&api, &tunnel, &blocked).await?;
@@ -460,20 +469,37 @@ impl Reconciler for TunnelReconciler {
         // 5. The children, each owned by the tunnel.
         let cx = child_context(&tunnel);
         let applier = ctx.applier();
-        applier.apply(&children::configmap(&cx, &yaml)).await?;
-        applier.apply(&children::service_account(&cx)).await?;
-        applier.apply(&children::role(&cx)).await?;
-        applier.apply(&children::role_binding(&cx)).await?;
-        let deployment = applier
-            .apply(&children::deployment(
-                &cx,
-                &tunnel.spec,
-                &resolved.connection,
-                &self.agent_image,
-                &hash,
-            ))
-            .await?
-            .into_inner();
+        let applied = async {
+            applier.apply(&children::configmap(&cx, &yaml)).await?;
+            applier.apply(&children::service_account(&cx)).await?;
+            applier.apply(&children::role(&cx)).await?;
+            applier.apply(&children::role_binding(&cx)).await?;
+            applier
+                .apply(&children::deployment(
+                    &cx,
+                    &tunnel.spec,
+                    &resolved.connection,
+                    &self.agent_image,
+                    &hash,
+                ))
+                .await
+        }
+        .await;
+        let deployment = match applied {
+            Ok(deployment) => deployment.into_inner(),
+            Err(err) => {
+                // Said where users look (a lost RBAC verb names itself here), once per retry
+                // of the controller's backoff; the status is written only when it changes.
+                let blocked = Blocked {
+                    accepted: None,
+                    resolved: None,
+                    reason: reasons::CHILDREN_NOT_APPLIED,
+                    message: format!("applying the agent's objects: {err}"),
+                };
+                self.write_blocked(&api, &tunnel, &blocked).await?;
+                return Err(err.into());
+            }
+        };
 
         // 6. Conditions.
         let dstatus = deployment.status.clone().unwrap_or_default();

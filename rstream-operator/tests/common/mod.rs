@@ -7,13 +7,17 @@ use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::{Secret, Service};
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, Role, RoleBinding};
+use k8s_reconcile::metrics::ControllerMetrics;
+use k8s_reconcile::ops::Health;
 use k8s_reconcile::testing::{ControlPlane, Identity};
 use kube::api::{Api, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt as _};
+use prometheus_client::registry::Registry;
 use rstream_operator::api::{RstreamConnection, RstreamTunnel};
+use rstream_operator::manager::{self, ManagerOptions};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpListener;
 use tokio::sync::OnceCell;
+use tokio_util::sync::CancellationToken;
 
 pub const MANAGER_SA: &str = "rstream-operator";
 static SETUP: OnceCell<()> = OnceCell::const_new();
@@ -36,22 +40,53 @@ pub fn leader_election_role() -> Role {
 /// The shared control plane with the CRDs and the manager ClusterRole installed.
 pub async fn plane() -> &'static ControlPlane {
     let plane = ControlPlane::shared().await.unwrap();
-    SETUP
-        .get_or_init(|| async {
-            plane.install_crds(&rstream_operator::crds()).await.unwrap();
-            let roles: Api<ClusterRole> = Api::all(plane.client().await.unwrap());
-            let role = manager_cluster_role();
-            roles
-                .patch(
-                    &role.name_any(),
-                    &PatchParams::apply("tests").force(),
-                    &Patch::Apply(&role),
-                )
-                .await
-                .unwrap();
-        })
-        .await;
+    SETUP.get_or_init(|| prepare(plane)).await;
     plane
+}
+
+/// Installs the CRDs and the manager's ClusterRole into `plane`.
+pub async fn prepare(plane: &ControlPlane) {
+    plane.install_crds(&rstream_operator::crds()).await.unwrap();
+    let roles: Api<ClusterRole> = Api::all(plane.client().await.unwrap());
+    let role = manager_cluster_role();
+    roles
+        .patch(
+            &role.name_any(),
+            &PatchParams::apply("tests").force(),
+            &Patch::Apply(&role),
+        )
+        .await
+        .unwrap();
+}
+
+/// Runs the manager in this process as `client` (its ServiceAccount), scoped to `ns`.
+pub async fn start_manager(client: Client, ns: &str) -> CancellationToken {
+    start_manager_with(client, ns, None).await
+}
+
+/// Like [`start_manager`], with leader election (Lease namespace and identity) when given.
+pub async fn start_manager_with(
+    client: Client,
+    ns: &str,
+    leader_election: Option<(String, String)>,
+) -> CancellationToken {
+    let shutdown = CancellationToken::new();
+    let options = ManagerOptions {
+        agent_image: "example.test/rstream-operator:dev".into(),
+        leader_election,
+        resync: Duration::from_secs(300),
+        concurrency: 4,
+        namespace: Some(ns.to_owned()),
+    };
+    let metrics = ControllerMetrics::register(&mut Registry::default());
+    tokio::spawn(manager::run(
+        client,
+        options,
+        Health::new(),
+        metrics,
+        shutdown.clone(),
+    ));
+    shutdown
 }
 
 /// The manager's identity in `ns`: a ServiceAccount bound only to the ClusterRole (and, when
@@ -217,53 +252,19 @@ where
 
 /// An HTTP/1.1 server on loopback answering every request with `body`.
 pub async fn http_server(body: &'static str) -> std::net::SocketAddr {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move {
-        loop {
-            let Ok((mut s, _)) = listener.accept().await else {
-                return;
-            };
-            tokio::spawn(async move {
-                let mut buf = Vec::new();
-                let mut chunk = [0u8; 1024];
-                while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
-                    match s.read(&mut chunk).await {
-                        Ok(0) | Err(_) => return,
-                        Ok(n) => buf.extend_from_slice(&chunk[..n]),
-                    }
-                }
-                let response = format!(
-                    "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-                    body.len()
-                );
-                let _ = s.write_all(response.as_bytes()).await;
-                let _ = s.shutdown().await;
-            });
-        }
-    });
-    addr
+    proxy_core::testing::http_server([127, 0, 0, 1].into(), body)
+        .await
+        .unwrap()
 }
 
 /// Sends `GET /` to `addr` and returns the whole response.
 pub async fn http_get(addr: std::net::SocketAddr) -> std::io::Result<String> {
-    let mut s = tokio::net::TcpStream::connect(addr).await?;
-    s.write_all(b"GET / HTTP/1.1\r\nHost: web\r\nConnection: close\r\n\r\n")
-        .await?;
-    let mut out = String::new();
-    tokio::time::timeout(Duration::from_secs(10), s.read_to_string(&mut out))
-        .await
-        .map_err(|_| std::io::Error::other("timed out reading the response"))??;
-    Ok(out)
+    proxy_core::testing::http_get(addr, "/").await
 }
 
 /// A free loopback port.
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    proxy_core::testing::free_port().unwrap()
 }
 
 /// The status code of `GET http://addr/path`, or 0 when nothing answers.
