@@ -11,8 +11,9 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::{Parser, ValueEnum};
+use prometheus_client::registry::Registry;
 use proxy_core::copy::CopyMode;
-use proxy_core::metrics::NoopObserver;
+use proxy_core::metrics::PrometheusObserver;
 use proxy_core::relay::{RelayConfig, Route};
 use proxy_core::server::{ListenerConfig, ProxyServer, ServerConfig};
 use proxy_core::upstream::Upstream;
@@ -51,6 +52,13 @@ struct Args {
     /// How long in-flight connections may finish after Ctrl-C, in seconds.
     #[arg(long, default_value_t = 30)]
     drain_secs: u64,
+    /// Pipe size of the splice path, in bytes.
+    #[arg(long, default_value_t = proxy_core::relay::DEFAULT_PIPE_SIZE)]
+    pipe_size: usize,
+    /// Bytes of pipe buffer the process may hold (default: a quarter of the user's
+    /// pipe-user-pages-soft).
+    #[arg(long)]
+    pipe_budget: Option<usize>,
 }
 
 #[tokio::main]
@@ -68,6 +76,7 @@ async fn main() -> anyhow::Result<()> {
     };
     let relay = RelayConfig::default()
         .with_copy_mode(copy_mode)
+        .with_pipe_size(args.pipe_size)
         .with_connect_timeout(Duration::from_millis(args.connect_timeout_ms))
         .with_idle_timeout(
             (args.idle_timeout_secs > 0).then(|| Duration::from_secs(args.idle_timeout_secs)),
@@ -77,7 +86,14 @@ async fn main() -> anyhow::Result<()> {
         .with_relay(relay)
         .with_max_connections(args.max_connections);
 
-    let server = ProxyServer::new(ServerConfig::default(), Arc::new(NoopObserver))?;
+    if let Some(budget) = args.pipe_budget {
+        proxy_core::pipe::set_budget(budget);
+    }
+    // The Prometheus observer the binaries use, so the relay pays for its metrics; the registry
+    // is not served here.
+    let mut registry = Registry::default();
+    let metrics = Arc::new(PrometheusObserver::register(&mut registry));
+    let server = ProxyServer::new(ServerConfig::default(), metrics)?;
     let bound = server.add_listener(listener)?;
     println!("relaying {bound} -> {}", args.upstream);
 

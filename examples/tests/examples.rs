@@ -4,11 +4,11 @@
 use std::io::{BufRead as _, BufReader, Write as _};
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::process::{Child, ChildStdout, Command, Stdio};
+use std::process::{ChildStdout, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpStream;
 
 /// `target/<profile>/examples/<name>`, next to this test's own `deps/` directory.
 fn example(name: &str) -> PathBuf {
@@ -19,36 +19,14 @@ fn example(name: &str) -> PathBuf {
     path
 }
 
-struct Running(Child);
-
-impl Drop for Running {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
+use proxy_core::testing::KillOnDrop as Running;
 
 async fn echo_server() -> SocketAddr {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move {
-        while let Ok((mut socket, _)) = listener.accept().await {
-            tokio::spawn(async move {
-                let (mut r, mut w) = socket.split();
-                let _ = tokio::io::copy(&mut r, &mut w).await;
-                let _ = w.shutdown().await;
-            });
-        }
-    });
-    addr
+    proxy_core::testing::echo_server().await.unwrap()
 }
 
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    proxy_core::testing::free_port().unwrap()
 }
 
 /// Sends `payload`, half-closes, and returns everything echoed back.
@@ -127,15 +105,29 @@ async fn port_mapper_maps_unmaps_and_quits_on_stdin_commands() {
     let addr = SocketAddr::from(([127, 0, 0, 1], port));
     assert_eq!(round_trip(addr, b"mapped bytes").await, b"mapped bytes");
     writeln!(stdin, "unmap {port}").unwrap();
-    writeln!(stdin, "list").unwrap();
-    writeln!(stdin, "quit").unwrap();
-    drop(stdin);
-    let status = mapper.0.wait().unwrap();
-    assert!(status.success(), "{status}");
+    wait_for_line(&mut out, &format!("unmapped {port}"));
+    // Checked while the mapper still runs: its exit would close the port anyway.
+    assert!(mapper.0.try_wait().unwrap().is_none(), "exited on unmap");
     assert!(
         TcpStream::connect(addr).await.is_err(),
         "port still mapped after unmap"
     );
+    writeln!(stdin, "list").unwrap();
+    writeln!(stdin, "quit").unwrap();
+    drop(stdin);
+    let rest: Vec<String> = out.lines().map(Result::unwrap).collect();
+    assert!(
+        !rest
+            .iter()
+            .any(|line| line.contains(&format!(":{port} ->"))),
+        "still listed after unmap: {rest:?}"
+    );
+    assert!(
+        rest.iter().any(|line| line.starts_with("stopped:")),
+        "{rest:?}"
+    );
+    let status = mapper.0.wait().unwrap();
+    assert!(status.success(), "{status}");
 }
 
 #[tokio::test]

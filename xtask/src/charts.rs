@@ -58,6 +58,12 @@ const CASES: &[Case] = &[
         ],
     },
     Case {
+        chart: "steward-tcp-proxy",
+        namespace: "kube-system",
+        what: "upstream through an HTTP proxy (URL from a Secret)",
+        sets: &[STEWARD_UPSTREAM, "upstreamProxySecret=egress-proxy"],
+    },
+    Case {
         chart: "pod-proxier",
         namespace: "infra",
         what: "defaults",

@@ -1,5 +1,5 @@
 //! `cargo xtask envtest`: kube-apiserver built from the Go module `k8s.io/kubernetes` (wrapper module
-//! in `xtask/kube-apiserver/`), etcd copied out of the `etcd-bin-vendored-linux-amd64` crate, both
+//! in `xtask/kubernetes/`), etcd copied out of the `etcd-bin-vendored-linux-amd64` crate, both
 //! into a versioned cache directory outside the repository.
 
 use std::path::{Path, PathBuf};
@@ -11,9 +11,14 @@ use sha2::{Digest as _, Sha256};
 
 #[derive(clap::Args, Default)]
 pub struct Args {
-    /// Rebuild kube-apiserver even if the cached one matches.
+    /// Rebuild the Kubernetes binaries even if the cached ones match.
     #[arg(long)]
-    force: bool,
+    pub force: bool,
+    /// Also install what a test node needs: kubelet, kube-proxy, kube-controller-manager and
+    /// kube-scheduler (same module), containerd/runc/CNI plugins (Debian), CoreDNS and the node
+    /// images.
+    #[arg(long)]
+    pub node: bool,
 }
 
 /// Makes sure both binaries exist and returns the directory holding them.
@@ -28,6 +33,11 @@ pub fn ensure(args: &Args) -> anyhow::Result<PathBuf> {
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
     install_etcd(&dir)?;
     install_kube_apiserver(&dir, args.force)?;
+    if args.node {
+        install_packages(&NODE_PACKAGES, "the test node")?;
+        build_kubernetes(&dir, &NODE_BINARIES, args.force)?;
+        crate::node_images::ensure(&dir)?;
+    }
     Ok(dir)
 }
 
@@ -77,27 +87,58 @@ fn install_etcd(dir: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The stamp records what the binary was built from, so a changed `go.sum` forces a rebuild.
+/// The Kubernetes programs `--node` adds, built from the same wrapper module as kube-apiserver.
+const NODE_BINARIES: [&str; 4] = [
+    "kubelet",
+    "kube-proxy",
+    "kube-controller-manager",
+    "kube-scheduler",
+];
+
+/// Debian packages a node needs: the container runtime, the CNI plugins and the netfilter tools
+/// kubelet and kube-proxy call.
+const NODE_PACKAGES: [&str; 7] = [
+    "containerd",
+    "runc",
+    "containernetworking-plugins",
+    "iptables",
+    "nftables",
+    "conntrack",
+    "iproute2",
+];
+
 fn install_kube_apiserver(dir: &Path, force: bool) -> anyhow::Result<()> {
-    let module = crate::workspace_root().join("xtask").join("kube-apiserver");
-    let go_sum =
-        std::fs::read(module.join("go.sum")).context("reading xtask/kube-apiserver/go.sum")?;
-    let go_mod =
-        std::fs::read(module.join("go.mod")).context("reading xtask/kube-apiserver/go.mod")?;
+    build_kubernetes(dir, &["kube-apiserver"], force)
+}
+
+/// Builds `programs` (each `k8s.io/kubernetes/cmd/<name>`) from `xtask/kubernetes/` into `dir`
+/// unless each is there with a stamp of the module it was built from (a changed `go.sum` forces a
+/// rebuild). One `go build` for all of them, so shared packages compile once.
+fn build_kubernetes(dir: &Path, programs: &[&str], force: bool) -> anyhow::Result<()> {
+    let module = crate::workspace_root().join("xtask").join("kubernetes");
+    let go_sum = std::fs::read(module.join("go.sum")).context("reading xtask/kubernetes/go.sum")?;
+    let go_mod = std::fs::read(module.join("go.mod")).context("reading xtask/kubernetes/go.mod")?;
     let mut hasher = Sha256::new();
     hasher.update(KUBERNETES_VERSION.as_bytes());
     hasher.update(&go_mod);
     hasher.update(&go_sum);
     let stamp = hex::encode(hasher.finalize());
-    let target = dir.join("kube-apiserver");
-    let stamp_file = dir.join("kube-apiserver.stamp");
-    let current = std::fs::read_to_string(&stamp_file).unwrap_or_default();
-    if !force && target.is_file() && current.trim() == stamp {
+    let stale: Vec<&str> = programs
+        .iter()
+        .copied()
+        .filter(|name| {
+            let current =
+                std::fs::read_to_string(dir.join(format!("{name}.stamp"))).unwrap_or_default();
+            force || !dir.join(name).is_file() || current.trim() != stamp
+        })
+        .collect();
+    if stale.is_empty() {
         return Ok(());
     }
     check_go()?;
     eprintln!(
-        "building kube-apiserver {KUBERNETES_VERSION} from the Go module k8s.io/kubernetes (a few minutes the first time)..."
+        "building {} {KUBERNETES_VERSION} from the Go module k8s.io/kubernetes (minutes the first time)...",
+        stale.join(", ")
     );
     let started = std::time::Instant::now();
     let minor = KUBERNETES_VERSION.split('.').nth(1).unwrap_or_default();
@@ -112,23 +153,72 @@ fn install_kube_apiserver(dir: &Path, force: bool) -> anyhow::Result<()> {
         format!("-X k8s.io/client-go/pkg/version.gitMinor={minor}"),
     ]
     .join(" ");
-    let partial = dir.join("kube-apiserver.partial");
+    let partial = dir.join("build.partial");
+    std::fs::create_dir_all(&partial)?;
     let status = Command::new("go")
         .current_dir(&module)
         .env("CGO_ENABLED", "0")
         .env("GOTOOLCHAIN", "local")
         .env_remove("GOFLAGS")
         .args(["build", "-trimpath", "-ldflags", &ldflags, "-o"])
-        .arg(&partial)
-        .arg("k8s.io/kubernetes/cmd/kube-apiserver")
+        .arg(format!("{}/", partial.display()))
+        .args(
+            stale
+                .iter()
+                .map(|name| format!("k8s.io/kubernetes/cmd/{name}")),
+        )
         .status()
         .context("running go build")?;
     if !status.success() {
-        bail!("go build of kube-apiserver failed ({status})");
+        bail!("go build of {} failed ({status})", stale.join(", "));
     }
-    std::fs::rename(&partial, &target)?;
-    std::fs::write(&stamp_file, &stamp)?;
-    eprintln!("built {} in {:.0?}", target.display(), started.elapsed());
+    for name in &stale {
+        std::fs::rename(partial.join(name), dir.join(name))?;
+        std::fs::write(dir.join(format!("{name}.stamp")), &stamp)?;
+    }
+    std::fs::remove_dir_all(&partial)?;
+    eprintln!("built {} in {:.0?}", stale.join(", "), started.elapsed());
+    Ok(())
+}
+
+/// Installs the Debian packages of `purpose` that are missing, as `.ci/run` did before; where
+/// that is impossible (not root, not Debian), one line names them and nothing runs.
+pub fn install_packages(packages: &[&str], purpose: &str) -> anyhow::Result<()> {
+    let missing: Vec<&str> = packages
+        .iter()
+        .copied()
+        .filter(|pkg| {
+            !Command::new("dpkg")
+                .args(["-s", pkg])
+                .output()
+                .is_ok_and(|o| o.status.success())
+        })
+        .collect();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    let list = missing.join(" ");
+    let root = std::fs::read_to_string("/proc/self/status").is_ok_and(|s| {
+        s.lines()
+            .find_map(|l| l.strip_prefix("Uid:"))
+            .and_then(|ids| ids.split_whitespace().nth(1))
+            == Some("0")
+    });
+    if !root || Command::new("apt-get").arg("--version").output().is_err() {
+        bail!(
+            "{purpose} needs the Debian packages {list}: install them as root (apt-get install {list})"
+        );
+    }
+    eprintln!("installing {list} ({purpose})...");
+    let update = Command::new("apt-get").args(["update", "-q"]).status()?;
+    let install = Command::new("apt-get")
+        .env("DEBIAN_FRONTEND", "noninteractive")
+        .args(["install", "-y", "-q"])
+        .args(&missing)
+        .status()?;
+    if !update.success() || !install.success() {
+        bail!("apt-get install {list} failed");
+    }
     Ok(())
 }
 

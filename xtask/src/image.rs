@@ -6,6 +6,9 @@
 //! always give the same digest. Written under `target/images/<name>/` as an OCI image layout and
 //! as `target/images/<name>.tar`, which `docker load` (classic `manifest.json`) and OCI tools
 //! (`oci-layout`, `index.json`) both read.
+//!
+//! [`ImageContents`] and [`write_image`] are the writer alone, for any single-layer image; the
+//! test node's images (`node_images`) use them too.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -86,6 +89,7 @@ pub fn run(args: &Args) -> anyhow::Result<Vec<Built>> {
     if !args.skip_build {
         let mut cmd = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned()));
         cmd.current_dir(&root).args(["build", "--release"]);
+        without_run_env(&mut cmd);
         for spec in &specs {
             cmd.args(["-p", spec.package]);
         }
@@ -119,63 +123,140 @@ fn build_image(
     tag: &str,
 ) -> anyhow::Result<Built> {
     let release = target_dir(root).join("release");
-    let mut files: BTreeMap<String, (Vec<u8>, u32)> = BTreeMap::new();
+    let mut contents = ImageContents::new(NONROOT);
     for (file, path) in spec.binaries {
         let binary = release.join(file);
-        let bytes = std::fs::read(&binary).with_context(|| {
-            format!(
-                "reading {} (build it with cargo build --release)",
+        if !binary.is_file() {
+            bail!(
+                "{} is missing (build it with cargo build --release)",
                 binary.display()
-            )
-        })?;
-        files.insert(path.trim_start_matches('/').to_owned(), (bytes, 0o755));
-        for library in shared_libraries(&binary)? {
+            );
+        }
+        contents.add_binary(path, &binary)?;
+    }
+    contents.add_ca_certificates()?;
+    contents.add_nonroot_user();
+    contents.entrypoint = vec![spec.binaries[0].1.to_owned()];
+    contents.env = vec![
+        "PATH=/".to_owned(),
+        "SSL_CERT_FILE=/etc/ssl/certs/ca-certificates.crt".to_owned(),
+    ];
+    contents.labels = BTreeMap::from([
+        (
+            "org.opencontainers.image.title".to_owned(),
+            spec.name.to_owned(),
+        ),
+        (
+            "org.opencontainers.image.version".to_owned(),
+            env!("CARGO_PKG_VERSION").to_owned(),
+        ),
+        (
+            "org.opencontainers.image.revision".to_owned(),
+            git_revision(root),
+        ),
+        (
+            "org.opencontainers.image.source".to_owned(),
+            "https://github.com/kube-netkit/kube-netkit".to_owned(),
+        ),
+        (
+            "org.opencontainers.image.licenses".to_owned(),
+            "Apache-2.0".to_owned(),
+        ),
+    ]);
+    let reference = format!("{repository}/{}:{tag}", spec.name);
+    write_image(spec.name, &reference, &contents, &images_dir(root))
+}
+
+/// Everything one single-layer image holds: files (path inside the image without the leading
+/// `/` -> bytes and mode) and the runtime config.
+#[derive(Debug, Clone, Default)]
+pub struct ImageContents {
+    pub files: BTreeMap<String, (Vec<u8>, u32)>,
+    pub entrypoint: Vec<String>,
+    /// Runs as `user:user`.
+    pub user: u32,
+    pub env: Vec<String>,
+    pub labels: BTreeMap<String, String>,
+}
+
+impl ImageContents {
+    /// No files yet; `PATH=/` because every binary sits at the root.
+    pub fn new(user: u32) -> Self {
+        Self {
+            user,
+            env: vec!["PATH=/".to_owned()],
+            ..Self::default()
+        }
+    }
+
+    /// The binary at `path` in the image, plus the shared libraries and loader it needs at the
+    /// host paths `ldd` reports (so a glibc binary runs in an otherwise empty root).
+    pub fn add_binary(&mut self, path: &str, binary: &Path) -> anyhow::Result<()> {
+        let bytes =
+            std::fs::read(binary).with_context(|| format!("reading {}", binary.display()))?;
+        self.files
+            .insert(path.trim_start_matches('/').to_owned(), (bytes, 0o755));
+        for library in shared_libraries(binary)? {
             let bytes = std::fs::read(&library)
                 .with_context(|| format!("reading {}", library.display()))?;
             let path = library.to_string_lossy().trim_start_matches('/').to_owned();
-            files.insert(path, (bytes, 0o755));
+            self.files.insert(path, (bytes, 0o755));
         }
+        Ok(())
     }
-    let certs = Path::new("/etc/ssl/certs/ca-certificates.crt");
-    let ca = std::fs::read(certs)
-        .context("reading /etc/ssl/certs/ca-certificates.crt (install ca-certificates)")?;
-    files.insert("etc/ssl/certs/ca-certificates.crt".to_owned(), (ca, 0o644));
-    files.insert(
-        "etc/passwd".to_owned(),
-        (
-            format!("root:x:0:0:root:/root:/sbin/nologin\nnonroot:x:{NONROOT}:{NONROOT}:nonroot:/home/nonroot:/sbin/nologin\n").into_bytes(),
-            0o644,
-        ),
-    );
-    files.insert(
-        "etc/group".to_owned(),
-        (
-            format!("root:x:0:\nnonroot:x:{NONROOT}:\n").into_bytes(),
-            0o644,
-        ),
-    );
+
+    /// The host's CA bundle at /etc/ssl/certs/ca-certificates.crt.
+    pub fn add_ca_certificates(&mut self) -> anyhow::Result<()> {
+        let ca = std::fs::read("/etc/ssl/certs/ca-certificates.crt")
+            .context("reading /etc/ssl/certs/ca-certificates.crt (install ca-certificates)")?;
+        self.files
+            .insert("etc/ssl/certs/ca-certificates.crt".to_owned(), (ca, 0o644));
+        Ok(())
+    }
+
+    /// /etc/passwd and /etc/group naming root and the non-root user 65532.
+    pub fn add_nonroot_user(&mut self) {
+        self.files.insert(
+            "etc/passwd".to_owned(),
+            (
+                format!("root:x:0:0:root:/root:/sbin/nologin\nnonroot:x:{NONROOT}:{NONROOT}:nonroot:/home/nonroot:/sbin/nologin\n").into_bytes(),
+                0o644,
+            ),
+        );
+        self.files.insert(
+            "etc/group".to_owned(),
+            (
+                format!("root:x:0:\nnonroot:x:{NONROOT}:\n").into_bytes(),
+                0o644,
+            ),
+        );
+    }
+}
+
+/// Writes `contents` as the OCI layout `<out_dir>/<name>/` and the tarball `<out_dir>/<name>.tar`
+/// (an OCI layout plus the classic `manifest.json`, so both `docker load` and
+/// `ctr images import` read it), tagged `reference`. Deterministic: the same contents and
+/// `SOURCE_DATE_EPOCH` give the same digests.
+pub fn write_image(
+    name: &str,
+    reference: &str,
+    contents: &ImageContents,
+    out_dir: &Path,
+) -> anyhow::Result<Built> {
     let mtime = source_date_epoch();
-    let layer = layer_tar(&files, mtime)?;
+    let layer = layer_tar(&contents.files, mtime)?;
     let layer_digest = sha256(&layer);
 
-    let version = env!("CARGO_PKG_VERSION");
-    let revision = git_revision(root);
-    let labels = serde_json::json!({
-        "org.opencontainers.image.title": spec.name,
-        "org.opencontainers.image.version": version,
-        "org.opencontainers.image.revision": revision,
-        "org.opencontainers.image.source": "https://github.com/kube-netkit/kube-netkit",
-        "org.opencontainers.image.licenses": "Apache-2.0",
-    });
+    let labels = serde_json::to_value(&contents.labels)?;
     let created = format_epoch(mtime);
     let config = serde_json::json!({
         "architecture": "amd64",
         "os": "linux",
         "created": created,
         "config": {
-            "User": format!("{NONROOT}:{NONROOT}"),
-            "Entrypoint": [spec.binaries[0].1],
-            "Env": ["PATH=/", "SSL_CERT_FILE=/etc/ssl/certs/ca-certificates.crt"],
+            "User": format!("{0}:{0}", contents.user),
+            "Entrypoint": contents.entrypoint,
+            "Env": contents.env,
             "WorkingDir": "/",
             "Labels": labels,
         },
@@ -201,7 +282,6 @@ fn build_image(
     });
     let manifest_bytes = serde_json::to_vec(&manifest)?;
     let manifest_digest = sha256(&manifest_bytes);
-    let reference = format!("{repository}/{}:{tag}", spec.name);
     let index = serde_json::json!({
         "schemaVersion": 2,
         "mediaType": "application/vnd.oci.image.index.v1+json",
@@ -210,7 +290,7 @@ fn build_image(
             "digest": format!("sha256:{manifest_digest}"),
             "size": manifest_bytes.len(),
             "annotations": {
-                "org.opencontainers.image.ref.name": tag,
+                "org.opencontainers.image.ref.name": reference_tag(reference),
                 "io.containerd.image.name": reference,
             },
         }],
@@ -240,31 +320,44 @@ fn build_image(
         (manifest_bytes, 0o644),
     );
 
-    let out = target_dir(root).join("images");
-    let layout = out.join(spec.name);
+    let layout = out_dir.join(name);
     if layout.exists() {
-        std::fs::remove_dir_all(&layout)?;
+        std::fs::remove_dir_all(&layout)
+            .with_context(|| format!("removing {}", layout.display()))?;
     }
     for (path, (bytes, _)) in &entries {
         let file = layout.join(path);
         if let Some(parent) = file.parent() {
-            std::fs::create_dir_all(parent)?;
+            std::fs::create_dir_all(parent)
+                .with_context(|| format!("creating {}", parent.display()))?;
         }
-        std::fs::write(&file, bytes)?;
+        std::fs::write(&file, bytes).with_context(|| format!("writing {}", file.display()))?;
     }
     entries.insert(
         "manifest.json".to_owned(),
         (serde_json::to_vec(&docker_manifest)?, 0o644),
     );
-    let tarball = out.join(format!("{}.tar", spec.name));
-    std::fs::write(&tarball, layer_tar(&entries, mtime)?)?;
+    let tarball = out_dir.join(format!("{name}.tar"));
+    // Written aside and renamed, so a reader never sees half a tarball.
+    let partial = out_dir.join(format!("{name}.tar.partial"));
+    std::fs::write(&partial, layer_tar(&entries, mtime)?)
+        .with_context(|| format!("writing {}", partial.display()))?;
+    std::fs::rename(&partial, &tarball)
+        .with_context(|| format!("renaming to {}", tarball.display()))?;
     Ok(Built {
-        name: spec.name.to_owned(),
-        reference,
+        name: name.to_owned(),
+        reference: reference.to_owned(),
         manifest_digest: format!("sha256:{manifest_digest}"),
         layout,
         tarball,
     })
+}
+
+/// The tag of `registry/path:tag` (a `:` inside the registry's host:port is not one); `latest`
+/// when there is none, as container tools assume.
+fn reference_tag(reference: &str) -> &str {
+    let last = reference.rsplit('/').next().unwrap_or(reference);
+    last.rsplit_once(':').map_or("latest", |(_, tag)| tag)
 }
 
 /// A tar of `files` (parents created as directories), deterministic for the same input.
@@ -325,7 +418,34 @@ fn shared_libraries(binary: &Path) -> anyhow::Result<Vec<PathBuf>> {
     Ok(libraries)
 }
 
-fn target_dir(root: &Path) -> PathBuf {
+/// Drops what `cargo run` sets for the running xtask (CARGO_PKG_*, CARGO_MANIFEST_DIR, ...) from a
+/// nested cargo: ring's build script reruns when those differ, so a release build from here
+/// would otherwise rebuild ring and everything above it after every build from a shell.
+pub(crate) fn without_run_env(cmd: &mut Command) {
+    const SET_BY_RUN: [&str; 8] = [
+        "CARGO_MANIFEST_DIR",
+        "CARGO_MANIFEST_LINKS",
+        "CARGO_MANIFEST_PATH",
+        "CARGO_CRATE_NAME",
+        "CARGO_BIN_NAME",
+        "CARGO_PRIMARY_PACKAGE",
+        "CARGO_TARGET_TMPDIR",
+        "CARGO_RUSTC_CURRENT_DIR",
+    ];
+    for (name, _) in std::env::vars_os() {
+        let name = name.to_string_lossy();
+        if name.starts_with("CARGO_PKG_") || SET_BY_RUN.contains(&name.as_ref()) {
+            cmd.env_remove(name.as_ref());
+        }
+    }
+}
+
+/// Where `cargo xtask image` writes the release images: `<target>/images`.
+pub fn images_dir(root: &Path) -> PathBuf {
+    target_dir(root).join("images")
+}
+
+pub(crate) fn target_dir(root: &Path) -> PathBuf {
     std::env::var_os("CARGO_TARGET_DIR")
         .map(PathBuf::from)
         .unwrap_or_else(|| root.join("target"))
@@ -442,4 +562,71 @@ fn which(name: &str) -> Option<PathBuf> {
         .split(':')
         .map(|dir| Path::new(dir).join(name))
         .find(|p| p.is_file())
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+
+    use super::*;
+
+    #[test]
+    fn reference_tag_skips_a_registry_port() {
+        assert_eq!(reference_tag("localhost/kube-netkit/pause:1"), "1");
+        assert_eq!(reference_tag("localhost:5000/kube-netkit/pause:v2"), "v2");
+        assert_eq!(reference_tag("localhost:5000/kube-netkit/pause"), "latest");
+    }
+
+    #[test]
+    fn write_image_is_deterministic_and_loadable() {
+        let mut contents = ImageContents::new(NONROOT);
+        contents
+            .files
+            .insert("bin/tool".to_owned(), (b"#!/bin/true\n".to_vec(), 0o755));
+        contents.add_nonroot_user();
+        contents.entrypoint = vec!["/bin/tool".to_owned(), "serve".to_owned()];
+        let dir = tempfile::tempdir().expect("tempdir");
+        let first = write_image("tool", "localhost/test/tool:7", &contents, dir.path())
+            .expect("first write");
+        let tarball = std::fs::read(&first.tarball).expect("tarball");
+        let again = write_image("tool", "localhost/test/tool:7", &contents, dir.path())
+            .expect("second write");
+        assert_eq!(first.manifest_digest, again.manifest_digest);
+        assert_eq!(tarball, std::fs::read(&again.tarball).expect("tarball"));
+
+        // What docker load and ctr import read: manifest.json naming the config and the layer.
+        let mut archive = tar::Archive::new(tarball.as_slice());
+        let mut files = BTreeMap::new();
+        for entry in archive.entries().expect("entries") {
+            let mut entry = entry.expect("entry");
+            let path = entry.path().expect("path").to_string_lossy().into_owned();
+            let mut bytes = Vec::new();
+            std::io::Read::read_to_end(&mut entry, &mut bytes).expect("read");
+            files.insert(path, bytes);
+        }
+        let manifest: serde_json::Value =
+            serde_json::from_slice(&files["manifest.json"]).expect("manifest.json");
+        assert_eq!(manifest[0]["RepoTags"][0], "localhost/test/tool:7");
+        let config_path = manifest[0]["Config"].as_str().expect("Config");
+        let config: serde_json::Value =
+            serde_json::from_slice(&files[config_path]).expect("config");
+        assert_eq!(config["config"]["User"], "65532:65532");
+        assert_eq!(
+            config["config"]["Entrypoint"],
+            serde_json::json!(["/bin/tool", "serve"])
+        );
+        let layer_path = manifest[0]["Layers"][0].as_str().expect("layer");
+        let digest = format!("blobs/sha256/{}", sha256(&files[layer_path]));
+        assert_eq!(layer_path, digest, "blobs are named by their digest");
+        let index: serde_json::Value =
+            serde_json::from_slice(&files["index.json"]).expect("index.json");
+        assert_eq!(
+            index["manifests"][0]["annotations"]["org.opencontainers.image.ref.name"],
+            "7"
+        );
+        assert_eq!(
+            index["manifests"][0]["digest"].as_str(),
+            Some(first.manifest_digest.as_str())
+        );
+    }
 }

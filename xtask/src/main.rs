@@ -4,7 +4,8 @@
 //! * `cluster`, `demo`: a local control plane alone, or with the three binaries running on it.
 //! * `crds`, `charts`, `image`, `verify-images`, `readme-flags`: generated files and release
 //!   artefacts, each with its check.
-//! * `bench`: benchmarks against baselines measured in the same run.
+//! * `bench`: benchmarks against baselines measured in the same run; `loc`: each binary's own
+//!   logic in lines.
 //! * `test`: everything CI checks.
 
 mod bench;
@@ -12,8 +13,11 @@ mod charts;
 mod cluster;
 mod crds;
 mod demo;
+mod e2e;
 mod envtest;
 mod image;
+mod loc;
+mod node_images;
 mod readme_flags;
 mod test;
 mod tools;
@@ -36,8 +40,9 @@ enum Task {
     Envtest(envtest::Args),
     /// Install helm (built from its Go module) and print its path.
     Helm,
-    /// Start a local control plane (etcd + kube-apiserver), print its kubeconfig, run until Ctrl-C.
-    Cluster,
+    /// Start a local control plane (etcd + kube-apiserver; --node: and a real node), print its
+    /// kubeconfig, run until Ctrl-C (--check: prove the node works, then exit).
+    Cluster(cluster::Args),
     /// Run the three binaries against a local control plane and show traffic through each,
     /// until Ctrl-C.
     Demo(demo::Args),
@@ -52,10 +57,14 @@ enum Task {
     Image(image::Args),
     /// Build the images, then unpack them with umoci and run their binaries inside.
     VerifyImages(image::Args),
+    /// The charts on a real node: helm install, scenarios, target/e2e/report.{json,md} (root).
+    E2e(e2e::Args),
     /// Run every check CI runs: fmt, clippy, tests, docs.
     Test(test::Args),
     /// Benchmark the relays on loopback (proxy-core vs HAProxy, steward, rstream); see bench/mod.rs.
     Bench(bench::Args),
+    /// Count each binary's own logic in lines (no blanks, comments or tests) against its goal.
+    Loc,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -70,15 +79,17 @@ fn main() -> anyhow::Result<()> {
             println!("{}", tools::ensure_helm()?.display());
             Ok(())
         }
-        Task::Cluster => cluster::run(),
+        Task::Cluster(args) => cluster::run(&args),
         Task::Demo(args) => demo::run(&args),
         Task::Charts => charts::run(),
         Task::Crds(args) => crds::run(&args),
         Task::ReadmeFlags => readme_flags::run(),
         Task::Image(args) => image::run(&args).map(|_| ()),
         Task::VerifyImages(args) => image::verify(&args),
+        Task::E2e(args) => e2e::run(&args),
         Task::Test(args) => test::run(&args),
         Task::Bench(args) => bench::run(&args),
+        Task::Loc => loc::run(),
     }
 }
 

@@ -21,14 +21,33 @@ struct Step {
     ok: bool,
 }
 
+/// What the checks run besides the node's packages: HAProxy (pod-proxier's backend, the
+/// benchmark peer), umoci (image verification), tinyproxy (the real HTTP proxy of the CONNECT
+/// tests).
+const TEST_PACKAGES: [&str; 3] = ["haproxy", "umoci", "tinyproxy"];
+
 pub fn run(args: &Args) -> anyhow::Result<()> {
     let root = crate::workspace_root();
     let mut steps: Vec<Step> = Vec::new();
 
     let started = Instant::now();
-    let assets = crate::envtest::ensure(&crate::envtest::Args::default());
+    // Before anything slow: a machine that cannot get these stops here, naming them.
+    let packages = crate::envtest::install_packages(&TEST_PACKAGES, "cargo xtask test");
     steps.push(Step {
-        name: "envtest binaries",
+        name: "Debian packages",
+        duration: started.elapsed(),
+        ok: packages.is_ok(),
+    });
+    packages?;
+
+    let started = Instant::now();
+    // The node tests need kubelet & co., containerd and the node images too.
+    let assets = crate::envtest::ensure(&crate::envtest::Args {
+        node: true,
+        ..crate::envtest::Args::default()
+    });
+    steps.push(Step {
+        name: "envtest and node binaries",
         duration: started.elapsed(),
         ok: assets.is_ok(),
     });
@@ -73,7 +92,25 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
             ],
             vec![],
         ),
+        (
+            "release images (the node tests run them)",
+            vec![
+                "run",
+                "--quiet",
+                "-p",
+                "xtask",
+                "--",
+                "verify-images",
+                "all",
+            ],
+            vec![],
+        ),
         ("cargo test", test_cmd, vec![]),
+        (
+            "e2e: the charts on a real node",
+            vec!["run", "--quiet", "-p", "xtask", "--", "e2e", "--skip-build"],
+            vec![],
+        ),
         (
             "cargo doc -D warnings",
             vec!["doc", "--workspace", "--no-deps", "--all-features"],
@@ -81,8 +118,11 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
         ),
         (
             "cargo package (libraries)",
+            // Offline: the earlier steps fetched every dependency; a registry hiccup must not
+            // fail a check about our own manifests.
             vec![
                 "package",
+                "--offline",
                 "--allow-dirty",
                 "-p",
                 "proxy-core",
@@ -116,19 +156,6 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
             ],
             vec![],
         ),
-        (
-            "release images",
-            vec![
-                "run",
-                "--quiet",
-                "-p",
-                "xtask",
-                "--",
-                "verify-images",
-                "all",
-            ],
-            vec![],
-        ),
     ];
     let mut failed = false;
     let mut totals = TestTotals::default();
@@ -140,6 +167,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
             .args(&cmd_args)
             .envs(envs)
             .env("KUBEBUILDER_ASSETS", &assets)
+            .env("NETKIT_RELEASE_IMAGES", crate::image::images_dir(&root))
             .env(crate::tools::HELM_ENV, &helm);
         let status = if cmd_args.first() == Some(&"test") {
             run_counting(&mut cmd, &mut totals)?

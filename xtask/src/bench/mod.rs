@@ -63,14 +63,40 @@ pub struct Outcome {
 }
 
 type Bench = fn(&Settings) -> anyhow::Result<Outcome>;
+/// Each contender's configuration by name, as the summary shows it next to its figures.
+type Contenders = fn(&Settings) -> Vec<(&'static str, String)>;
 
-const BENCHES: [(&str, Which, Bench); 5] = [
-    ("proxy", Which::Proxy, proxy::run),
-    ("steward", Which::Steward, steward::run),
-    ("rstream", Which::Rstream, rstream::run),
-    ("operator", Which::Operator, operator::run),
-    ("pod-proxier", Which::PodProxier, pod_proxier::run),
+const BENCHES: [(&str, Which, Bench, Contenders); 5] = [
+    ("proxy", Which::Proxy, proxy::run, proxy::contenders),
+    ("steward", Which::Steward, steward::run, steward::contenders),
+    ("rstream", Which::Rstream, rstream::run, rstream_contenders),
+    (
+        "operator",
+        Which::Operator,
+        operator::run,
+        operator::contenders,
+    ),
+    (
+        "pod-proxier",
+        Which::PodProxier,
+        pod_proxier::run,
+        pod_proxier::contenders,
+    ),
 ];
+
+/// rstream's contenders (kept here so that the bench's module stays as it is).
+fn rstream_contenders(_settings: &Settings) -> Vec<(&'static str, String)> {
+    vec![
+        ("direct", "generator to sink on loopback".to_owned()),
+        (
+            "rstream tunnel",
+            format!(
+                "rstream-client LocalEngine + published TCP tunnel (ingress, engine, TLS proxy leg, client, forward) on its own one-worker runtime pinned to CPU {}",
+                system::RELAY_CPU
+            ),
+        ),
+    ]
+}
 
 /// Set in the release build of xtask that a debug build hands the bench to.
 const RELEASE_ENV: &str = "NETKIT_BENCH_RELEASE";
@@ -94,11 +120,11 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
 
     let mut reports = Vec::new();
     let mut failures = Vec::new();
-    for (name, which, bench) in BENCHES {
+    for (name, which, bench, contenders) in BENCHES {
         if args.bench != which && args.bench != Which::All {
             continue;
         }
-        match run_one(name, bench, &settings) {
+        match run_one(name, bench, contenders, &settings) {
             Ok(report) => {
                 println!("{}", report::markdown(&report));
                 report::write_json(&out.join(format!("{name}.json")), &report)?;
@@ -139,7 +165,12 @@ fn rerun_in_release() -> anyhow::Result<()> {
     Ok(())
 }
 
-fn run_one(name: &str, bench: Bench, settings: &Settings) -> anyhow::Result<Report> {
+fn run_one(
+    name: &str,
+    bench: Bench,
+    contenders: Contenders,
+    settings: &Settings,
+) -> anyhow::Result<Report> {
     let load_at_start = system::loadavg();
     let started = Instant::now();
     let outcome = bench(settings)?;
@@ -154,6 +185,16 @@ fn run_one(name: &str, bench: Bench, settings: &Settings) -> anyhow::Result<Repo
             load_at_end: system::loadavg(),
             pinning: system::pinning_note(),
         },
+        contenders: contenders(settings)
+            .into_iter()
+            .filter(|(contender, _)| {
+                outcome
+                    .figures
+                    .iter()
+                    .any(|f| f.series.iter().any(|s| s.contender == *contender))
+            })
+            .map(|(contender, configuration)| (contender.to_owned(), configuration))
+            .collect(),
         figures: outcome.figures,
         goals: outcome.goals,
         notes: outcome.notes,

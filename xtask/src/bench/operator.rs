@@ -1,7 +1,8 @@
 //! `bench operator`: the rstream-operator manager as a process against a real etcd +
 //! kube-apiserver. Many RstreamTunnels exist before it starts; measured are the time until every
 //! tunnel has its five children, the manager's peak RSS, and its write calls (from the API
-//! server's audit log) during a steady-state window, where the goal is none at all.
+//! server's audit log) during steady-state windows of at least three resyncs each (the manager
+//! runs with a short `--resync-period`), where the goal is none at all.
 
 use std::collections::{BTreeMap, HashSet};
 use std::fmt::Debug;
@@ -45,6 +46,9 @@ const POLL: Duration = Duration::from_millis(250);
 
 struct Sizes {
     tunnels: usize,
+    /// The manager's `--resync-period`.
+    resync: Duration,
+    /// One steady-state window (one per round); at least three resyncs long.
     steady: Duration,
     converge_timeout: Duration,
 }
@@ -54,13 +58,15 @@ impl Sizes {
         if quick {
             Self {
                 tunnels: 50,
+                resync: Duration::from_secs(3),
                 steady: Duration::from_secs(10),
                 converge_timeout: Duration::from_secs(120),
             }
         } else {
             Self {
                 tunnels: 500,
-                steady: Duration::from_secs(60),
+                resync: Duration::from_secs(15),
+                steady: Duration::from_secs(50),
                 converge_timeout: Duration::from_secs(600),
             }
         }
@@ -74,12 +80,22 @@ struct Run {
     peak_rss_kib: u64,
     settle: Duration,
     converge_writes: usize,
-    steady_writes: Vec<AuditEvent>,
+    /// Per round: the manager's writes in the window, every user's write count in the window,
+    /// and the manager's requests of any kind in the window.
+    windows: Vec<Window>,
+}
+
+/// One steady-state window.
+struct Window {
+    manager_writes: Vec<AuditEvent>,
+    writes_per_user: BTreeMap<String, usize>,
+    manager_requests: usize,
 }
 
 pub fn run(settings: &Settings) -> anyhow::Result<Outcome> {
     let binary = system::cargo_build_release(&["-p", "rstream-operator", "--bin", MANAGER])?;
     let sizes = Sizes::new(settings.quick);
+    debug_assert!(sizes.steady >= sizes.resync * 3);
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -87,14 +103,19 @@ pub fn run(settings: &Settings) -> anyhow::Result<Outcome> {
     let measured = runtime.block_on(async {
         eprintln!("operator: starting etcd and kube-apiserver");
         let plane = ControlPlane::builder().start().await?;
-        let measured = measure(&plane, &binary, &sizes).await;
+        let measured = measure(&plane, &binary, &sizes, settings.rounds).await;
         plane.stop();
         measured
     })?;
-    Ok(outcome(&sizes, &measured))
+    Ok(outcome(&sizes, settings.rounds, &measured))
 }
 
-async fn measure(plane: &ControlPlane, binary: &Path, sizes: &Sizes) -> anyhow::Result<Run> {
+async fn measure(
+    plane: &ControlPlane,
+    binary: &Path,
+    sizes: &Sizes,
+    rounds: usize,
+) -> anyhow::Result<Run> {
     plane.install_crds(&rstream_operator::crds()).await?;
     let client = plane.client().await?;
     let namespace = plane.create_namespace("bench-operator").await?;
@@ -112,7 +133,7 @@ async fn measure(plane: &ControlPlane, binary: &Path, sizes: &Sizes) -> anyhow::
         })
         .await?;
     let started = Instant::now();
-    let mut manager = start_manager(binary, &kubeconfig, &namespace, dir.path())?;
+    let mut manager = start_manager(binary, &kubeconfig, &namespace, sizes, dir.path())?;
     eprintln!("operator: waiting for every tunnel's children");
     wait_children(&client, &namespace, sizes, &mut manager).await?;
     let converge = started.elapsed();
@@ -122,26 +143,58 @@ async fn measure(plane: &ControlPlane, binary: &Path, sizes: &Sizes) -> anyhow::
     let converge_writes = wait_quiet(plane, sizes.converge_timeout, &mut manager).await?;
     let settle = settled.elapsed();
     eprintln!(
-        "operator: converged after {converge:.1?}, quiet after {settle:.1?} more; {:?} of steady state",
-        sizes.steady
+        "operator: converged after {converge:.1?}, quiet after {settle:.1?} more; {rounds} x {:?} of steady state (resync every {:?})",
+        sizes.steady, sizes.resync
     );
-    tokio::time::sleep(sizes.steady).await;
-    manager.check_running()?;
-    let steady_writes = plane
-        .writes_by(MANAGER_USER)
-        .await?
-        .split_off(converge_writes);
+    let mut windows = Vec::with_capacity(rounds);
+    for _ in 0..rounds {
+        windows.push(steady_window(plane, sizes.steady, &mut manager).await?);
+    }
     Ok(Run {
         converge,
         peak_rss_after_converge_kib,
         peak_rss_kib: peak_rss_kib(manager.pid())?,
         settle,
         converge_writes,
-        steady_writes,
+        windows,
     })
 }
 
-fn outcome(sizes: &Sizes, run: &Run) -> Outcome {
+/// Counts the writes made while `length` passes (the audit barrier of `writes_by` makes sure
+/// every request answered before each end of the window is in the log).
+async fn steady_window(
+    plane: &ControlPlane,
+    length: Duration,
+    manager: &mut system::Service,
+) -> anyhow::Result<Window> {
+    plane.writes_by(MANAGER_USER).await?;
+    let start = plane.audit_events()?.len();
+    tokio::time::sleep(length).await;
+    manager.check_running()?;
+    plane.writes_by(MANAGER_USER).await?;
+    let events = plane.audit_events()?.split_off(start);
+    let mut writes_per_user: BTreeMap<String, usize> = BTreeMap::new();
+    for event in events.iter().filter(|e| e.is_write()) {
+        *writes_per_user
+            .entry(event.user.username.clone())
+            .or_default() += 1;
+    }
+    let manager_requests = events
+        .iter()
+        .filter(|e| e.user.username == MANAGER_USER)
+        .count();
+    let manager_writes = events
+        .into_iter()
+        .filter(|e| e.user.username == MANAGER_USER && e.is_write())
+        .collect();
+    Ok(Window {
+        manager_writes,
+        writes_per_user,
+        manager_requests,
+    })
+}
+
+fn outcome(sizes: &Sizes, rounds: usize, run: &Run) -> Outcome {
     let mut recorder = Recorder::default();
     let mib = |kib: u64| kib as f64 / 1024.0;
     recorder.record(CONVERGE, MANAGER, run.converge.as_secs_f64());
@@ -151,18 +204,50 @@ fn outcome(sizes: &Sizes, run: &Run) -> Outcome {
         MANAGER,
         run.converge_writes as f64 / sizes.tunnels as f64,
     );
-    recorder.record(STEADY_WRITES, MANAGER, run.steady_writes.len() as f64);
-    let steady = run.steady_writes.len();
+    for window in &run.windows {
+        recorder.record(STEADY_WRITES, MANAGER, window.manager_writes.len() as f64);
+    }
+    let steady: usize = run.windows.iter().map(|w| w.manager_writes.len()).sum();
+    let all_writes: Vec<AuditEvent> = run
+        .windows
+        .iter()
+        .flat_map(|w| w.manager_writes.iter().cloned())
+        .collect();
+    let per_user: Vec<String> = run
+        .windows
+        .iter()
+        .enumerate()
+        .map(|(i, w)| {
+            let users: Vec<String> = w
+                .writes_per_user
+                .iter()
+                .map(|(user, n)| format!("{user} {n}"))
+                .collect();
+            format!(
+                "round {}: {} (manager requests of any verb: {})",
+                i + 1,
+                if users.is_empty() {
+                    "no writes".to_owned()
+                } else {
+                    users.join(", ")
+                },
+                w.manager_requests
+            )
+        })
+        .collect();
     Outcome {
         figures: recorder.finish(&[]),
         goals: vec![Goal {
-            goal: format!("0 write calls in {:?} of steady state", sizes.steady),
+            goal: format!(
+                "0 write calls in {rounds} x {:?} of steady state (>= 3 resyncs of {:?} each)",
+                sizes.steady, sizes.resync
+            ),
             measured: format!("{steady} write calls"),
             met: Some(steady == 0),
         }],
         notes: vec![
             format!(
-                "{} RstreamTunnels (one direct-engine RstreamConnection, one target Service), all created before the manager starts; time from spawning the manager (process start and cache sync included) until every tunnel has its ConfigMap, ServiceAccount, Role, RoleBinding and Deployment, polled every {POLL:?} with metadata-only lists. One run per bench (the control plane and {} tunnels are too costly to repeat): median = min = max.",
+                "{} RstreamTunnels (one direct-engine RstreamConnection, one target Service), all created before the manager starts; time from spawning the manager (process start and cache sync included) until every tunnel has its ConfigMap, ServiceAccount, Role, RoleBinding and Deployment, polled every {POLL:?} with metadata-only lists. One manager start per bench (the control plane and {} tunnels are too costly to repeat): converge time, RSS and converge writes have one sample, median = min = max; --rounds repeats the steady-state window.",
                 sizes.tunnels, sizes.tunnels
             ),
             format!(
@@ -171,15 +256,30 @@ fn outcome(sizes: &Sizes, run: &Run) -> Outcome {
                 mib(run.peak_rss_kib)
             ),
             format!(
-                "Steady state: starts once the manager's write count (audit log, user {MANAGER_USER}) has not moved for {QUIET:?} ({:.1?} after the children were complete; {} writes until then), then {:?} of counting. Writes in the window: {}.",
+                "Steady state: starts once the manager's write count (audit log, user {MANAGER_USER}) has not moved for {QUIET:?} ({:.1?} after the children were complete; {} writes until then), then {rounds} window(s) of {:?}, one per round, each spanning at least three resyncs (--resync-period={}s). The manager's writes in the windows: {}. Write calls per user in each window, from the audit log: {}.",
                 run.settle,
                 run.converge_writes,
                 sizes.steady,
-                describe_writes(&run.steady_writes)
+                sizes.resync.as_secs(),
+                describe_writes(&all_writes),
+                per_user.join("; ")
             ),
             "No agent runs and no controller-manager: Deployments never become available, so tunnels stay at Ready=False/WaitingForDeployment, which is a stable state. The manager is not pinned; it shares both CPUs with etcd and kube-apiserver.".to_owned(),
         ],
     }
+}
+
+/// Each contender's configuration, as the summary shows it.
+pub fn contenders(settings: &Settings) -> Vec<(&'static str, String)> {
+    let sizes = Sizes::new(settings.quick);
+    vec![(
+        MANAGER,
+        format!(
+            "release build, --resync-period={}s, --log-level=warn, client-certificate user {MANAGER_USER} (system:masters), unpinned; {} RstreamTunnels",
+            sizes.resync.as_secs(),
+            sizes.tunnels
+        ),
+    )]
 }
 
 /// `verb resource[/subresource]: count` for each kind of write, or "none".
@@ -267,6 +367,7 @@ fn start_manager(
     binary: &Path,
     kubeconfig: &Path,
     namespace: &str,
+    sizes: &Sizes,
     log_dir: &Path,
 ) -> anyhow::Result<system::Service> {
     let address = || -> anyhow::Result<String> {
@@ -278,6 +379,7 @@ fn start_manager(
         .arg(format!("--namespace={namespace}"))
         .arg(format!("--metrics-bind-address={}", address()?))
         .arg(format!("--health-probe-bind-address={}", address()?))
+        .arg(format!("--resync-period={}s", sizes.resync.as_secs()))
         .arg("--log-format=text")
         .arg("--log-level=warn");
     system::Service::spawn(MANAGER, cmd, log_dir)

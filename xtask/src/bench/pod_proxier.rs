@@ -1,7 +1,9 @@
 //! `bench pod-proxier`: V1 mappings through pod-proxier against a real etcd + kube-apiserver, with
 //! its embedded data plane and with a real HAProxy driven through its Runtime API. Measured: the
 //! time from `POST /api/v1/mapping` to the first byte from the pod through the new mapping, and
-//! bulk throughput through a mapping versus straight to the "pod" (a loopback sink).
+//! bulk throughput through a mapping versus straight to the "pod" (a loopback sink). POST to
+//! first byte is measured with `--auth none` and with `--auth kubernetes` (a ServiceAccount token
+//! checked with TokenReview, access with SubjectAccessReview, as the chart runs it).
 //!
 //! Both pod-proxier processes and HAProxy run on the relay CPU; the throughput generator and sink
 //! run on a thread pinned to the generator CPU.
@@ -13,7 +15,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail};
 use k8s_openapi::api::core::v1::Pod;
-use k8s_reconcile::testing::ControlPlane;
+use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
+use k8s_reconcile::testing::{ControlPlane, Identity};
 use kube::CustomResourceExt as _;
 use kube::api::{Api, Patch, PatchParams, PostParams};
 use pod_proxier::crd::PortMapping;
@@ -27,8 +30,12 @@ use super::system::{self, GENERATOR_CPU, RELAY_CPU};
 use super::{Outcome, Settings};
 
 const DIRECT: &str = "direct";
-const EMBEDDED: &str = "pod-proxier embedded";
-const HAPROXY: &str = "pod-proxier + HAProxy";
+const EMBEDDED: &str = "pod-proxier embedded, --auth none";
+const HAPROXY: &str = "pod-proxier + HAProxy splice-auto, --auth none";
+const EMBEDDED_AUTH: &str = "pod-proxier embedded, --auth kubernetes";
+const HAPROXY_AUTH: &str = "pod-proxier + HAProxy splice-auto, --auth kubernetes";
+/// The ServiceAccount whose token the authenticated contenders' requests carry.
+const CALLER: &str = "mapper";
 
 const FIRST_BYTE: Metric = Metric::lower(
     "POST to first byte through the new mapping, per mapping",
@@ -94,7 +101,7 @@ pub fn run(settings: &Settings) -> anyhow::Result<Outcome> {
 fn notes(settings: &Settings, sizes: &Sizes) -> Vec<String> {
     vec![
         format!(
-            "POST to first byte: {} mappings per backend, spread over {} alternated rounds (embedded, then HAProxy); each maps the next of {BANNER_PODS} pods (Running, podIP 127.0.0.1, a named container port where a local server greets first), measured by pod_proxier::bench::post_to_first_byte (API call, then a connect every millisecond until a byte arrives). Before each POST the previous mapping is deleted and the entry port checked idle, so the byte can only come through the new mapping; afterwards the greeting is checked to be the new pod's. The per-mapping figure's median is the p50 over every mapping of the run, with the fastest and slowest mapping; the p99 is over every mapping too (one value).",
+            "POST to first byte: {} mappings per contender, spread over {} rounds in which the four contenders take turns in a random order; each maps the next of {BANNER_PODS} pods (Running, podIP 127.0.0.1, a named container port where a local server greets first), measured by proxy_core::testing::post_to_first_byte (API call, then a connect every millisecond until a byte arrives). Before each POST the previous mapping is deleted and the entry port checked idle, so the byte can only come through the new mapping; afterwards the greeting is checked to be the new pod's. The per-mapping figure's median is the p50 over every mapping of the run, with the fastest and slowest mapping; the p99 is over every mapping too (one value).",
             sizes.mappings,
             settings.rounds
         ),
@@ -103,7 +110,10 @@ fn notes(settings: &Settings, sizes: &Sizes) -> Vec<String> {
             sizes.bulk_bytes >> 20,
             settings.rounds
         ),
-        "pod-proxier runs with --auth none and the admin kubeconfig; each backend has its own state namespace. The API server and etcd are not pinned.".to_owned(),
+        format!(
+            "Auth: the '--auth none' contenders take requests without a token. The '--auth kubernetes' contenders get the ServiceAccount token of {CALLER} (TokenRequest API) in a Bearer header; pod-proxier checks it with TokenReview and the access (create pods/portforward on the pod) with SubjectAccessReview, as the Helm chart runs it, and the ServiceAccount is granted that by a Role. pod-proxier uses the admin kubeconfig; each backend has its own state namespace. Throughput is measured through the '--auth none' contenders only: auth is checked on the API call, not on the data path. The API server and etcd are not pinned."
+        ),
+        "HAProxy backend: the configuration is what `pod-proxier haproxy-config` prints, which splices as the embedded data plane does: `option splice-auto` (buffered until a transfer is large, then through a pipe, like proxy-core's automatic mode), `tune.pipesize` equal to proxy-core's 1 MiB pipe, and `maxpipes` equal to `maxconn`.".to_owned(),
     ]
 }
 
@@ -122,30 +132,46 @@ async fn measure(
         .prefix("netkit-bench-pod-proxier-")
         .tempdir()?;
 
+    let token = caller_token(plane, &client, &pods_ns).await?;
     let embedded_ns = plane.create_namespace("bench-embedded").await?;
-    let mut embedded = Proxier::prepare(plane, binary, &embedded_ns, &pods_ns, &[])?;
+    let mut embedded = Proxier::prepare(plane, binary, &embedded_ns, &pods_ns, &[], None)?;
     embedded.spawn(dir.path()).await?;
     let (mut with_haproxy, _haproxy) =
-        start_with_haproxy(plane, binary, haproxy, &pods_ns, dir.path()).await?;
+        start_with_haproxy(plane, binary, haproxy, &pods_ns, dir.path(), None).await?;
+    let authed_ns = plane.create_namespace("bench-embedded-auth").await?;
+    let mut embedded_auth =
+        Proxier::prepare(plane, binary, &authed_ns, &pods_ns, &[], Some(&token))?;
+    embedded_auth.spawn(dir.path()).await?;
+    let (mut haproxy_auth, _haproxy_auth) =
+        start_with_haproxy(plane, binary, haproxy, &pods_ns, dir.path(), Some(&token)).await?;
 
     let mut recorder = Recorder::default();
     eprintln!("pod-proxier: {} mappings per backend", sizes.mappings);
-    let mut contenders = [(EMBEDDED, &mut embedded), (HAPROXY, &mut with_haproxy)];
-    let mut millis: [Vec<f64>; 2] = [Vec::new(), Vec::new()];
+    let mut contenders = [
+        (EMBEDDED, &mut embedded),
+        (HAPROXY, &mut with_haproxy),
+        (EMBEDDED_AUTH, &mut embedded_auth),
+        (HAPROXY_AUTH, &mut haproxy_auth),
+    ];
+    let mut millis: [Vec<f64>; 4] = Default::default();
     for round in 0..settings.rounds {
         let count = share(sizes.mappings, settings.rounds, round);
-        for ((name, proxier), samples) in contenders.iter_mut().zip(&mut millis) {
+        for index in super::proxy::shuffled(contenders.len()) {
+            let (name, proxier) = &mut contenders[index];
             for _ in 0..count {
                 let next = banners.next_after(proxier.mapped);
                 let elapsed = map_and_time(proxier, &banners, next)
                     .await
                     .with_context(|| format!("mapping through {name}"))?;
-                samples.push(elapsed.as_secs_f64() * 1e3);
+                millis[index].push(elapsed.as_secs_f64() * 1e3);
             }
             proxier.check_running()?;
         }
     }
-    for (name, mut samples) in [EMBEDDED, HAPROXY].into_iter().zip(millis) {
+    for (name, mut samples) in [EMBEDDED, HAPROXY, EMBEDDED_AUTH, HAPROXY_AUTH]
+        .into_iter()
+        .zip(millis)
+    {
         for value in &samples {
             recorder.record(FIRST_BYTE, name, *value);
         }
@@ -168,7 +194,43 @@ async fn measure(
     })?;
     embedded.check_running()?;
     with_haproxy.check_running()?;
+    embedded_auth.check_running()?;
+    haproxy_auth.check_running()?;
     Ok(recorder)
+}
+
+/// Each contender's configuration, as the summary shows it.
+pub fn contenders(_settings: &Settings) -> Vec<(&'static str, String)> {
+    let common = format!("release build, --enable-v1, pinned to CPU {RELAY_CPU}");
+    let haproxy = "HAProxy from `pod-proxier haproxy-config` (option splice-auto, tune.pipesize 1 MiB, maxpipes = maxconn 4096) driven through its Runtime API, pinned to the same CPU";
+    vec![
+        (
+            DIRECT,
+            "generator to the sink (the pod's podIP:port) on loopback".to_owned(),
+        ),
+        (
+            EMBEDDED,
+            format!(
+                "{common}, --auth none, embedded proxy-core data plane (automatic copy mode, 1 MiB pipes)"
+            ),
+        ),
+        (
+            HAPROXY,
+            format!("{common}, --auth none, --backend=haproxy; {haproxy}"),
+        ),
+        (
+            EMBEDDED_AUTH,
+            format!(
+                "{common}, --auth kubernetes (TokenReview + SubjectAccessReview), embedded data plane"
+            ),
+        ),
+        (
+            HAPROXY_AUTH,
+            format!(
+                "{common}, --auth kubernetes (TokenReview + SubjectAccessReview), --backend=haproxy; {haproxy}"
+            ),
+        ),
+    ]
 }
 
 /// The share of `total` that round `round` of `rounds` does (they add up to `total`).
@@ -190,18 +252,20 @@ async fn map_and_time(
 ) -> anyhow::Result<Duration> {
     if let Some(current) = proxier.mapped.take() {
         let path = format!("/api/v1/mapping?pod_name={}", banners.pod_name(current));
-        let (status, body) = http(proxier.api, "DELETE", &path, None).await?;
+        let token = proxier.token.as_deref();
+        let (status, body) = http(proxier.api, "DELETE", &path, None, token).await?;
         if status != 200 {
             bail!("DELETE {path} answered {status}: {body}");
         }
     }
     wait_idle(proxier.entry).await?;
-    let elapsed = pod_proxier::bench::post_to_first_byte(
+    let body = serde_json::json!({"pod_name": banners.pod_name(next), "time": TTL_SECONDS});
+    let elapsed = proxy_core::testing::post_to_first_byte(
         proxier.api,
+        "/api/v1/mapping",
+        &body.to_string(),
+        proxier.token.as_deref(),
         proxier.entry,
-        None,
-        &banners.pod_name(next),
-        TTL_SECONDS,
         STEP_TIMEOUT,
     )
     .await?;
@@ -254,10 +318,14 @@ async fn http(
     method: &str,
     path: &str,
     json: Option<&serde_json::Value>,
+    token: Option<&str>,
 ) -> anyhow::Result<(u16, String)> {
     let body = json.map(|j| j.to_string()).unwrap_or_default();
+    let authorization = token
+        .map(|t| format!("Authorization: Bearer {t}\r\n"))
+        .unwrap_or_default();
     let request = format!(
-        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n{authorization}Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
         body.len()
     );
     let exchange = async {
@@ -359,9 +427,11 @@ async fn create_pod(
     Ok(())
 }
 
-/// One pod-proxier process (V1 only, `--auth none`) on loopback.
+/// One pod-proxier process (V1 only) on loopback.
 struct Proxier {
     binary: PathBuf,
+    /// With a token: `--auth kubernetes`, and requests carry it; without: `--auth none`.
+    token: Option<String>,
     args: Vec<String>,
     api: SocketAddr,
     entry: SocketAddr,
@@ -378,6 +448,7 @@ impl Proxier {
         state_ns: &str,
         pods_ns: &str,
         extra: &[&str],
+        token: Option<&str>,
     ) -> anyhow::Result<Self> {
         let address = || -> anyhow::Result<SocketAddr> {
             Ok(SocketAddr::from((
@@ -388,7 +459,11 @@ impl Proxier {
         let (api, entry, metrics) = (address()?, address()?, address()?);
         let mut args: Vec<String> = [
             "--enable-v1",
-            "--auth=none",
+            if token.is_some() {
+                "--auth=kubernetes"
+            } else {
+                "--auth=none"
+            },
             "--listen-addr=127.0.0.1",
             "--api-listen-addr=127.0.0.1",
             "--log-level=warn",
@@ -408,6 +483,7 @@ impl Proxier {
         args.extend(extra.iter().map(|s| (*s).to_owned()));
         Ok(Self {
             binary: binary.to_owned(),
+            token: token.map(str::to_owned),
             args,
             api,
             entry,
@@ -441,7 +517,7 @@ impl Proxier {
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
             self.check_running()?;
-            if let Ok((200, _)) = http(self.metrics, "GET", "/readyz", None).await {
+            if let Ok((200, _)) = http(self.metrics, "GET", "/readyz", None, None).await {
                 return Ok(());
             }
             if Instant::now() > deadline {
@@ -471,9 +547,16 @@ async fn start_with_haproxy(
     haproxy: &Path,
     pods_ns: &str,
     dir: &Path,
+    token: Option<&str>,
 ) -> anyhow::Result<(Proxier, system::Service)> {
-    let state_ns = plane.create_namespace("bench-haproxy").await?;
-    let socket = dir.join("haproxy-admin.sock");
+    let state_ns = plane
+        .create_namespace(if token.is_some() {
+            "bench-haproxy-auth"
+        } else {
+            "bench-haproxy"
+        })
+        .await?;
+    let socket = dir.join(format!("haproxy-admin-{state_ns}.sock"));
     let api_addr = format!("unix://{}", socket.display());
     let mut proxier = Proxier::prepare(
         plane,
@@ -481,12 +564,13 @@ async fn start_with_haproxy(
         &state_ns,
         pods_ns,
         &["--backend=haproxy", &format!("--api-addr={api_addr}")],
+        token,
     )?;
-    let config = dir.join("haproxy.cfg");
+    let config = dir.join(format!("haproxy-{state_ns}.cfg"));
     std::fs::write(&config, proxier.haproxy_config()?)?;
     let mut cmd = system::pinned_command(RELAY_CPU, haproxy);
     cmd.args(["-db", "-f"]).arg(&config);
-    let mut haproxy = system::Service::spawn("haproxy", cmd, dir)?;
+    let mut haproxy = system::Service::spawn(&format!("haproxy-{state_ns}"), cmd, dir)?;
     let deadline = Instant::now() + Duration::from_secs(10);
     while !socket.exists() {
         haproxy.check_running()?;
@@ -497,6 +581,42 @@ async fn start_with_haproxy(
     }
     proxier.spawn(dir).await?;
     Ok((proxier, haproxy))
+}
+
+/// A ServiceAccount token (from the TokenRequest API) allowed to map the pods of `pods_ns`.
+async fn caller_token(
+    plane: &ControlPlane,
+    client: &kube::Client,
+    pods_ns: &str,
+) -> anyhow::Result<String> {
+    let role: Role = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": "mapper"},
+        "rules": [
+            {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list"]},
+            {"apiGroups": [""], "resources": ["pods/portforward"], "verbs": ["create"]},
+        ],
+    }))?;
+    Api::<Role>::namespaced(client.clone(), pods_ns)
+        .create(&PostParams::default(), &role)
+        .await?;
+    let binding: RoleBinding = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": "mapper"},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "mapper"},
+        "subjects": [{"kind": "ServiceAccount", "name": CALLER, "namespace": pods_ns}],
+    }))?;
+    Api::<RoleBinding>::namespaced(client.clone(), pods_ns)
+        .create(&PostParams::default(), &binding)
+        .await?;
+    let kubeconfig = plane
+        .kubeconfig_as(&Identity::service_account(pods_ns, CALLER))
+        .await?;
+    let text = std::fs::read_to_string(&kubeconfig)
+        .with_context(|| format!("reading {}", kubeconfig.display()))?;
+    let value: serde_yaml_ng::Value = serde_yaml_ng::from_str(&text)?;
+    value["users"][0]["user"]["token"]
+        .as_str()
+        .map(str::to_owned)
+        .context("no token in the ServiceAccount's kubeconfig")
 }
 
 /// Runs on its own thread, pinned to the generator CPU, with its own runtime (the sink's tasks
@@ -545,7 +665,7 @@ fn throughput(
 /// Maps the bulk pod and waits until a small transfer passes (the sink does not greet).
 async fn map_bulk_pod(api: SocketAddr, entry: SocketAddr, pods_ns: &str) -> anyhow::Result<()> {
     let body = serde_json::json!({"pod_name": format!("{pods_ns}/bulk"), "time": TTL_SECONDS});
-    let (status, answer) = http(api, "POST", "/api/v1/mapping", Some(&body)).await?;
+    let (status, answer) = http(api, "POST", "/api/v1/mapping", Some(&body), None).await?;
     if status != 200 {
         bail!("POST /api/v1/mapping answered {status}: {answer}");
     }

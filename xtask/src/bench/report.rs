@@ -107,9 +107,18 @@ pub struct Report {
     pub quick: bool,
     pub rounds: usize,
     pub machine: Machine,
+    /// Each contender's configuration, by name (what the summary shows next to its figures).
+    pub contenders: BTreeMap<String, String>,
     pub figures: Vec<Figure>,
     pub goals: Vec<Goal>,
     pub notes: Vec<String>,
+}
+
+impl Series {
+    /// Whether the number was derived rather than measured ([`Recorder::model`]).
+    pub fn is_model(&self) -> bool {
+        self.samples.is_empty() && self.median.is_some()
+    }
 }
 
 /// Collects samples while a bench runs; [`Recorder::finish`] turns them into figures.
@@ -131,6 +140,13 @@ impl Recorder {
 
     /// A value that was not measured but derived (e.g. from a configured period), with the note
     /// that says so; it has no samples.
+    #[cfg_attr(
+        not(test),
+        expect(
+            dead_code,
+            reason = "no bench models a figure today; one that must goes through here, so every table marks it"
+        )
+    )]
     pub fn model(&mut self, metric: Metric, contender: &str, median: f64, note: impl Into<String>) {
         let series = self.series(metric, contender);
         series.median = Some(median);
@@ -281,7 +297,7 @@ pub fn markdown(report: &Report) -> String {
                     ""
                 },
                 series.contender,
-                format_option(series.median),
+                shown_median(series),
                 format_option(series.min),
                 format_option(series.max)
             );
@@ -296,6 +312,12 @@ pub fn markdown(report: &Report) -> String {
             }
             let _ = writeln!(row, " {} |", series.note.as_deref().unwrap_or(""));
             out.push_str(&row);
+        }
+    }
+    if !report.contenders.is_empty() {
+        let _ = writeln!(out, "\n| contender | configuration |\n|---|---|");
+        for (contender, configuration) in &report.contenders {
+            let _ = writeln!(out, "| {contender} | {configuration} |");
         }
     }
     if !report.goals.is_empty() {
@@ -318,42 +340,68 @@ pub fn markdown(report: &Report) -> String {
     out
 }
 
-/// One table over every bench: each figure, its baseline in the same run, and the ratio.
+/// The median as shown in tables: a derived number says "model" next to it.
+fn shown_median(series: &Series) -> String {
+    let median = format_option(series.median);
+    if series.is_model() {
+        format!("{median} (model)")
+    } else {
+        median
+    }
+}
+
+/// One table over every bench: each contender's figure with its configuration next to it, its
+/// baseline in the same run, and the ratio. A figure that is a model says so.
 pub fn summary_markdown(reports: &[Report], failures: &[(String, String)]) -> String {
     let mut out = String::from("# cargo xtask bench all\n\n");
     let _ = writeln!(
         out,
-        "| bench | figure | contender | median | baseline | baseline median | ratio |\n|---|---|---|---:|---|---:|---:|"
+        "Medians of alternated rounds with min–max; ratios against the first baseline of the figure measured in the same run. A number marked (model) was derived, not measured.\n"
+    );
+    let _ = writeln!(
+        out,
+        "| bench | figure | contender | configuration | median (min–max) | baseline | ratio |\n|---|---|---|---|---:|---|---:|"
     );
     for report in reports {
         for figure in &report.figures {
             for series in &figure.series {
-                // The first reference with a number (relay-only figures have no direct value).
+                // The first reference with a number other than the contender itself.
                 let baseline = figure
                     .references
                     .iter()
                     .find(|r| **r != series.contender && figure.median(r).is_some());
-                let Some(baseline) = baseline else {
-                    continue;
+                let (baseline_text, ratio) = match baseline {
+                    Some(baseline) => (
+                        format!("{baseline} {}", format_option(figure.median(baseline))),
+                        series
+                            .ratios
+                            .get(&format!("vs {baseline}"))
+                            .map(|r| format_ratio(*r))
+                            .unwrap_or_else(|| "—".to_owned()),
+                    ),
+                    None => ("—".to_owned(), "—".to_owned()),
                 };
-                if figure.references.first() == Some(&series.contender) {
-                    continue;
+                let range = match (series.min, series.max) {
+                    (Some(min), Some(max)) => {
+                        format!(" ({}–{})", format_value(min), format_value(max))
+                    }
+                    _ => String::new(),
+                };
+                let mut value = format!("{}{range}", shown_median(series));
+                if series.median.is_none()
+                    && let Some(note) = &series.note
+                {
+                    value = note.clone();
                 }
-                let ratio = series
-                    .ratios
-                    .get(&format!("vs {baseline}"))
-                    .map(|r| format_ratio(*r))
-                    .unwrap_or_else(|| "—".to_owned());
+                let configuration = report
+                    .contenders
+                    .get(&series.contender)
+                    .map(String::as_str)
+                    .unwrap_or("see the bench's notes");
                 let _ = writeln!(
                     out,
-                    "| {} | {} ({}) | {} | {} | {} | {} | {ratio} |",
-                    report.bench,
-                    figure.name,
-                    figure.unit,
-                    series.contender,
-                    format_option(series.median),
-                    baseline,
-                    format_option(figure.median(baseline)),
+                    "| {} | {} ({}) | {} | {configuration} | {value} | {baseline_text} | {ratio} |",
+                    report.bench, figure.name, figure.unit, series.contender,
                 );
             }
         }
@@ -361,8 +409,10 @@ pub fn summary_markdown(reports: &[Report], failures: &[(String, String)]) -> St
     for report in reports {
         let _ = writeln!(
             out,
-            "\n{}: {}; {} → {}",
+            "\n{}{}: {} round(s); {}; {} → {}",
             report.bench,
+            if report.quick { " (quick)" } else { "" },
+            report.rounds,
             report.machine.pinning,
             report.machine.load_at_start,
             report.machine.load_at_end
@@ -429,6 +479,7 @@ mod tests {
                 load_at_end: "load 0".to_owned(),
                 pinning: "none".to_owned(),
             },
+            contenders: BTreeMap::new(),
             figures: recorder.finish(&["direct"]),
             goals: Vec::new(),
             notes: Vec::new(),
@@ -438,6 +489,38 @@ mod tests {
             text.contains(
                 "| speed (Gbit/s, higher is better) | haproxy | — | — | — | — | not installed |"
             ),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn summary_marks_models_and_shows_configurations() {
+        let mut recorder = Recorder::default();
+        recorder.record(SPEED, "direct", 2.0);
+        recorder.record(SPEED, "relay", 1.0);
+        recorder.model(SPEED, "seed", 0.5, "model: derived");
+        let report = Report {
+            bench: "demo".to_owned(),
+            quick: false,
+            rounds: 1,
+            machine: Machine {
+                cpus: 2,
+                load_at_start: "load 0".to_owned(),
+                load_at_end: "load 0".to_owned(),
+                pinning: "none".to_owned(),
+            },
+            contenders: BTreeMap::from([("relay".to_owned(), "one thread".to_owned())]),
+            figures: recorder.finish(&["direct"]),
+            goals: Vec::new(),
+            notes: Vec::new(),
+        };
+        let text = summary_markdown(&[report], &[]);
+        assert!(
+            text.contains("| demo | speed (Gbit/s) | relay | one thread | 1.00 (1.00–1.00) | direct 2.00 | 0.50x |"),
+            "{text}"
+        );
+        assert!(
+            text.contains("| seed | see the bench's notes | 0.500 (model) |"),
             "{text}"
         );
     }

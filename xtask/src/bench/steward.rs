@@ -1,7 +1,8 @@
 //! `bench steward`: how fast steward-tcp-proxy repairs edits of the `default/kubernetes`
-//! EndpointSlice (next to the seed's 30 s poll), and API server LIST throughput through its relay
-//! versus straight to the API server. Runs against a real etcd + kube-apiserver started with
-//! `--endpoint-reconciler-type=none`.
+//! EndpointSlice, next to a re-creation of the seed's reconciler (get, compare, update on a 30 s
+//! ticker) run against the same API server and timed the same way; and API server LIST throughput
+//! through steward's relay versus straight to the API server. Runs against a real etcd +
+//! kube-apiserver started with `--endpoint-reconciler-type=none`.
 
 use std::net::{Ipv4Addr, SocketAddr};
 use std::path::Path;
@@ -23,21 +24,26 @@ use super::{Outcome, Settings};
 
 const DIRECT: &str = "direct";
 const STEWARD: &str = "steward-tcp-proxy";
-const SEED: &str = "seed: 30 s poll (model)";
+const SEED: &str = "seed: 30 s poll (re-created in the bench)";
 
 const REPAIR: Metric = Metric::lower("drift repair latency, per edit", "ms");
 const REPAIR_P99: Metric = Metric::lower("drift repair latency, p99", "ms");
 const LIST: Metric = Metric::higher("LIST of ConfigMaps over TLS (response bytes)", "MiB/s");
 const RELAY_CPU_PER_GIB: Metric = Metric::lower("relay CPU per GiB of LIST responses", "CPU s/GiB");
 
-/// The seed polled every 30 s: an edit waits for the next poll, uniformly 0 to 30 s.
+/// The seed's `--reconcile-interval` default: it reconciles once at start, then on this ticker.
 const SEED_POLL: Duration = Duration::from_secs(30);
+/// The seed's managed-by label value.
+const SEED_MANAGER: &str = "steward-tcp-proxy";
 /// The binary treats 60 foreign repairs a minute as a fight; stay below.
 const EDIT_SPACING: Duration = Duration::from_millis(1_100);
 const SERVICE_PORT: i32 = 6443;
 
 struct Sizes {
+    /// Edits repaired by steward, spread over the rounds.
     edits: usize,
+    /// Edits repaired by the seed poller, spread over the rounds (each costs about 30 s).
+    seed_edits: usize,
     config_maps: usize,
     lists_per_round: usize,
 }
@@ -47,12 +53,14 @@ impl Sizes {
         if quick {
             Self {
                 edits: 5,
+                seed_edits: 2,
                 config_maps: 5,
                 lists_per_round: 3,
             }
         } else {
             Self {
                 edits: 50,
+                seed_edits: 6,
                 config_maps: 20,
                 lists_per_round: 10,
             }
@@ -91,17 +99,51 @@ async fn measure(
     let dir = tempfile::Builder::new()
         .prefix("netkit-bench-steward-")
         .tempdir()?;
-    let mut steward = Steward::start(plane, binary, &namespace, dir.path())?;
     let expected = vec![cluster_ip];
-    wait_published(&client, &expected).await?;
 
     let mut recorder = Recorder::default();
-    eprintln!("steward: {} edits of default/kubernetes", sizes.edits);
-    let repairs = drift_repairs(&client, &expected, sizes.edits).await?;
-    steward.process.check_running()?;
-    record_repairs(&mut recorder, &repairs);
-    let repairs_metric = steward.metric("steward_endpoint_repairs_total").await;
-    let fight_metric = steward.metric("steward_endpoint_fight").await;
+    let mut repairs: [Vec<Duration>; 2] = [Vec::new(), Vec::new()];
+    let mut steward_metrics = Vec::new();
+    eprintln!(
+        "steward: {} edits repaired by steward and {} by the seed poller, over {} rounds",
+        sizes.edits, sizes.seed_edits, settings.rounds
+    );
+    for round in 0..settings.rounds {
+        for index in super::proxy::shuffled(2) {
+            if index == 0 {
+                let count = share(sizes.edits, settings.rounds, round);
+                if count == 0 {
+                    continue;
+                }
+                let mut steward = Steward::start(plane, binary, &namespace, dir.path())?;
+                wait_published(&client, &expected).await?;
+                let timing = EditTiming::Spaced(EDIT_SPACING);
+                let measured = drift_repairs(&client, &expected, count, timing).await?;
+                steward.process.check_running()?;
+                steward_metrics.push((
+                    steward.metric("steward_endpoint_repairs_total").await,
+                    steward.metric("steward_endpoint_fight").await,
+                ));
+                repairs[0].extend(measured);
+            } else {
+                let count = share(sizes.seed_edits, settings.rounds, round);
+                if count == 0 {
+                    continue;
+                }
+                let poller = SeedPoller::start(client.clone(), &namespace);
+                wait_published(&client, &expected).await?;
+                let timing = EditTiming::RandomPhase(SEED_POLL);
+                let measured = drift_repairs(&client, &expected, count, timing).await;
+                let reconciles = poller.stop();
+                repairs[1].extend(measured?);
+                eprintln!("steward: seed poller reconciled {reconciles} times");
+            }
+        }
+    }
+    record_repairs(&mut recorder, STEWARD, &repairs[0]);
+    record_repairs(&mut recorder, SEED, &repairs[1]);
+    let mut steward = Steward::start(plane, binary, &namespace, dir.path())?;
+    wait_published(&client, &expected).await?;
 
     eprintln!("steward: LIST throughput");
     let mut throughput = Recorder::default();
@@ -141,17 +183,25 @@ async fn measure(
     steward.process.check_running()?;
 
     let mut figures = recorder.finish(&[SEED]);
+    let metrics: Vec<String> = steward_metrics
+        .iter()
+        .map(|(repairs, fight)| format!("repairs_total {repairs}, fight {fight}"))
+        .collect();
     figures.extend(throughput.finish(&[DIRECT]));
     Ok(Outcome {
         figures,
         goals: Vec::new(),
         notes: vec![
             format!(
-                "Drift repair: {} merge patches of default/kubernetes (a wrong address), {:?} apart; latency from the watch event showing the edit to the watch event showing the repair, both seen by one watch of the bench (ms resolution of arrival, not of the server). Steward's metrics after the edits: repairs_total {repairs_metric}, fight {fight_metric}.",
-                sizes.edits, EDIT_SPACING
+                "Drift repair: merge patches of default/kubernetes (a wrong address); latency from the watch event showing the edit to the watch event showing the repair, both seen by one watch of the bench (ms resolution of arrival, not of the server). {} rounds; in each, steward and the seed poller take turns in a random order, and only one of them runs at a time. Steward: {} edits in all, {:?} apart, a fresh process each round (metrics after each round: {}).",
+                settings.rounds,
+                sizes.edits,
+                EDIT_SPACING,
+                metrics.join("; ")
             ),
             format!(
-                "Seed baseline: not measured; the seed repaired only at its next {SEED_POLL:?} poll, so an edit waits uniformly 0-30 s (median 15 s, p99 29.7 s, worst 30 s)."
+                "Seed: measured, not modelled. The bench re-creates the seed's reconciler in-process (admin client, same API server): once at start, then every {SEED_POLL:?} on a fixed ticker, GET the proxy Service's ClusterIP, GET default/kubernetes, and if it does not have exactly one endpoint with one address equal to the ClusterIP and one port equal to {SERVICE_PORT}, replace endpoints and ports and Update in place with the resourceVersion just read. {} edits in all, each made {EDIT_SPACING:?} plus a uniformly random 0-30 s after the previous repair, so edits fall at a random point of the poll cycle; every such edit costs about 30 s of bench time, which is why there are few of them (the bench stays within about 5 minutes with the defaults).",
+                sizes.seed_edits
             ),
             format!(
                 "LIST: {} ConfigMaps of 100 KiB each; {} sequential GETs of the list per round over a kept-alive TLS connection (kube client), response bytes / elapsed. The API server and the client are not pinned (the API server dominates); steward relays raw TLS bytes on CPU {RELAY_CPU}.",
@@ -161,29 +211,145 @@ async fn measure(
     })
 }
 
-fn record_repairs(recorder: &mut Recorder, repairs: &[Duration]) {
+/// Each contender's configuration, as the summary shows it.
+pub fn contenders(_settings: &Settings) -> Vec<(&'static str, String)> {
+    vec![
+        (
+            DIRECT,
+            "kube client straight to kube-apiserver over TLS (kept-alive connection)".to_owned(),
+        ),
+        (
+            STEWARD,
+            format!(
+                "release build, --endpoint-mode=cluster-ip, watches default/kubernetes, TLS passthrough relay pinned to CPU {RELAY_CPU}, RUST_LOG=warn"
+            ),
+        ),
+        (
+            SEED,
+            format!(
+                "the seed's reconciler re-created in xtask (not its Go binary): once at start, then every {SEED_POLL:?} on a fixed ticker, get Service + get slice, match check, Update in place; same API server, admin client"
+            ),
+        ),
+    ]
+}
+
+fn record_repairs(recorder: &mut Recorder, contender: &str, repairs: &[Duration]) {
     let mut millis: Vec<f64> = repairs.iter().map(|d| d.as_secs_f64() * 1e3).collect();
     for value in &millis {
-        recorder.record(REPAIR, STEWARD, *value);
+        recorder.record(REPAIR, contender, *value);
     }
     millis.sort_by(f64::total_cmp);
     let p99_index = ((millis.len() as f64 * 0.99).ceil() as usize).saturating_sub(1);
     if let Some(p99) = millis.get(p99_index) {
-        recorder.record(REPAIR_P99, STEWARD, *p99);
+        recorder.record(REPAIR_P99, contender, *p99);
     }
-    let seed_ms = SEED_POLL.as_secs_f64() * 1e3;
-    recorder.model(
-        REPAIR,
-        SEED,
-        seed_ms / 2.0,
-        "model: uniform 0-30 s, not measured",
+}
+
+/// The share of `total` that round `round` of `rounds` does (they add up to `total`).
+fn share(total: usize, rounds: usize, round: usize) -> usize {
+    total * (round + 1) / rounds - total * round / rounds
+}
+
+/// A uniformly random fraction in `[0, 1)`.
+fn random_fraction() -> f64 {
+    use std::hash::{BuildHasher as _, RandomState};
+    let bits = RandomState::new().hash_one(Instant::now()) >> 11;
+    bits as f64 / (1u64 << 53) as f64
+}
+
+/// The seed's reconciler, re-created for the bench (see `shared/reference/steward-tcp-proxy.md`
+/// section 3.2): once at start, then on a fixed ticker with no jitter and no watch. A failed pass
+/// (e.g. a Conflict) waits for the next tick, as the seed's did.
+struct SeedPoller {
+    task: tokio::task::JoinHandle<()>,
+    reconciles: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl SeedPoller {
+    fn start(client: kube::Client, namespace: &str) -> Self {
+        let namespace = namespace.to_owned();
+        let reconciles = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let counter = reconciles.clone();
+        let task = tokio::spawn(async move {
+            let mut ticker = tokio::time::interval(SEED_POLL);
+            // Go's ticker drops ticks a slow receiver missed.
+            ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+            loop {
+                ticker.tick().await;
+                if let Err(error) = seed_reconcile(&client, &namespace).await {
+                    eprintln!("steward: seed poller: {error:#} (retried at the next tick)");
+                }
+                counter.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
+        });
+        Self { task, reconciles }
+    }
+
+    /// Stops the poller; returns how many passes it made.
+    fn stop(self) -> usize {
+        self.task.abort();
+        self.reconciles.load(std::sync::atomic::Ordering::Relaxed)
+    }
+}
+
+/// One pass of the seed: get the ClusterIP, get the slice, create it or update it in place when
+/// the match check fails.
+async fn seed_reconcile(client: &kube::Client, namespace: &str) -> anyhow::Result<()> {
+    let service = Api::<Service>::namespaced(client.clone(), namespace)
+        .get("proxy")
+        .await?;
+    let cluster_ip = service
+        .spec
+        .and_then(|spec| spec.cluster_ip)
+        .filter(|ip| !ip.is_empty() && ip != "None")
+        .context("the proxy Service has no ClusterIP")?;
+    let slices: Api<EndpointSlice> = Api::namespaced(client.clone(), "default");
+    let endpoints = serde_json::json!([{
+        "addresses": [cluster_ip],
+        "conditions": {"ready": true, "serving": true, "terminating": false},
+    }]);
+    let ports = serde_json::json!([{"name": "https", "port": SERVICE_PORT, "protocol": "TCP"}]);
+    let Some(mut slice) = slices.get_opt("kubernetes").await? else {
+        let slice: EndpointSlice = serde_json::from_value(serde_json::json!({
+            "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+            "metadata": {"name": "kubernetes", "labels": {
+                "kubernetes.io/service-name": "kubernetes",
+                "endpointslice.kubernetes.io/managed-by": SEED_MANAGER,
+            }},
+            "addressType": "IPv4",
+            "endpoints": endpoints,
+            "ports": ports,
+        }))?;
+        slices.create(&PostParams::default(), &slice).await?;
+        return Ok(());
+    };
+    if seed_matches(&slice, &cluster_ip) {
+        return Ok(());
+    }
+    slice.endpoints = serde_json::from_value(endpoints)?;
+    slice.ports = serde_json::from_value(ports)?;
+    slice.metadata.labels.get_or_insert_default().insert(
+        "endpointslice.kubernetes.io/managed-by".to_owned(),
+        SEED_MANAGER.to_owned(),
     );
-    recorder.model(
-        REPAIR_P99,
-        SEED,
-        seed_ms * 0.99,
-        "model: uniform 0-30 s, not measured",
-    );
+    slices
+        .replace("kubernetes", &PostParams::default(), &slice)
+        .await?;
+    Ok(())
+}
+
+/// The seed's match check: one endpoint, one address equal to the ClusterIP, one port equal to
+/// the service port; everything else is ignored.
+fn seed_matches(slice: &EndpointSlice, cluster_ip: &str) -> bool {
+    let [endpoint] = slice.endpoints.as_deref().unwrap_or_default() else {
+        return false;
+    };
+    let [port] = slice.ports.as_deref().unwrap_or_default() else {
+        return false;
+    };
+    endpoint.addresses.len() == 1
+        && endpoint.addresses[0] == cluster_ip
+        && port.port == Some(SERVICE_PORT)
 }
 
 /// The steward-tcp-proxy child process, pinned to the relay CPU.
@@ -328,11 +494,32 @@ fn resource_version(slice: &EndpointSlice) -> Option<u64> {
     slice.metadata.resource_version.as_deref()?.parse().ok()
 }
 
+/// When the next edit is made.
+#[derive(Clone, Copy)]
+enum EditTiming {
+    /// This long after the previous edit started.
+    Spaced(Duration),
+    /// [`EDIT_SPACING`] plus a uniformly random part of this period after the previous repair,
+    /// so edits fall at a random point of a poller's cycle.
+    RandomPhase(Duration),
+}
+
+impl EditTiming {
+    /// The longest a repair may take.
+    fn timeout(self) -> Duration {
+        match self {
+            Self::Spaced(_) => Duration::from_secs(15),
+            Self::RandomPhase(period) => period + Duration::from_secs(15),
+        }
+    }
+}
+
 /// Edits the slice `edits` times and returns how long each edit stayed visible.
 async fn drift_repairs(
     client: &kube::Client,
     expected: &[String],
     edits: usize,
+    timing: EditTiming,
 ) -> anyhow::Result<Vec<Duration>> {
     let slices: Api<EndpointSlice> = Api::namespaced(client.clone(), "default");
     let mut events = watch_slice(client);
@@ -340,6 +527,9 @@ async fn drift_repairs(
     tokio::time::sleep(Duration::from_millis(500)).await;
     let mut repairs = Vec::with_capacity(edits);
     for i in 0..edits {
+        if let EditTiming::RandomPhase(period) = timing {
+            tokio::time::sleep(EDIT_SPACING + period.mul_f64(random_fraction())).await;
+        }
         let edit_started = Instant::now();
         while events.try_recv().is_ok() {}
         let tampered = serde_json::json!({
@@ -354,8 +544,10 @@ async fn drift_repairs(
             .await
             .context("editing default/kubernetes")?;
         let edited_version = resource_version(&patched);
-        repairs.push(wait_repair(&mut events, edited_version, expected).await?);
-        tokio::time::sleep_until((edit_started + EDIT_SPACING).into()).await;
+        repairs.push(wait_repair(&mut events, edited_version, expected, timing.timeout()).await?);
+        if let EditTiming::Spaced(spacing) = timing {
+            tokio::time::sleep_until((edit_started + spacing).into()).await;
+        }
     }
     Ok(repairs)
 }
@@ -365,13 +557,14 @@ async fn wait_repair(
     events: &mut mpsc::UnboundedReceiver<(Instant, EndpointSlice)>,
     edited: Option<u64>,
     expected: &[String],
+    timeout: Duration,
 ) -> anyhow::Result<Duration> {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+    let deadline = tokio::time::Instant::now() + timeout;
     let mut edit_seen: Option<Instant> = None;
     loop {
         let (arrived, slice) = tokio::time::timeout_at(deadline, events.recv())
             .await
-            .context("no repair within 15 s")?
+            .with_context(|| format!("no repair within {timeout:?}"))?
             .context("the watch ended")?;
         let version = resource_version(&slice);
         if version == edited {

@@ -1,12 +1,12 @@
 //! Loopback plumbing: free ports, a tiny HTTP server posing as a workload, a tiny HTTP client and
 //! readiness probes.
 
-use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;
 
 use anyhow::{Context as _, bail};
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpStream;
 
 /// How long one HTTP exchange may take.
 const EXCHANGE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -14,41 +14,15 @@ const EXCHANGE_TIMEOUT: Duration = Duration::from_secs(10);
 /// A free port on 127.0.0.1, as a socket address (the small race with other programs is accepted,
 /// as the tests do).
 pub fn free_addr() -> anyhow::Result<SocketAddr> {
-    let listener = std::net::TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
-        .context("finding a free port on 127.0.0.1")?;
-    Ok(listener.local_addr()?)
+    proxy_core::testing::free_addr().context("finding a free port on 127.0.0.1")
 }
 
 /// An HTTP/1.1 server on `ip` (any port) answering every request with `body`; it lives as long as
 /// the runtime.
 pub async fn http_server(ip: IpAddr, body: String) -> anyhow::Result<SocketAddr> {
-    let listener = TcpListener::bind((ip, 0))
+    proxy_core::testing::http_server(ip, body)
         .await
-        .with_context(|| format!("binding a demo server on {ip}"))?;
-    let addr = listener.local_addr()?;
-    tokio::spawn(async move {
-        while let Ok((stream, _)) = listener.accept().await {
-            tokio::spawn(answer(stream, body.clone()));
-        }
-    });
-    Ok(addr)
-}
-
-async fn answer(mut stream: TcpStream, body: String) {
-    let mut request = Vec::new();
-    let mut chunk = [0u8; 1024];
-    while !request.windows(4).any(|w| w == b"\r\n\r\n") {
-        match stream.read(&mut chunk).await {
-            Ok(0) | Err(_) => return,
-            Ok(n) => request.extend_from_slice(&chunk[..n]),
-        }
-    }
-    let response = format!(
-        "HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    );
-    let _ = stream.write_all(response.as_bytes()).await;
-    let _ = stream.shutdown().await;
+        .with_context(|| format!("binding a demo server on {ip}"))
 }
 
 /// An HTTP response: the status line and the body.

@@ -1,0 +1,352 @@
+//! `cargo xtask e2e`: the charts on a real node, as users run them.
+//!
+//! Builds the release images, starts the test control plane with its node (the API server with
+//! `--endpoint-reconciler-type=none`, as a hosted control plane runs it), imports the images into
+//! the node's containerd, installs each chart with Helm into a namespace where Pod Security
+//! `restricted` is enforced, runs the chart's scenarios and writes `target/e2e/report.json` and
+//! `target/e2e/report.md`: per chart the install-to-Ready time, each scenario with its result and
+//! timing, and every container's restart count.
+//!
+//! One file per chart: [`steward`], [`pod_proxier`], [`rstream_operator`]. Nothing here writes a
+//! status that a kubelet or a controller would write. Before steward runs, the test harness
+//! points `default/kubernetes` at the API server once, as the operator of a hosted control plane
+//! does (the API server's own reconciler is off); steward then takes the objects over.
+
+mod pod_proxier;
+mod rstream_operator;
+mod steward;
+
+use std::fmt::Write as _;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, bail};
+use k8s_openapi::api::core::v1::Pod;
+use k8s_reconcile::testing::ControlPlane;
+use k8s_reconcile::testing::node::{self, check};
+use kube::api::{Api, ListParams};
+use serde::Serialize;
+
+#[derive(clap::Args, Default)]
+pub struct Args {
+    /// Use the images already under target/images/ instead of building them.
+    #[arg(long)]
+    pub skip_build: bool,
+}
+
+/// One scenario's outcome.
+#[derive(Debug, Clone, Serialize)]
+pub struct Scenario {
+    pub name: String,
+    pub ok: bool,
+    pub took_ms: u128,
+    pub detail: String,
+}
+
+/// A container's restart count at the end of its chart's run.
+#[derive(Debug, Clone, Serialize)]
+pub struct Restarts {
+    pub pod: String,
+    pub container: String,
+    pub restarts: i32,
+}
+
+/// Everything measured for one chart.
+#[derive(Debug, Clone, Serialize, Default)]
+pub struct ChartReport {
+    pub chart: String,
+    pub namespace: String,
+    pub install_to_ready_ms: Option<u128>,
+    pub scenarios: Vec<Scenario>,
+    pub restarts: Vec<Restarts>,
+    pub error: Option<String>,
+}
+
+impl ChartReport {
+    fn new(chart: &str) -> Self {
+        Self {
+            chart: chart.to_owned(),
+            ..Self::default()
+        }
+    }
+
+    /// Records a scenario; its detail is printed at once.
+    fn record(&mut self, name: &str, ok: bool, started: Instant, detail: String) {
+        let took = started.elapsed();
+        println!(
+            "  {} {:>8.1?}  {name}: {detail}",
+            if ok { "ok  " } else { "FAIL" },
+            took
+        );
+        self.scenarios.push(Scenario {
+            name: name.to_owned(),
+            ok,
+            took_ms: took.as_millis(),
+            detail,
+        });
+    }
+
+    fn passed(&self) -> bool {
+        self.error.is_none()
+            && self.scenarios.iter().all(|s| s.ok)
+            && self.restarts.iter().all(|r| r.restarts == 0)
+    }
+}
+
+#[derive(Debug, Serialize)]
+struct Report {
+    passed: bool,
+    wall_ms: u128,
+    cluster_start_ms: u128,
+    charts: Vec<ChartReport>,
+}
+
+/// What every chart's run needs.
+pub struct Env<'a> {
+    pub plane: &'a ControlPlane,
+    pub helm: PathBuf,
+    /// `host:port` of the API server as Pods reach it.
+    pub apiserver: String,
+    /// Release image references by image name.
+    pub images: Vec<(String, String)>,
+}
+
+impl Env<'_> {
+    fn image(&self, name: &str) -> anyhow::Result<(String, String)> {
+        let reference = self
+            .images
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, r)| r.clone())
+            .with_context(|| format!("no image {name} was built"))?;
+        let (repository, tag) = reference
+            .rsplit_once(':')
+            .with_context(|| format!("image reference {reference} has no tag"))?;
+        Ok((repository.to_owned(), tag.to_owned()))
+    }
+
+    /// Runs helm with the plane's admin kubeconfig; fails with helm's output.
+    pub async fn helm(&self, args: &[&str]) -> anyhow::Result<String> {
+        let output = tokio::process::Command::new(&self.helm)
+            .arg("--kubeconfig")
+            .arg(self.plane.kubeconfig_path())
+            .args(args)
+            .output()
+            .await
+            .context("running helm")?;
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        );
+        if !output.status.success() {
+            bail!("helm {}: {text}", args.join(" "));
+        }
+        Ok(text)
+    }
+
+    /// Creates a namespace labelled for Pod Security `restricted`.
+    pub async fn restricted_namespace(&self, prefix: &str) -> anyhow::Result<String> {
+        let ns = self.plane.create_namespace(prefix).await?;
+        check::restrict_namespace(self.plane, &ns).await?;
+        Ok(ns)
+    }
+}
+
+pub fn run(args: &Args) -> anyhow::Result<()> {
+    let wall = Instant::now();
+    crate::envtest::ensure(&crate::envtest::Args {
+        node: true,
+        ..crate::envtest::Args::default()
+    })?;
+    let helm = crate::tools::ensure_helm()?;
+    let built = crate::image::run(&crate::image::Args {
+        which: "all".to_owned(),
+        repository: crate::image::DEFAULT_REPOSITORY.to_owned(),
+        tag: None,
+        skip_build: args.skip_build,
+    })?;
+    println!("tools and images ready in {:.1?}", wall.elapsed());
+    let out_dir = crate::workspace_root().join("target/e2e");
+    std::fs::create_dir_all(&out_dir)?;
+
+    let runtime = tokio::runtime::Runtime::new()?;
+    let report = runtime.block_on(async {
+        let started = Instant::now();
+        let plane = ControlPlane::builder()
+            .apiserver_arg("--endpoint-reconciler-type=none")
+            .node()
+            .start_timeout(Duration::from_secs(240))
+            .start()
+            .await;
+        let plane = plane.context("starting the control plane with its node")?;
+        let cluster_start = started.elapsed();
+        println!("control plane and node ready in {cluster_start:.1?}");
+        let api_port = url_port(plane.server_url())?;
+        let node = plane.node().context("the control plane has no node")?;
+        for image in &built {
+            node.import_image(&image.tarball)
+                .with_context(|| format!("importing {}", image.tarball.display()))?;
+        }
+        let env = Env {
+            plane: &plane,
+            helm,
+            apiserver: format!("{}:{api_port}", node::HOST_IP),
+            images: built
+                .iter()
+                .map(|b| (b.name.clone(), b.reference.clone()))
+                .collect(),
+        };
+        let mut charts = Vec::new();
+        println!("steward-tcp-proxy:");
+        charts.push(steward::run(&env).await);
+        println!("pod-proxier:");
+        charts.push(pod_proxier::run(&env).await);
+        println!("rstream-operator:");
+        charts.push(rstream_operator::run(&env).await);
+        if charts.iter().any(|c| !c.passed()) {
+            eprintln!("{}", node.log_tails(15));
+        }
+        plane.stop();
+        anyhow::Ok(Report {
+            passed: charts.iter().all(ChartReport::passed),
+            wall_ms: 0,
+            cluster_start_ms: cluster_start.as_millis(),
+            charts,
+        })
+    })?;
+    let report = Report {
+        wall_ms: wall.elapsed().as_millis(),
+        ..report
+    };
+    std::fs::write(
+        out_dir.join("report.json"),
+        serde_json::to_string_pretty(&report)?,
+    )?;
+    let markdown = markdown(&report);
+    std::fs::write(out_dir.join("report.md"), &markdown)?;
+    println!("{markdown}");
+    println!("wrote {}", out_dir.join("report.md").display());
+    // A closing line in the form CI reads: one count per scenario, plus a chart that failed
+    // before its scenarios (its error) as one failure.
+    let scenarios = report.charts.iter().flat_map(|c| &c.scenarios);
+    let passed = scenarios.clone().filter(|s| s.ok).count();
+    let failed = scenarios.filter(|s| !s.ok).count()
+        + report.charts.iter().filter(|c| c.error.is_some()).count();
+    println!("e2e: {passed} passed, {failed} failed");
+    if !report.passed {
+        bail!("e2e failed; see {}", out_dir.join("report.md").display());
+    }
+    Ok(())
+}
+
+fn markdown(report: &Report) -> String {
+    let mut md = String::new();
+    let _ = writeln!(md, "# e2e: the charts on a real node\n");
+    let _ = writeln!(
+        md,
+        "Result: **{}**; wall time {:.1} s (control plane and node start {:.1} s).\n",
+        if report.passed { "passed" } else { "FAILED" },
+        report.wall_ms as f64 / 1000.0,
+        report.cluster_start_ms as f64 / 1000.0
+    );
+    for chart in &report.charts {
+        let _ = writeln!(md, "## {} (namespace `{}`)\n", chart.chart, chart.namespace);
+        match chart.install_to_ready_ms {
+            Some(ms) => {
+                let _ = writeln!(md, "Install to Ready: {:.1} s\n", ms as f64 / 1000.0);
+            }
+            None => {
+                let _ = writeln!(md, "Install to Ready: not reached\n");
+            }
+        }
+        if let Some(error) = &chart.error {
+            let _ = writeln!(md, "Stopped by an error: `{error}`\n");
+        }
+        let _ = writeln!(
+            md,
+            "| Scenario | Result | Time | Detail |\n|---|---|---|---|"
+        );
+        for s in &chart.scenarios {
+            let _ = writeln!(
+                md,
+                "| {} | {} | {:.2} s | {} |",
+                s.name,
+                if s.ok { "ok" } else { "FAILED" },
+                s.took_ms as f64 / 1000.0,
+                s.detail.replace('|', "\\|").replace('\n', " ")
+            );
+        }
+        let _ = writeln!(md, "\n| Pod | Container | Restarts |\n|---|---|---|");
+        for r in &chart.restarts {
+            let _ = writeln!(md, "| {} | {} | {} |", r.pod, r.container, r.restarts);
+        }
+        let _ = writeln!(md);
+    }
+    md
+}
+
+/// The chart as users meet it: `helm install` printed NOTES.txt (what to check next) and
+/// `helm test` of `release` passes; `probe` names what the test Pod checks.
+pub async fn helm_test_scenario(
+    env: &Env<'_>,
+    report: &mut ChartReport,
+    release: &str,
+    ns: &str,
+    install_output: &str,
+    probe: &str,
+) {
+    let started = Instant::now();
+    let tested = env
+        .helm(&["test", release, "-n", ns, "--timeout", "90s"])
+        .await;
+    let notes = install_output.contains("Check next");
+    let detail = format!(
+        "NOTES {}; helm test: {}",
+        if notes { "printed" } else { "missing" },
+        match &tested {
+            Ok(t) => t
+                .lines()
+                .filter(|l| l.contains("TEST SUITE") || l.contains("Phase"))
+                .collect::<Vec<_>>()
+                .join(" "),
+            Err(e) => format!("{e:#}").chars().take(300).collect(),
+        }
+    );
+    report.record(
+        &format!(
+            "helm install prints NOTES.txt (what to check next); helm test (a restricted Pod GETs {probe} through the Service) passes"
+        ),
+        notes && tested.as_ref().is_ok_and(|t| t.contains("Succeeded")),
+        started,
+        detail,
+    );
+}
+
+/// Every container's restart count in `ns`.
+pub async fn restarts(plane: &ControlPlane, ns: &str) -> anyhow::Result<Vec<Restarts>> {
+    let pods: Api<Pod> = Api::namespaced(plane.client().await?, ns);
+    let mut out = Vec::new();
+    for pod in pods.list(&ListParams::default()).await? {
+        let name = pod.metadata.name.clone().unwrap_or_default();
+        for status in pod
+            .status
+            .and_then(|s| s.container_statuses)
+            .unwrap_or_default()
+        {
+            out.push(Restarts {
+                pod: name.clone(),
+                container: status.name,
+                restarts: status.restart_count,
+            });
+        }
+    }
+    Ok(out)
+}
+
+fn url_port(url: &str) -> anyhow::Result<u16> {
+    url.rsplit(':')
+        .next()
+        .and_then(|p| p.trim_end_matches('/').parse().ok())
+        .with_context(|| format!("no port in {url}"))
+}

@@ -1,0 +1,624 @@
+//! rstream-operator on the node: the chart with its CRDs under Pod Security `restricted`, the
+//! manager Ready by its own probe, its metrics through the chart's Service; the seed's Quick Start
+//! against a LocalEngine run here on the host's end of the node link (a self-hosted engine with a
+//! private CA, given to the agent by Secret reference): HTTP and TCP tunnels, token rotation, an
+//! engine outage, deletion; NOTES.txt and `helm test`, and an uninstall that leaves nothing behind.
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, bail};
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::{ConfigMap, Pod, Secret, Service, ServiceAccount};
+use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use rstream_client::engine::{EngineIdentity, LocalEngine};
+use rstream_operator::api::{RstreamConnection, RstreamTunnel};
+use rstream_operator::names;
+use serde_json::json;
+
+use super::{ChartReport, Env};
+use k8s_reconcile::testing::node::{self, TESTBOX_IMAGE, check};
+
+const RELEASE: &str = "rstream-operator";
+const SELECTOR: &str = "app.kubernetes.io/instance=rstream-operator";
+const CRDS: [&str; 2] = [
+    "rstreamconnections.tunnels.rstream.io",
+    "rstreamtunnels.tunnels.rstream.io",
+];
+
+pub async fn run(env: &Env<'_>) -> ChartReport {
+    let mut report = ChartReport::new("rstream-operator");
+    if let Err(err) = scenarios(env, &mut report).await {
+        println!("  error: {err:#}");
+        report.error = Some(format!("{err:#}"));
+    }
+    report
+}
+
+async fn scenarios(env: &Env<'_>, report: &mut ChartReport) -> anyhow::Result<()> {
+    let ns = env.restricted_namespace("rstream").await?;
+    report.namespace = ns.clone();
+    let client = env.plane.client().await?;
+    let (repository, tag) = env.image("rstream-operator")?;
+    let chart = crate::workspace_root().join("rstream-operator/chart");
+    let chart = chart.to_string_lossy().into_owned();
+
+    let started = Instant::now();
+    let installed = env
+        .helm(&[
+            "install",
+            RELEASE,
+            &chart,
+            "-n",
+            &ns,
+            "--set",
+            &format!("image.repository={repository},image.tag={tag}"),
+            "--set",
+            &format!("tests.image={TESTBOX_IMAGE},tests.pullPolicy=Never"),
+            "--set",
+            "tests.command={/testbox,get}",
+        ])
+        .await?;
+    let pods = check::wait_pods_ready(env.plane, &ns, SELECTOR, 1).await?;
+    report.install_to_ready_ms = Some(started.elapsed().as_millis());
+    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
+    let mut served = Vec::new();
+    for name in CRDS {
+        let crd = crds.get(name).await?;
+        let established = crd
+            .status
+            .and_then(|s| s.conditions)
+            .unwrap_or_default()
+            .iter()
+            .any(|c| c.type_ == "Established" && c.status == "True");
+        served.push(format!(
+            "{name} {}",
+            if established {
+                "Established"
+            } else {
+                "not established"
+            }
+        ));
+    }
+    report.record(
+        "chart installed with its CRDs; the manager Ready by its own probe under Pod Security restricted",
+        served.iter().all(|s| s.ends_with(" Established")),
+        started,
+        format!("manager {} ({}); {}", pods[0].0, pods[0].1, served.join(", ")),
+    );
+
+    let started = Instant::now();
+    let svc: Service = Api::namespaced(client.clone(), &ns)
+        .get(&format!("{RELEASE}-metrics"))
+        .await?;
+    let ip = svc
+        .spec
+        .and_then(|s| s.cluster_ip)
+        .context("no ClusterIP")?;
+    let addr: SocketAddr = format!("{ip}:8080").parse()?;
+    let mut metrics = Err("not tried".to_owned());
+    while started.elapsed() < Duration::from_secs(30) {
+        metrics = check::http_get(addr, "/metrics").await;
+        if metrics.is_ok() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let families = metrics
+        .as_ref()
+        .map(|m| m.lines().filter(|l| l.starts_with("# TYPE")).count())
+        .unwrap_or(0);
+    report.record(
+        "the manager's /metrics through the chart's metrics Service (what the optional ServiceMonitor scrapes)",
+        families > 0,
+        started,
+        match &metrics {
+            Ok(_) => format!("{families} metric families from {addr}"),
+            Err(e) => format!("{addr}: {e}"),
+        },
+    );
+
+    if let Err(err) = tunnel_scenarios(env, report, &ns).await {
+        report.record(
+            "tunnel scenarios",
+            false,
+            Instant::now(),
+            format!("stopped: {err:#}"),
+        );
+    }
+
+    super::helm_test_scenario(env, report, RELEASE, &ns, &installed, "/readyz").await;
+
+    report.restarts = super::restarts(env.plane, &ns).await?;
+    let started = Instant::now();
+    env.helm(&[
+        "uninstall",
+        RELEASE,
+        "-n",
+        &ns,
+        "--wait",
+        "--timeout",
+        "90s",
+    ])
+    .await?;
+    let pods_api: Api<Pod> = Api::namespaced(client.clone(), &ns);
+    let deadline = Instant::now() + Duration::from_secs(90);
+    while !pods_api
+        .list(&ListParams::default().labels(SELECTOR))
+        .await?
+        .items
+        .is_empty()
+    {
+        if Instant::now() > deadline {
+            bail!("the manager Pod outlived the uninstall by 90 s");
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let mut stuck = Vec::new();
+    for name in CRDS {
+        if let Some(crd) = crds.get_opt(name).await?
+            && crd.metadata.deletion_timestamp.is_some()
+        {
+            stuck.push(name);
+        }
+    }
+    report.record(
+        "helm uninstall: the manager Pod gone, nothing left terminating (CRDs kept, as Helm does)",
+        stuck.is_empty(),
+        started,
+        if stuck.is_empty() {
+            "no Pod, no stuck finalizer".to_owned()
+        } else {
+            format!("terminating: {}", stuck.join(", "))
+        },
+    );
+    Ok(())
+}
+
+const TOKEN: &str = "e2e-token-1";
+
+/// A tunnel's condition `(status, reason, message)`.
+fn condition(t: &RstreamTunnel, type_: &str) -> Option<(String, String, String)> {
+    t.status
+        .as_ref()?
+        .conditions
+        .as_ref()?
+        .iter()
+        .find(|c| c.type_ == type_)
+        .map(|c| (c.status.clone(), c.reason.clone(), c.message.clone()))
+}
+
+/// Waits until `name`'s condition `type_` has `status`; returns the tunnel, or the last status.
+async fn wait_condition(
+    tunnels: &Api<RstreamTunnel>,
+    name: &str,
+    type_: &str,
+    status: &str,
+    limit: Duration,
+) -> anyhow::Result<RstreamTunnel> {
+    let started = Instant::now();
+    loop {
+        let t = tunnels.get(name).await?;
+        if condition(&t, type_).is_some_and(|(s, _, _)| s == status) {
+            return Ok(t);
+        }
+        if started.elapsed() > limit {
+            bail!(
+                "{name}: {type_} not {status} within {limit:?}; conditions: {:?}",
+                t.status.and_then(|s| s.conditions).unwrap_or_default()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// Waits until the Deployment `name` is `Available`; false if it is not within `limit`.
+async fn wait_available(
+    deployments: &Api<Deployment>,
+    name: &str,
+    limit: Duration,
+) -> anyhow::Result<bool> {
+    let started = Instant::now();
+    loop {
+        let available = deployments
+            .get(name)
+            .await?
+            .status
+            .and_then(|s| s.conditions)
+            .unwrap_or_default()
+            .iter()
+            .any(|c| {
+                c.type_.as_deref() == Some("Available") && c.status.as_deref() == Some("True")
+            });
+        if available || started.elapsed() > limit {
+            return Ok(available);
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// The engine Pods reach: LocalEngine on the host's end of the node link, its certificate naming
+/// that address, as a self-hosted engine with a private CA.
+async fn start_engine(identity: Option<EngineIdentity>) -> anyhow::Result<LocalEngine> {
+    let identity = match identity {
+        Some(identity) => identity,
+        None => EngineIdentity::generate_for(&[&node::HOST_IP.to_string()])?,
+    };
+    Ok(LocalEngine::builder()
+        .bind(SocketAddr::new(node::HOST_IP.into(), 0))
+        .identity(identity)
+        .start()
+        .await?)
+}
+
+/// The seed's Quick Start on the node: a workload behind a Service, an RstreamConnection with
+/// the engine's CA by Secret reference, an HTTP and a TCP tunnel; then rotation, an engine
+/// outage and deletion.
+async fn tunnel_scenarios(env: &Env<'_>, report: &mut ChartReport, ns: &str) -> anyhow::Result<()> {
+    let client = env.plane.client().await?;
+    let started = Instant::now();
+    let mut engine = start_engine(None).await?;
+    let deployments: Api<Deployment> = Api::namespaced(client.clone(), ns);
+    deployments
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(check::testbox_deployment("web", 1))?,
+        )
+        .await?;
+    let services: Api<Service> = Api::namespaced(client.clone(), ns);
+    services
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(json!({
+                "metadata": { "name": "web" },
+                "spec": { "selector": { "app": "web" }, "ports": [
+                    { "name": "http", "port": 80, "targetPort": 8080 },
+                    { "name": "tcp-echo", "port": 9000, "targetPort": 9000 },
+                ]},
+            }))?,
+        )
+        .await?;
+    let secrets: Api<Secret> = Api::namespaced(client.clone(), ns);
+    secrets
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(json!({
+                "metadata": { "name": "rstream-credentials" },
+                "stringData": { "token": TOKEN, "ca.crt": engine.ca_pem() },
+            }))?,
+        )
+        .await?;
+    let connections: Api<RstreamConnection> = Api::namespaced(client.clone(), ns);
+    connections
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(json!({
+                "apiVersion": "tunnels.rstream.io/v1alpha1", "kind": "RstreamConnection",
+                "metadata": { "name": "default" },
+                "spec": {
+                    "engine": engine.engine_address(),
+                    "tokenSecretRef": { "name": "rstream-credentials", "key": "token" },
+                    "caSecretRef": { "name": "rstream-credentials", "key": "ca.crt" },
+                },
+            }))?,
+        )
+        .await?;
+    let tunnels: Api<RstreamTunnel> = Api::namespaced(client.clone(), ns);
+    for (name, spec) in [
+        (
+            "web",
+            json!({ "target": { "service": { "name": "web", "port": "http" } },
+                        "publish": true, "protocol": "http", "http": { "version": "http/1.1" } }),
+        ),
+        (
+            "echo",
+            json!({ "target": { "service": { "name": "web", "port": "tcp-echo" } },
+                         "publish": true, "protocol": "tcp" }),
+        ),
+    ] {
+        tunnels
+            .create(
+                &PostParams::default(),
+                &serde_json::from_value(json!({
+                    "apiVersion": "tunnels.rstream.io/v1alpha1", "kind": "RstreamTunnel",
+                    "metadata": { "name": name }, "spec": spec,
+                }))?,
+            )
+            .await?;
+    }
+
+    // 1. The agent Deployment becomes Available by its own probe; the tunnel is Ready; a request
+    //    to the engine's ingress reaches the workload Pod through the Service's DNS name.
+    let web = wait_condition(&tunnels, "web", "Ready", "True", Duration::from_secs(120)).await;
+    let outcome = match &web {
+        Ok(t) => {
+            let status = t.status.clone().unwrap_or_default();
+            let agent = status.agent_deployment.clone().unwrap_or_default();
+            // The agent reports Ready itself; the Deployment controller sets Available after
+            // the kubelet's probe and the ReplicaSet's count have caught up, a moment later.
+            let available = wait_available(&deployments, &agent, Duration::from_secs(60)).await?;
+            let tunnel_id = status.tunnel_id.clone().unwrap_or_default();
+            let answer = match engine.ingress_addr(&tunnel_id) {
+                Some(ingress) => check::http_get(ingress, "/").await,
+                None => Err(format!("the engine has no ingress for {tunnel_id}")),
+            };
+            let reached = answer.as_ref().is_ok_and(|a| a.contains("\"pod\":\"web-"));
+            (
+                available && reached,
+                format!(
+                    "agent Deployment {agent} Available={available}; forwarding address {}; GET / through the engine: {}",
+                    status.forwarding_address.unwrap_or_default(),
+                    match &answer {
+                        Ok(a) => a.lines().last().unwrap_or_default().to_owned(),
+                        Err(e) => e.clone(),
+                    }
+                ),
+            )
+        }
+        Err(err) => (false, format!("{err:#}")),
+    };
+    report.record(
+        "HTTP tunnel (Quick Start): agent Available by its probe, tunnel Ready, a request through the engine reaches the workload Pod via the Service name",
+        outcome.0,
+        started,
+        outcome.1,
+    );
+
+    // 2. 64 MiB through a TCP tunnel, intact.
+    let started = Instant::now();
+    let outcome =
+        match wait_condition(&tunnels, "echo", "Ready", "True", Duration::from_secs(90)).await {
+            Ok(t) => {
+                let tunnel_id = t.status.and_then(|s| s.tunnel_id).unwrap_or_default();
+                match engine.ingress_addr(&tunnel_id) {
+                    Some(ingress) => echo_bulk(ingress, 64 << 20).await,
+                    None => Err(anyhow::anyhow!("the engine has no ingress for {tunnel_id}")),
+                }
+            }
+            Err(err) => Err(err),
+        };
+    report.record(
+        "TCP tunnel carries 64 MiB to the workload's echo port and back, intact",
+        outcome.is_ok(),
+        started,
+        match outcome {
+            Ok(took) => format!(
+                "64 MiB each way in {took:.2?} ({:.0} MiB/s)",
+                64.0 / took.as_secs_f64()
+            ),
+            Err(err) => format!("{err:#}"),
+        },
+    );
+
+    // 3. Token rotation: the agent restarts (config hash) and the tunnel is Ready again.
+    let started = Instant::now();
+    let outcome = rotate_token(&tunnels, &deployments, &secrets).await;
+    report.record(
+        "token rotated in the Secret: the agent Deployment rolls (config hash) and the tunnel is Ready again",
+        outcome.is_ok(),
+        started,
+        outcome.unwrap_or_else(|e| format!("{e:#}")),
+    );
+
+    // 4. Engine stopped: TunnelReady=False with the reason; started again: Ready.
+    let started = Instant::now();
+    let (addr, identity) = (engine.addr(), engine.identity().clone());
+    engine.shutdown().await;
+    let down = wait_condition(
+        &tunnels,
+        "web",
+        "TunnelReady",
+        "False",
+        Duration::from_secs(60),
+    )
+    .await;
+    engine = LocalEngine::builder()
+        .bind(addr)
+        .identity(identity)
+        .start()
+        .await?;
+    let back = wait_condition(&tunnels, "web", "Ready", "True", Duration::from_secs(90)).await;
+    report.record(
+        "engine stopped: TunnelReady=False with the reason; engine back: Ready again",
+        down.is_ok() && back.is_ok(),
+        started,
+        format!(
+            "while down: {}; after restart: {}",
+            match &down {
+                Ok(t) => format!("{:?}", condition(t, "TunnelReady")),
+                Err(e) => format!("{e:#}"),
+            },
+            match &back {
+                Ok(_) => format!("Ready after {:.1?}", started.elapsed()),
+                Err(e) => format!("{e:#}"),
+            }
+        ),
+    );
+
+    // 5. Deleting the tunnel removes its agent and every child (finalizer and garbage collector).
+    let started = Instant::now();
+    let outcome = delete_tunnel(env, &tunnels, ns, "web").await;
+    report.record(
+        "RstreamTunnel deleted: agent Pods, ServiceAccount, Role, RoleBinding and ConfigMap gone",
+        outcome.is_ok(),
+        started,
+        outcome.unwrap_or_else(|e| format!("{e:#}")),
+    );
+    tunnels.delete("echo", &DeleteParams::default()).await?;
+    engine.shutdown().await;
+    Ok(())
+}
+
+/// Writes `len` pseudo-random bytes through `addr` (an echo behind a tunnel) while reading them
+/// back; fails unless every byte returns in order.
+async fn echo_bulk(addr: SocketAddr, len: usize) -> anyhow::Result<Duration> {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let data: Vec<u8> = (0..len as u64)
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+        .collect();
+    let started = Instant::now();
+    let stream = tokio::net::TcpStream::connect(addr).await?;
+    let (mut read, mut write) = stream.into_split();
+    let sent = data.clone();
+    let writer = tokio::spawn(async move {
+        write.write_all(&sent).await?;
+        write.shutdown().await?;
+        anyhow::Ok(())
+    });
+    let mut back = Vec::with_capacity(len);
+    tokio::time::timeout(Duration::from_secs(120), read.read_to_end(&mut back))
+        .await
+        .context("echo did not finish within 120 s")??;
+    writer.await??;
+    if back.len() != len {
+        bail!("{} of {len} bytes came back", back.len());
+    }
+    if let Some(at) = back.iter().zip(&data).position(|(a, b)| a != b) {
+        bail!("byte {at} differs");
+    }
+    Ok(started.elapsed())
+}
+
+async fn rotate_token(
+    tunnels: &Api<RstreamTunnel>,
+    deployments: &Api<Deployment>,
+    secrets: &Api<Secret>,
+) -> anyhow::Result<String> {
+    let agent = tunnels
+        .get("web")
+        .await?
+        .status
+        .and_then(|s| s.agent_deployment)
+        .context("no agent Deployment in the status")?;
+    let hash = |d: &Deployment| {
+        d.spec
+            .template
+            .metadata
+            .as_ref()
+            .and_then(|m| m.annotations.as_ref())
+            .and_then(|a| a.get(names::CONFIG_HASH_ANNOTATION))
+            .cloned()
+            .unwrap_or_default()
+    };
+    let before = hash(&deployments.get(&agent).await?);
+    secrets
+        .patch(
+            "rstream-credentials",
+            &PatchParams::default(),
+            &Patch::Merge(json!({ "stringData": { "token": "e2e-token-2" } })),
+        )
+        .await?;
+    let started = Instant::now();
+    let after = loop {
+        let h = hash(&deployments.get(&agent).await?);
+        if h != before {
+            break h;
+        }
+        if started.elapsed() > Duration::from_secs(30) {
+            bail!("the config hash stayed {before} for 30 s");
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    // The rollout replaces the agent Pod; Ready again once the new one has the tunnel.
+    let mut rolled = false;
+    while started.elapsed() < Duration::from_secs(120) {
+        let d = deployments.get(&agent).await?;
+        let generation = d.metadata.generation.unwrap_or(0);
+        let status = d.status.unwrap_or_default();
+        if status.observed_generation == Some(generation)
+            && status.updated_replicas == Some(1)
+            && status.replicas == Some(1)
+            && status.available_replicas == Some(1)
+        {
+            rolled = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    if !rolled {
+        bail!("the agent Deployment did not roll out within 120 s");
+    }
+    wait_condition(tunnels, "web", "Ready", "True", Duration::from_secs(60)).await?;
+    Ok(format!(
+        "config hash {before} -> {after}; rolled out and Ready {:.1?} after the Secret changed",
+        started.elapsed()
+    ))
+}
+
+async fn delete_tunnel(
+    env: &Env<'_>,
+    tunnels: &Api<RstreamTunnel>,
+    ns: &str,
+    name: &str,
+) -> anyhow::Result<String> {
+    let client = env.plane.client().await?;
+    let t = tunnels.get(name).await?;
+    let base = names::base_name(ns, name, t.metadata.uid.as_deref());
+    tunnels.delete(name, &DeleteParams::default()).await?;
+    let started = Instant::now();
+    loop {
+        let mut left = Vec::new();
+        if tunnels.get_opt(name).await?.is_some() {
+            left.push(format!("RstreamTunnel {name}"));
+        }
+        if Api::<Deployment>::namespaced(client.clone(), ns)
+            .get_opt(&base)
+            .await?
+            .is_some()
+        {
+            left.push("Deployment".to_owned());
+        }
+        if Api::<ServiceAccount>::namespaced(client.clone(), ns)
+            .get_opt(&base)
+            .await?
+            .is_some()
+        {
+            left.push("ServiceAccount".to_owned());
+        }
+        if Api::<Role>::namespaced(client.clone(), ns)
+            .get_opt(&base)
+            .await?
+            .is_some()
+        {
+            left.push("Role".to_owned());
+        }
+        if Api::<RoleBinding>::namespaced(client.clone(), ns)
+            .get_opt(&base)
+            .await?
+            .is_some()
+        {
+            left.push("RoleBinding".to_owned());
+        }
+        if Api::<ConfigMap>::namespaced(client.clone(), ns)
+            .get_opt(&format!("{base}-config"))
+            .await?
+            .is_some()
+        {
+            left.push("ConfigMap".to_owned());
+        }
+        let pods = Api::<Pod>::namespaced(client.clone(), ns)
+            .list(&ListParams::default())
+            .await?
+            .items
+            .into_iter()
+            .filter(|p| {
+                p.metadata
+                    .name
+                    .as_deref()
+                    .is_some_and(|n| n.starts_with(&base))
+            })
+            .count();
+        if pods > 0 {
+            left.push(format!("{pods} agent Pods"));
+        }
+        if left.is_empty() {
+            return Ok(format!("all gone after {:.1?}", started.elapsed()));
+        }
+        if started.elapsed() > Duration::from_secs(90) {
+            bail!("after 90 s still there: {}", left.join(", "));
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}

@@ -1,0 +1,906 @@
+//! steward-tcp-proxy on the node: the chart with its defaults (2 replicas, leader election), the
+//! `default/kubernetes` endpoints it writes, an in-cluster client through it, both endpoint
+//! modes, leader failover with a repair, and a rolling upgrade under load.
+
+use std::collections::BTreeSet;
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, bail};
+use futures::StreamExt as _;
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::batch::v1::Job;
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::{Endpoints, Namespace, Pod, Service};
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use kube::api::WatchParams;
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams, WatchEvent};
+use serde_json::json;
+
+use super::{ChartReport, Env};
+use k8s_reconcile::testing::node::{self, KUBERNETES_SERVICE_IP, TESTBOX_IMAGE, check};
+
+const RELEASE: &str = "steward-tcp-proxy";
+const SELECTOR: &str = "app.kubernetes.io/name=steward-tcp-proxy";
+const LISTEN_PORT: u16 = 6443;
+
+pub async fn run(env: &Env<'_>) -> ChartReport {
+    let mut report = ChartReport::new("steward-tcp-proxy");
+    if let Err(err) = scenarios(env, &mut report).await {
+        println!("  error: {err:#}");
+        report.error = Some(format!("{err:#}"));
+    }
+    if !report.namespace.is_empty() {
+        match super::restarts(env.plane, &report.namespace).await {
+            Ok(r) => report.restarts = r,
+            Err(err) => report
+                .error
+                .get_or_insert(format!("restart counts: {err:#}"))
+                .push(' '),
+        }
+    }
+    report
+}
+
+/// What `default/kubernetes` says: the Endpoints' and the slices' (ip, port) sets.
+#[derive(Debug, Default, PartialEq, Eq, Clone)]
+struct Published {
+    endpoints: BTreeSet<(String, i32)>,
+    slices: BTreeSet<(String, i32)>,
+}
+
+impl Published {
+    fn both_equal(&self, want: &BTreeSet<(String, i32)>) -> bool {
+        !want.is_empty() && &self.endpoints == want && &self.slices == want
+    }
+
+    fn describe(&self) -> String {
+        let show = |set: &BTreeSet<(String, i32)>| {
+            set.iter()
+                .map(|(ip, port)| format!("{ip}:{port}"))
+                .collect::<Vec<_>>()
+                .join(",")
+        };
+        format!(
+            "Endpoints [{}], EndpointSlice [{}]",
+            show(&self.endpoints),
+            show(&self.slices)
+        )
+    }
+}
+
+struct Cluster {
+    client: kube::Client,
+    ns: String,
+}
+
+impl Cluster {
+    async fn published(&self) -> anyhow::Result<Published> {
+        let endpoints: Api<Endpoints> = Api::namespaced(self.client.clone(), "default");
+        let slices: Api<EndpointSlice> = Api::namespaced(self.client.clone(), "default");
+        let mut out = Published::default();
+        if let Some(e) = endpoints.get_opt("kubernetes").await? {
+            for subset in e.subsets.unwrap_or_default() {
+                let ports: Vec<i32> = subset
+                    .ports
+                    .unwrap_or_default()
+                    .iter()
+                    .map(|p| p.port)
+                    .collect();
+                for address in subset.addresses.unwrap_or_default() {
+                    for port in &ports {
+                        out.endpoints.insert((address.ip.clone(), *port));
+                    }
+                }
+            }
+        }
+        let list = slices
+            .list(&ListParams::default().labels("kubernetes.io/service-name=kubernetes"))
+            .await?;
+        for slice in list {
+            let ports: Vec<i32> = slice
+                .ports
+                .unwrap_or_default()
+                .iter()
+                .filter_map(|p| p.port)
+                .collect();
+            for endpoint in slice.endpoints.unwrap_or_default() {
+                if endpoint
+                    .conditions
+                    .as_ref()
+                    .and_then(|c| c.ready)
+                    .is_some_and(|r| !r)
+                {
+                    continue;
+                }
+                for address in endpoint.addresses {
+                    for port in &ports {
+                        out.slices.insert((address.clone(), *port));
+                    }
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// (name, IP) of the steward Pods kubelet reports Ready and not being deleted.
+    async fn ready_pods(&self) -> anyhow::Result<Vec<(String, String)>> {
+        let pods: Api<Pod> = Api::namespaced(self.client.clone(), &self.ns);
+        Ok(pods
+            .list(&ListParams::default().labels(SELECTOR))
+            .await?
+            .items
+            .iter()
+            .filter(|p| p.metadata.deletion_timestamp.is_none() && check::is_ready(p))
+            .map(|p| {
+                (
+                    p.metadata.name.clone().unwrap_or_default(),
+                    p.status
+                        .as_ref()
+                        .and_then(|s| s.pod_ip.clone())
+                        .unwrap_or_default(),
+                )
+            })
+            .collect())
+    }
+
+    async fn all_pods(&self) -> anyhow::Result<Vec<Pod>> {
+        let pods: Api<Pod> = Api::namespaced(self.client.clone(), &self.ns);
+        Ok(pods
+            .list(&ListParams::default().labels(SELECTOR))
+            .await?
+            .items)
+    }
+
+    async fn lease(&self) -> anyhow::Result<(Option<String>, i32)> {
+        let leases: Api<Lease> = Api::namespaced(self.client.clone(), &self.ns);
+        let lease = leases.get_opt(RELEASE).await?;
+        let spec = lease.and_then(|l| l.spec);
+        Ok((
+            spec.as_ref().and_then(|s| s.holder_identity.clone()),
+            spec.and_then(|s| s.lease_duration_seconds).unwrap_or(0),
+        ))
+    }
+
+    async fn cluster_ip(&self) -> anyhow::Result<String> {
+        let services: Api<Service> = Api::namespaced(self.client.clone(), &self.ns);
+        services
+            .get(RELEASE)
+            .await?
+            .spec
+            .and_then(|s| s.cluster_ip)
+            .context("the steward Service has no ClusterIP")
+    }
+
+    /// What the chart's mode says `default/kubernetes` must hold now.
+    async fn expected(&self, mode: &str) -> anyhow::Result<BTreeSet<(String, i32)>> {
+        Ok(match mode {
+            "cluster-ip" => [(self.cluster_ip().await?, i32::from(LISTEN_PORT))].into(),
+            _ => self
+                .ready_pods()
+                .await?
+                .into_iter()
+                .map(|(_, ip)| (ip, i32::from(LISTEN_PORT)))
+                .collect(),
+        })
+    }
+
+    /// Waits (bounded) until the Deployment has rolled out `replicas` Pods of its latest
+    /// template and no other Pod is left.
+    async fn wait_rolled_out(&self, limit: Duration) -> anyhow::Result<()> {
+        let deployments: Api<Deployment> = Api::namespaced(self.client.clone(), &self.ns);
+        let deadline = Instant::now() + limit;
+        loop {
+            let d = deployments.get(RELEASE).await?;
+            let generation = d.metadata.generation.unwrap_or(0);
+            let want = d.spec.replicas.unwrap_or(1);
+            if let Some(s) = d.status
+                && s.observed_generation.unwrap_or(0) >= generation
+                && s.updated_replicas.unwrap_or(0) == want
+                && s.ready_replicas.unwrap_or(0) == want
+                && s.replicas.unwrap_or(0) == want
+                && self.all_pods().await?.len() == usize::try_from(want).unwrap_or(0)
+            {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                bail!("the steward Deployment did not roll out within {limit:?}");
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
+    /// Polls until `default/kubernetes` matches what `mode` says; returns the time it took.
+    async fn wait_published(&self, mode: &str, limit: Duration) -> anyhow::Result<Duration> {
+        let started = Instant::now();
+        let mut last = Published::default();
+        while started.elapsed() < limit {
+            let want = self.expected(mode).await?;
+            last = self.published().await?;
+            if last.both_equal(&want) {
+                return Ok(started.elapsed());
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        bail!(
+            "default/kubernetes not as {mode} says within {limit:?}: {}",
+            last.describe()
+        )
+    }
+
+    /// Waits (bounded) until a TCP connection from the host to `10.96.0.1:443` shows up in
+    /// steward's metrics: kube-proxy has applied the endpoints steward wrote.
+    async fn wait_routed_through_steward(&self) -> anyhow::Result<Duration> {
+        let started = Instant::now();
+        let target = SocketAddr::new(KUBERNETES_SERVICE_IP.into(), 443);
+        while started.elapsed() < Duration::from_secs(30) {
+            let before = self.metric_sum("proxy_connections_total").await?;
+            let _ = tokio::time::timeout(
+                Duration::from_millis(500),
+                tokio::net::TcpStream::connect(target),
+            )
+            .await;
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            if self.metric_sum("proxy_connections_total").await? > before {
+                return Ok(started.elapsed());
+            }
+        }
+        bail!("connections to {target} never reached steward within 30 s")
+    }
+
+    /// Sum of a metric over the ready steward Pods' /metrics.
+    async fn metric_sum(&self, name: &str) -> anyhow::Result<f64> {
+        let mut sum = 0.0;
+        for (pod, ip) in self.ready_pods().await? {
+            let addr: SocketAddr = format!("{ip}:9090").parse()?;
+            let text = check::http_get(addr, "/metrics")
+                .await
+                .map_err(|e| anyhow::anyhow!("{pod} /metrics: {e}"))?;
+            sum += text
+                .lines()
+                .filter(|l| l.starts_with(name) && !l.starts_with('#'))
+                .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+                .sum::<f64>();
+        }
+        Ok(sum)
+    }
+}
+
+async fn scenarios(env: &Env<'_>, report: &mut ChartReport) -> anyhow::Result<()> {
+    let ns = env.restricted_namespace("steward").await?;
+    report.namespace = ns.clone();
+    let client = env.plane.client().await?;
+    let cluster = Cluster {
+        client: client.clone(),
+        ns: ns.clone(),
+    };
+    let (repository, tag) = env.image("steward-tcp-proxy")?;
+    let chart = crate::workspace_root().join("steward-tcp-proxy/chart");
+    let chart = chart.to_string_lossy().into_owned();
+    let upstream = format!("upstreamAddr={}", env.apiserver);
+    let image = format!("image.repository={repository},image.tag={tag}");
+
+    // 1. Install with the chart's defaults; the leader's first write is timed against the moment
+    //    the Lease names it and the moment its first Pod is Ready.
+    let started = Instant::now();
+    let tests = format!("tests.image={TESTBOX_IMAGE},tests.pullPolicy=Never");
+    let installed = env
+        .helm(&[
+            "install",
+            RELEASE,
+            &chart,
+            "-n",
+            &ns,
+            "--set",
+            &upstream,
+            "--set",
+            &image,
+            "--set",
+            &tests,
+            "--set",
+            "tests.command={/testbox,get}",
+        ])
+        .await?;
+    let mut leader_seen: Option<(Instant, String)> = None;
+    let mut first_ready: Option<Instant> = None;
+    let mut correct: Option<Instant> = None;
+    let mut all_ready: Option<Instant> = None;
+    let limit = Duration::from_secs(180);
+    while started.elapsed() < limit && (all_ready.is_none() || correct.is_none()) {
+        let now = Instant::now();
+        if leader_seen.is_none()
+            && let (Some(holder), _) = cluster.lease().await?
+        {
+            leader_seen = Some((now, holder));
+        }
+        let ready = cluster.ready_pods().await?;
+        if first_ready.is_none() && !ready.is_empty() {
+            first_ready = Some(now);
+        }
+        if all_ready.is_none() && ready.len() == 2 {
+            all_ready = Some(now);
+        }
+        let published = cluster.published().await?;
+        if correct.is_none() && published.both_equal(&cluster.expected("pod-ip").await?) {
+            correct = Some(now);
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    let Some(all_ready) = all_ready else {
+        bail!("the two steward Pods were not Ready within {limit:?}");
+    };
+    report.install_to_ready_ms = Some(all_ready.duration_since(started).as_millis());
+    let (Some((leader_at, leader)), Some(first_ready), Some(correct)) =
+        (leader_seen, first_ready, correct)
+    else {
+        bail!("no leader, or default/kubernetes never pointed at the ready steward Pods");
+    };
+    // In pod-ip mode the leader can only publish Pods that are Ready, so the clock starts at
+    // the later of the two.
+    let start = leader_at.max(first_ready);
+    let after = correct.saturating_duration_since(start);
+    let published = cluster.published().await?;
+    report.record(
+        "chart defaults: default/kubernetes points at the ready steward Pods (pod-ip) within 1 s of the leader starting",
+        after <= Duration::from_secs(1),
+        started,
+        format!(
+            "leader {leader} seen at +{:.2}s, first Pod Ready at +{:.2}s, Endpoints and EndpointSlice correct at +{:.2}s ({} ms after the leader could publish); now {}",
+            leader_at.duration_since(started).as_secs_f64(),
+            first_ready.duration_since(started).as_secs_f64(),
+            correct.duration_since(started).as_secs_f64(),
+            after.as_millis(),
+            published.describe()
+        ),
+    );
+    let settle = cluster
+        .wait_published("pod-ip", Duration::from_secs(30))
+        .await;
+    if let Err(err) = settle {
+        bail!("after both Pods were Ready: {err:#}");
+    }
+
+    // 2. An in-cluster client lists and watches through steward; steward's metrics count it.
+    rbac_for_lister(env, &ns).await?;
+    let started = Instant::now();
+    let routed = cluster.wait_routed_through_steward().await;
+    let before = cluster.metric_sum("proxy_connections_total").await?;
+    let bytes_before = cluster.metric_sum("proxy_bytes_total").await?;
+    let outcome = in_cluster_client(env, &ns, "lister-pod-ip", 4, Duration::from_secs(60)).await;
+    let after_conns = cluster.metric_sum("proxy_connections_total").await?;
+    let bytes_after = cluster.metric_sum("proxy_bytes_total").await?;
+    let ok = outcome.as_ref().is_ok_and(|l| l.contains("kube result=ok"))
+        && after_conns > before
+        && bytes_after > bytes_before;
+    let routed = match routed {
+        Ok(took) => format!(
+            "kube-proxy routed 10.96.0.1:443 to steward {:.2}s after the endpoints were written",
+            took.as_secs_f64()
+        ),
+        Err(err) => format!("{err:#}"),
+    };
+    report.record(
+        "in-cluster client (KUBERNETES_SERVICE_HOST) lists namespaces and holds a 4 s watch through steward; steward's metrics count it",
+        ok,
+        started,
+        format!(
+            "{routed}; testbox: {}; steward proxy_connections_total {before} -> {after_conns}, proxy_bytes_total {bytes_before} -> {bytes_after}",
+            summary(&outcome)
+        ),
+    );
+
+    // 3. The other endpoint mode: does kube-proxy route a ClusterIP used as an endpoint?
+    let started = Instant::now();
+    env.helm(&[
+        "upgrade",
+        RELEASE,
+        &chart,
+        "-n",
+        &ns,
+        "--reuse-values",
+        "--set",
+        "endpointMode=cluster-ip",
+    ])
+    .await?;
+    cluster.wait_rolled_out(Duration::from_secs(150)).await?;
+    let took = cluster
+        .wait_published("cluster-ip", Duration::from_secs(30))
+        .await;
+    let published = cluster.published().await?;
+    let outcome =
+        in_cluster_client(env, &ns, "lister-cluster-ip", 0, Duration::from_secs(20)).await;
+    let host_tcp = tcp_connect(SocketAddr::new(KUBERNETES_SERVICE_IP.into(), 443)).await;
+    report.record(
+        "endpointMode=cluster-ip: steward publishes its ClusterIP; a Pod's client through kubernetes.default",
+        took.is_ok(),
+        started,
+        format!(
+            "{}; in-cluster client: {}; TCP connect from the host to {KUBERNETES_SERVICE_IP}:443: {host_tcp} => kube-proxy {} a ClusterIP used as an endpoint",
+            published.describe(),
+            summary(&outcome),
+            if outcome.as_ref().is_ok_and(|l| l.contains("kube result=ok")) { "ROUTES" } else { "does NOT route" }
+        ),
+    );
+    let started = Instant::now();
+    env.helm(&[
+        "upgrade",
+        RELEASE,
+        &chart,
+        "-n",
+        &ns,
+        "--reuse-values",
+        "--set",
+        "endpointMode=pod-ip",
+    ])
+    .await?;
+    cluster.wait_rolled_out(Duration::from_secs(150)).await?;
+    cluster
+        .wait_published("pod-ip", Duration::from_secs(30))
+        .await?;
+    // kube-proxy applies the slice on its own schedule; a Job started before that would meet the
+    // rules of the ClusterIP mode (unroutable), so wait for routing as scenario 2 does.
+    let routed = cluster.wait_routed_through_steward().await;
+    let outcome =
+        in_cluster_client(env, &ns, "lister-pod-ip-again", 0, Duration::from_secs(60)).await;
+    let routed = match routed {
+        Ok(took) => format!(
+            "kube-proxy routed 10.96.0.1:443 to steward {:.2}s after the endpoints were written",
+            took.as_secs_f64()
+        ),
+        Err(err) => format!("{err:#}; kube-proxy's rules: {}", kubernetes_nat_rules()),
+    };
+    report.record(
+        "endpointMode=pod-ip (chart default) again: a Pod's client through kubernetes.default",
+        outcome.as_ref().is_ok_and(|l| l.contains("kube result=ok")),
+        started,
+        format!(
+            "{}; {routed}; in-cluster client: {}",
+            cluster.published().await?.describe(),
+            summary(&outcome)
+        ),
+    );
+
+    // 4. Delete the leader Pod and edit the slice by hand: the other replica takes over and
+    //    repairs it within one lease duration.
+    let started = Instant::now();
+    let (Some(old_leader), duration) = cluster.lease().await? else {
+        bail!("no leader in the Lease");
+    };
+    let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
+    pods.delete(&old_leader, &DeleteParams::default()).await?;
+    let bogus = "10.244.0.250";
+    let slices: Api<EndpointSlice> = Api::namespaced(client.clone(), "default");
+    slices
+        .patch(
+            "kubernetes",
+            &PatchParams::default(),
+            &Patch::Merge(&json!({ "endpoints": [{ "addresses": [bogus], "conditions": { "ready": true } }] })),
+        )
+        .await?;
+    let edited = Instant::now();
+    let limit = Duration::from_secs(u64::try_from(duration.max(1)).unwrap_or(15) + 30);
+    let mut takeover: Option<(Duration, String)> = None;
+    let mut repaired: Option<Duration> = None;
+    while started.elapsed() < limit && (takeover.is_none() || repaired.is_none()) {
+        if takeover.is_none()
+            && let (Some(holder), _) = cluster.lease().await?
+            && holder != old_leader
+        {
+            takeover = Some((started.elapsed(), holder));
+        }
+        let published = cluster.published().await?;
+        if repaired.is_none()
+            && !published.slices.is_empty()
+            && !published.slices.iter().any(|(ip, _)| ip == bogus)
+        {
+            repaired = Some(edited.elapsed());
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let lease_duration = Duration::from_secs(u64::try_from(duration).unwrap_or(0));
+    let ok = takeover.is_some() && repaired.is_some_and(|r| r <= lease_duration);
+    report.record(
+        "leader Pod deleted: the other replica takes over and repairs a manual EndpointSlice edit within one lease duration",
+        ok,
+        started,
+        format!(
+            "lease duration {duration} s; old leader {old_leader}; new leader {}; manual edit repaired after {}",
+            takeover
+                .as_ref()
+                .map(|(t, h)| format!("{h} at +{:.2}s", t.as_secs_f64()))
+                .unwrap_or_else(|| "none".to_owned()),
+            repaired
+                .map(|r| format!("{:.2}s", r.as_secs_f64()))
+                .unwrap_or_else(|| "never".to_owned()),
+        ),
+    );
+    cluster.wait_rolled_out(Duration::from_secs(120)).await?;
+    cluster
+        .wait_published("pod-ip", Duration::from_secs(30))
+        .await?;
+
+    // 5. helm upgrade rolls both Pods while a client GETs every 50 ms and holds a watch, both
+    //    through kubernetes.default (kube-proxy, then steward).
+    let started = Instant::now();
+    let outcome = rolling_upgrade(env, &cluster, &chart).await?;
+    report.record(
+        "helm upgrade rolls both Pods while a client GETs every 50 ms and holds a watch (through 10.96.0.1:443)",
+        outcome.failed == 0 && outcome.watch_saw_probe,
+        started,
+        outcome.describe(),
+    );
+
+    // 6. The chart as users meet it: NOTES.txt says what to check next; `helm test` passes.
+    super::helm_test_scenario(env, report, RELEASE, &ns, &installed, "/readyz").await;
+    Ok(())
+}
+
+async fn rbac_for_lister(env: &Env<'_>, ns: &str) -> anyhow::Result<()> {
+    let client = env.plane.client().await?;
+    let params = PatchParams::apply("e2e").force();
+    let objects = [
+        json!({ "apiVersion": "v1", "kind": "ServiceAccount", "metadata": { "name": "lister", "namespace": ns } }),
+        json!({ "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
+            "metadata": { "name": format!("e2e-{ns}-list-namespaces") },
+            "rules": [{ "apiGroups": [""], "resources": ["namespaces"], "verbs": ["list", "watch"] }] }),
+        json!({ "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+            "metadata": { "name": format!("e2e-{ns}-list-namespaces") },
+            "roleRef": { "apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": format!("e2e-{ns}-list-namespaces") },
+            "subjects": [{ "kind": "ServiceAccount", "name": "lister", "namespace": ns }] }),
+    ];
+    for object in objects {
+        let object: kube::api::DynamicObject = serde_json::from_value(object)?;
+        let types = object.types.clone().context("no kind")?;
+        let (group, version) = types
+            .api_version
+            .split_once('/')
+            .unwrap_or(("", types.api_version.as_str()));
+        let resource = kube::discovery::ApiResource {
+            group: group.to_owned(),
+            version: version.to_owned(),
+            api_version: types.api_version.clone(),
+            kind: types.kind.clone(),
+            plural: format!("{}s", types.kind.to_ascii_lowercase()),
+        };
+        let name = object.metadata.name.clone().unwrap_or_default();
+        let api: kube::Api<kube::api::DynamicObject> = match object.metadata.namespace.as_deref() {
+            Some(ns) => kube::Api::namespaced_with(client.clone(), ns, &resource),
+            None => kube::Api::all_with(client.clone(), &resource),
+        };
+        api.patch(&name, &params, &Patch::Apply(&object)).await?;
+    }
+    Ok(())
+}
+
+/// Runs `/testbox kube --list namespaces` in a Job with ServiceAccount `lister` and in-cluster
+/// config only; returns its log, or an error saying how it failed.
+async fn in_cluster_client(
+    env: &Env<'_>,
+    ns: &str,
+    name: &str,
+    watch_seconds: u64,
+    deadline: Duration,
+) -> anyhow::Result<String> {
+    let watch = watch_seconds.to_string();
+    let mut job = check::job(
+        name,
+        TESTBOX_IMAGE,
+        &[
+            "/testbox",
+            "kube",
+            "--in-cluster",
+            "--list",
+            "namespaces",
+            "--watch-seconds",
+            &watch,
+        ],
+    );
+    job["spec"]["activeDeadlineSeconds"] = json!(deadline.as_secs());
+    job["spec"]["template"]["spec"]["serviceAccountName"] = json!("lister");
+    let jobs: Api<Job> = Api::namespaced(env.plane.client().await?, ns);
+    jobs.create(&PostParams::default(), &serde_json::from_value(job)?)
+        .await?;
+    let logs = check::wait_job_logs(env.plane, ns, name)
+        .await
+        .map_err(|e| anyhow::anyhow!("{e}"));
+    let _ = jobs.delete(name, &DeleteParams::background()).await;
+    logs
+}
+
+/// kube-proxy's NAT rules for `default/kubernetes` in the node's network namespace, for a
+/// failure report.
+fn kubernetes_nat_rules() -> String {
+    let out = std::process::Command::new("ip")
+        .args(["netns", "exec", node::NETNS, "iptables-save", "-t", "nat"])
+        .output();
+    match out {
+        Ok(out) => String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter(|l| l.contains("default/kubernetes"))
+            .collect::<Vec<_>>()
+            .join(" | "),
+        Err(err) => format!("iptables-save: {err}"),
+    }
+}
+
+fn summary(outcome: &anyhow::Result<String>) -> String {
+    match outcome {
+        Ok(log) => log
+            .lines()
+            .filter(|l| l.starts_with("kube ") || l.starts_with("event "))
+            .collect::<Vec<_>>()
+            .join("; "),
+        Err(err) => format!(
+            "failed: {}",
+            format!("{err:#}").chars().take(300).collect::<String>()
+        ),
+    }
+}
+
+async fn tcp_connect(addr: SocketAddr) -> String {
+    match tokio::time::timeout(Duration::from_secs(2), tokio::net::TcpStream::connect(addr)).await {
+        Ok(Ok(_)) => "connected".to_owned(),
+        Ok(Err(e)) => format!("error {e}"),
+        Err(_) => "timed out after 2 s".to_owned(),
+    }
+}
+
+struct RollOutcome {
+    requests: u32,
+    failed: u32,
+    errors: Vec<String>,
+    watch_events: Vec<String>,
+    watch_errors: Vec<String>,
+    watch_restarts: u32,
+    watch_saw_probe: bool,
+    rollout: Duration,
+    old_pods_gone: Option<Duration>,
+}
+
+impl RollOutcome {
+    fn describe(&self) -> String {
+        format!(
+            "rollout complete after {:.1}s, old Pods gone after {}; {} GETs, {} failed{}; watch: {} events [{}], {} re-watches{}",
+            self.rollout.as_secs_f64(),
+            self.old_pods_gone
+                .map(|d| format!("{:.1}s", d.as_secs_f64()))
+                .unwrap_or_else(|| "(not within the limit)".to_owned()),
+            self.requests,
+            self.failed,
+            if self.errors.is_empty() {
+                String::new()
+            } else {
+                format!(" ({})", self.errors.join("; "))
+            },
+            self.watch_events.len(),
+            self.watch_events.join(", "),
+            self.watch_restarts,
+            if self.watch_errors.is_empty() {
+                String::new()
+            } else {
+                format!(", errors: {}", self.watch_errors.join("; "))
+            }
+        )
+    }
+}
+
+/// A client of `https://10.96.0.1:443` with the admin's credentials (the serving certificate
+/// names that address).
+async fn service_client(env: &Env<'_>) -> anyhow::Result<kube::Client> {
+    let kubeconfig = kube::config::Kubeconfig::read_from(env.plane.kubeconfig_path())?;
+    let mut config = kube::Config::from_custom_kubeconfig(
+        kubeconfig,
+        &kube::config::KubeConfigOptions::default(),
+    )
+    .await?;
+    config.cluster_url = format!("https://{KUBERNETES_SERVICE_IP}:443").parse()?;
+    config.read_timeout = Some(Duration::from_secs(300));
+    config.connect_timeout = Some(Duration::from_secs(2));
+    Ok(kube::Client::try_from(config)?)
+}
+
+async fn rolling_upgrade(
+    env: &Env<'_>,
+    cluster: &Cluster,
+    chart: &str,
+) -> anyhow::Result<RollOutcome> {
+    let client = service_client(env).await?;
+    let namespaces: Api<Namespace> = Api::all(client.clone());
+    cluster.wait_routed_through_steward().await?;
+    let version = namespaces
+        .list(&ListParams::default())
+        .await
+        .context("listing namespaces through 10.96.0.1")?
+        .metadata
+        .resource_version
+        .unwrap_or_default();
+    let old: BTreeSet<String> = cluster
+        .all_pods()
+        .await?
+        .iter()
+        .filter_map(|p| p.metadata.name.clone())
+        .collect();
+    let stop = tokio_util_stop();
+    // The watcher: re-watches from the last version after any end or error.
+    let watcher = {
+        let namespaces = namespaces.clone();
+        let stop = stop.clone();
+        tokio::spawn(async move {
+            let mut version = version;
+            let mut events = Vec::new();
+            let mut errors = Vec::new();
+            let mut restarts = 0u32;
+            let mut saw_probe = false;
+            while !stop.is_stopped() && restarts < 100 {
+                let params = WatchParams::default().timeout(120);
+                match namespaces.watch(&params, &version).await {
+                    Ok(stream) => {
+                        let mut stream = std::pin::pin!(stream);
+                        loop {
+                            let next = tokio::select! {
+                                next = stream.next() => next,
+                                () = stop.wait() => None,
+                            };
+                            match next {
+                                Some(Ok(
+                                    WatchEvent::Added(ns)
+                                    | WatchEvent::Modified(ns)
+                                    | WatchEvent::Deleted(ns),
+                                )) => {
+                                    let name = ns.metadata.name.clone().unwrap_or_default();
+                                    if name.starts_with("e2e-roll-probe") {
+                                        saw_probe = true;
+                                        events.push(name);
+                                    }
+                                    version = ns.metadata.resource_version.unwrap_or(version);
+                                }
+                                Some(Ok(WatchEvent::Bookmark(b))) => {
+                                    version = b.metadata.resource_version;
+                                }
+                                Some(Ok(WatchEvent::Error(e))) => {
+                                    errors.push(format!("{} {}", e.code, e.message));
+                                    break;
+                                }
+                                Some(Err(e)) => {
+                                    errors.push(e.to_string().chars().take(120).collect());
+                                    break;
+                                }
+                                None => break,
+                            }
+                        }
+                    }
+                    Err(e) => {
+                        errors.push(e.to_string().chars().take(120).collect());
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                    }
+                }
+                restarts += 1;
+            }
+            (events, errors, restarts.saturating_sub(1), saw_probe)
+        })
+    };
+    // The GET loop.
+    let getter = {
+        let client = client.clone();
+        let stop = stop.clone();
+        tokio::spawn(async move {
+            let api: Api<Namespace> = Api::all(client);
+            let mut requests = 0u32;
+            let mut failed = 0u32;
+            let mut errors: Vec<String> = Vec::new();
+            let mut tick = tokio::time::interval(Duration::from_millis(50));
+            while !stop.is_stopped() && requests < 10_000 {
+                tick.tick().await;
+                requests += 1;
+                match tokio::time::timeout(Duration::from_secs(5), api.get("default")).await {
+                    Ok(Ok(_)) => {}
+                    Ok(Err(e)) => {
+                        failed += 1;
+                        if errors.len() < 5 {
+                            errors.push(e.to_string().chars().take(120).collect());
+                        }
+                    }
+                    Err(_) => {
+                        failed += 1;
+                        if errors.len() < 5 {
+                            errors.push("timed out after 5 s".to_owned());
+                        }
+                    }
+                }
+            }
+            (requests, failed, errors)
+        })
+    };
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let admin: Api<Namespace> = Api::all(env.plane.client().await?);
+    let probe = |n: u32| -> anyhow::Result<Namespace> {
+        Ok(serde_json::from_value(json!({
+            "apiVersion": "v1", "kind": "Namespace",
+            "metadata": { "name": format!("e2e-roll-probe-{n}") },
+        }))?)
+    };
+    admin.create(&PostParams::default(), &probe(1)?).await?;
+    let started = Instant::now();
+    env.helm(&[
+        "upgrade",
+        RELEASE,
+        chart,
+        "-n",
+        &cluster.ns,
+        "--reuse-values",
+        "--set-string",
+        "podAnnotations.e2e-roll=1",
+    ])
+    .await?;
+    admin.create(&PostParams::default(), &probe(2)?).await?;
+    cluster.wait_rolled_out(Duration::from_secs(180)).await?;
+    let rollout = started.elapsed();
+    admin.create(&PostParams::default(), &probe(3)?).await?;
+    let mut old_pods_gone = None;
+    let limit = Duration::from_secs(90);
+    while started.elapsed() < limit {
+        let now: BTreeSet<String> = cluster
+            .all_pods()
+            .await?
+            .iter()
+            .filter_map(|p| p.metadata.name.clone())
+            .collect();
+        if now.is_disjoint(&old) {
+            old_pods_gone = Some(started.elapsed());
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    cluster
+        .wait_published("pod-ip", Duration::from_secs(30))
+        .await?;
+    admin.create(&PostParams::default(), &probe(4)?).await?;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    stop.stop();
+    let (requests, failed, errors) = getter.await?;
+    let (watch_events, watch_errors, watch_restarts, _) = watcher.await?;
+    for n in 1..=4 {
+        let _ = admin
+            .delete(&format!("e2e-roll-probe-{n}"), &DeleteParams::default())
+            .await;
+    }
+    let watch_saw_probe = (1..=4).all(|n| {
+        watch_events
+            .iter()
+            .any(|e| e == &format!("e2e-roll-probe-{n}"))
+    });
+    Ok(RollOutcome {
+        requests,
+        failed,
+        errors,
+        watch_events,
+        watch_errors,
+        watch_restarts,
+        watch_saw_probe,
+        rollout,
+        old_pods_gone,
+    })
+}
+
+/// A stop flag tasks can poll or await.
+#[derive(Clone)]
+struct Stop(std::sync::Arc<tokio::sync::watch::Sender<bool>>);
+
+fn tokio_util_stop() -> Stop {
+    Stop(std::sync::Arc::new(tokio::sync::watch::channel(false).0))
+}
+
+impl Stop {
+    fn stop(&self) {
+        self.0.send_replace(true);
+    }
+
+    fn is_stopped(&self) -> bool {
+        *self.0.borrow()
+    }
+
+    async fn wait(&self) {
+        let mut rx = self.0.subscribe();
+        let _ = rx.wait_for(|v| *v).await;
+    }
+}
