@@ -651,14 +651,15 @@ impl ListenerShared {
         }
     }
 
-    /// Closes the connections whose last bytes went to the client (or that never moved any)
-    /// and that have been quiet for `idle`; returns how many.
+    /// Closes the connections whose last bytes went to the client and that have been quiet for
+    /// `idle`; returns how many. One that moved nothing yet may still be connecting with a
+    /// request buffered, so it is left to the deadline.
     fn close_answered_idle(&self, idle: Duration) -> usize {
         let connections = lock(&self.connections);
         let mut closed = 0;
         for connection in connections.values() {
             let counters = &connection.counters;
-            let answered = counters.last_direction() != Some(Direction::ToUpstream);
+            let answered = counters.last_direction() == Some(Direction::ToClient);
             if answered
                 && counters.last_activity().elapsed() >= idle
                 && !connection.close.is_cancelled()

@@ -431,28 +431,27 @@ fn helm_template(ns: &str, upstream: &str) -> String {
     .unwrap()
 }
 
-#[tokio::test]
-async fn sigterm_drops_readiness_and_drains_a_long_watch() {
-    let plane = plane().await;
-    let ns = plane.create_namespace("steward-drain").await.unwrap();
-    let mut proxy = Proxy::start(
-        plane.kubeconfig_path(),
-        &apiserver_addr(plane),
-        &[
-            &format!("--service-namespace={ns}"),
-            "--service-name=absent",
-            "--drain-timeout=3s",
-            // The deadline alone: a quiet watch stays open until it.
-            "--drain-idle=0",
-        ],
-    );
+type ConfigMapEvents = futures::stream::BoxStream<'static, kube::Result<WatchEvent<ConfigMap>>>;
+
+/// Starts steward with `drain_flags`, opens a ConfigMap watch through it, sends SIGTERM and waits
+/// for `/readyz` to say it is shutting down; returns the proxy, the namespace, the watch and
+/// when the signal went.
+async fn watch_then_terminate(
+    plane: &'static ControlPlane,
+    prefix: &str,
+    drain_flags: &[&str],
+) -> (Proxy, String, ConfigMapEvents, Instant) {
+    let ns = plane.create_namespace(prefix).await.unwrap();
+    let namespace_flag = format!("--service-namespace={ns}");
+    let mut flags = vec![namespace_flag.as_str(), "--service-name=absent"];
+    flags.extend_from_slice(drain_flags);
+    let proxy = Proxy::start(plane.kubeconfig_path(), &apiserver_addr(plane), &flags);
     eventually("listening", Duration::from_secs(10), || async {
         tokio::net::TcpStream::connect(proxy.listen).await.is_ok()
     })
     .await;
     let through = client_through(plane, proxy.listen).await;
-    let configmaps: Api<ConfigMap> = Api::namespaced(through, &ns);
-    let mut events = configmaps
+    let events = Api::<ConfigMap>::namespaced(through, &ns)
         .watch(&WatchParams::default().timeout(60), "0")
         .await
         .unwrap()
@@ -461,7 +460,7 @@ async fn sigterm_drops_readiness_and_drains_a_long_watch() {
     let signalled = Instant::now();
     proxy.terminate();
     eventually(
-        "not ready while draining",
+        "not ready after SIGTERM",
         Duration::from_secs(2),
         || async {
             proxy
@@ -469,6 +468,19 @@ async fn sigterm_drops_readiness_and_drains_a_long_watch() {
                 .await
                 .is_some_and(|(code, body)| code == 503 && body.contains("shutting down"))
         },
+    )
+    .await;
+    (proxy, ns, events, signalled)
+}
+
+#[tokio::test]
+async fn sigterm_drops_readiness_and_drains_a_long_watch() {
+    let plane = plane().await;
+    // The deadline alone: a quiet watch stays open until it.
+    let (mut proxy, ns, mut events, signalled) = watch_then_terminate(
+        plane,
+        "steward-drain",
+        &["--drain-timeout=3s", "--drain-idle=0"],
     )
     .await;
     // The running watch keeps delivering during the drain window...
@@ -509,41 +521,14 @@ async fn sigterm_drops_readiness_and_drains_a_long_watch() {
 #[tokio::test]
 async fn sigterm_keeps_accepting_for_the_shutdown_delay_then_closes_quiet_connections_early() {
     let plane = plane().await;
-    let ns = plane.create_namespace("steward-delay").await.unwrap();
-    let mut proxy = Proxy::start(
-        plane.kubeconfig_path(),
-        &apiserver_addr(plane),
+    let (mut proxy, ns, mut events, signalled) = watch_then_terminate(
+        plane,
+        "steward-delay",
         &[
-            &format!("--service-namespace={ns}"),
-            "--service-name=absent",
             "--shutdown-delay=2s",
             "--drain-timeout=30s",
             "--drain-idle=50ms",
         ],
-    );
-    eventually("listening", Duration::from_secs(10), || async {
-        tokio::net::TcpStream::connect(proxy.listen).await.is_ok()
-    })
-    .await;
-    let through = client_through(plane, proxy.listen).await;
-    let configmaps: Api<ConfigMap> = Api::namespaced(through, &ns);
-    let mut events = configmaps
-        .watch(&WatchParams::default().timeout(60), "0")
-        .await
-        .unwrap()
-        .boxed();
-
-    let signalled = Instant::now();
-    proxy.terminate();
-    eventually(
-        "not ready after SIGTERM",
-        Duration::from_secs(1),
-        || async {
-            proxy
-                .readyz()
-                .await
-                .is_some_and(|(code, body)| code == 503 && body.contains("shutting down"))
-        },
     )
     .await;
     // During the delay a new client, as kube-proxy may still send one, is served.
