@@ -340,15 +340,28 @@ async fn tunnel_scenarios(env: &Env<'_>, report: &mut ChartReport, ns: &str) -> 
             // the kubelet's probe and the ReplicaSet's count have caught up, a moment later.
             let available = wait_available(&deployments, &agent, Duration::from_secs(60)).await?;
             let tunnel_id = status.tunnel_id.clone().unwrap_or_default();
-            let answer = match engine.ingress_addr(&tunnel_id) {
-                Some(ingress) => check::http_get(ingress, "/").await,
-                None => Err(format!("the engine has no ingress for {tunnel_id}")),
+            // The tunnel can be Ready before the workload is: its Pod must be Ready and its
+            // endpoint routed by kube-proxy before the agent's dial to the Service lands.
+            check::wait_pods_ready(env.plane, ns, "app=web", 1).await?;
+            let reached_pod =
+                |a: &Result<String, String>| a.as_ref().is_ok_and(|a| a.contains("\"pod\":\"web-"));
+            let mut attempts = 0;
+            let answer = loop {
+                attempts += 1;
+                let answer = match engine.ingress_addr(&tunnel_id) {
+                    Some(ingress) => check::http_get(ingress, "/").await,
+                    None => Err(format!("the engine has no ingress for {tunnel_id}")),
+                };
+                if reached_pod(&answer) || attempts >= 50 {
+                    break answer;
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
             };
-            let reached = answer.as_ref().is_ok_and(|a| a.contains("\"pod\":\"web-"));
+            let reached = reached_pod(&answer);
             (
                 available && reached,
                 format!(
-                    "agent Deployment {agent} Available={available}; forwarding address {}; GET / through the engine: {}",
+                    "agent Deployment {agent} Available={available}; forwarding address {}; GET / through the engine (attempt {attempts}): {}",
                     status.forwarding_address.unwrap_or_default(),
                     match &answer {
                         Ok(a) => a.lines().last().unwrap_or_default().to_owned(),
