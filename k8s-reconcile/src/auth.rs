@@ -72,69 +72,89 @@ impl Caller {
 }
 
 /// What a caller wants to do, as RBAC sees it (a `SubjectAccessReview`'s resource attributes).
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
 #[non_exhaustive]
-pub struct ResourceAccess<'a> {
+pub struct ResourceAccess {
     /// The verb, e.g. `create`.
-    pub verb: &'a str,
+    pub verb: String,
     /// The API group, `""` for the core group.
-    pub group: &'a str,
+    pub group: String,
     /// The resource, e.g. `pods`.
-    pub resource: &'a str,
+    pub resource: String,
     /// The subresource, e.g. `portforward`.
-    pub subresource: Option<&'a str>,
+    pub subresource: Option<String>,
     /// The namespace.
-    pub namespace: &'a str,
+    pub namespace: String,
     /// The object's name, when there is one.
-    pub name: Option<&'a str>,
+    pub name: Option<String>,
 }
 
-impl<'a> ResourceAccess<'a> {
+impl ResourceAccess {
     /// `verb` on `resource` of the core group in `namespace`, any name.
-    pub fn new(verb: &'a str, resource: &'a str, namespace: &'a str) -> Self {
+    pub fn new(verb: &str, resource: &str, namespace: &str) -> Self {
         Self {
-            verb,
-            group: "",
-            resource,
+            verb: verb.to_owned(),
+            group: String::new(),
+            resource: resource.to_owned(),
             subresource: None,
-            namespace,
+            namespace: namespace.to_owned(),
             name: None,
         }
     }
 
     /// The API group (`""`, the core group, by default).
     #[must_use]
-    pub fn group(mut self, group: &'a str) -> Self {
-        self.group = group;
+    pub fn group(mut self, group: &str) -> Self {
+        group.clone_into(&mut self.group);
         self
     }
 
     /// A subresource, e.g. `portforward`.
     #[must_use]
-    pub fn subresource(mut self, subresource: &'a str) -> Self {
-        self.subresource = Some(subresource);
+    pub fn subresource(mut self, subresource: &str) -> Self {
+        self.subresource = Some(subresource.to_owned());
         self
     }
 
     /// One object by name.
     #[must_use]
-    pub fn name(mut self, name: &'a str) -> Self {
-        self.name = Some(name);
+    pub fn name(mut self, name: &str) -> Self {
+        self.name = Some(name.to_owned());
         self
+    }
+
+    /// The same access with another verb.
+    #[must_use]
+    pub fn verb(mut self, verb: &str) -> Self {
+        verb.clone_into(&mut self.verb);
+        self
+    }
+
+    /// The resource attributes of an access review.
+    pub(crate) fn attributes(&self) -> ResourceAttributes {
+        ResourceAttributes {
+            namespace: Some(self.namespace.clone()),
+            verb: Some(self.verb.clone()),
+            group: Some(self.group.clone()),
+            resource: Some(self.resource.clone()),
+            subresource: self.subresource.clone(),
+            name: self.name.clone(),
+            ..ResourceAttributes::default()
+        }
     }
 }
 
-impl std::fmt::Display for ResourceAccess<'_> {
+impl std::fmt::Display for ResourceAccess {
     /// E.g. `create pods/portforward "web-0" in namespace "team-a"`.
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "{} {}", self.verb, self.resource)?;
         if !self.group.is_empty() {
             write!(f, ".{}", self.group)?;
         }
-        if let Some(sub) = self.subresource {
+        if let Some(sub) = &self.subresource {
             write!(f, "/{sub}")?;
         }
-        if let Some(name) = self.name {
+        if let Some(name) = &self.name {
             write!(f, " {name:?}")?;
         }
         write!(f, " in namespace {:?}", self.namespace)
@@ -282,7 +302,7 @@ impl Authenticator {
     pub async fn allowed(
         &self,
         caller: &Caller,
-        access: &ResourceAccess<'_>,
+        access: &ResourceAccess,
     ) -> Result<bool, AuthError> {
         let client = match &self.mode {
             Mode::Check(client) if !caller.unchecked => client,
@@ -294,15 +314,7 @@ impl Authenticator {
                 uid: caller.uid.clone(),
                 groups: Some(caller.groups.clone()),
                 extra: Some(caller.extra.clone()),
-                resource_attributes: Some(ResourceAttributes {
-                    namespace: Some(access.namespace.to_owned()),
-                    verb: Some(access.verb.to_owned()),
-                    group: Some(access.group.to_owned()),
-                    resource: Some(access.resource.to_owned()),
-                    subresource: access.subresource.map(str::to_owned),
-                    name: access.name.map(str::to_owned),
-                    ..ResourceAttributes::default()
-                }),
+                resource_attributes: Some(access.attributes()),
                 ..SubjectAccessReviewSpec::default()
             },
             ..SubjectAccessReview::default()
@@ -318,7 +330,7 @@ impl Authenticator {
     pub async fn authorize(
         &self,
         caller: &Caller,
-        access: &ResourceAccess<'_>,
+        access: &ResourceAccess,
     ) -> Result<(), AuthError> {
         if self.allowed(caller, access).await? {
             Ok(())

@@ -22,6 +22,8 @@
 //! * [`leading`]: work only the Lease holder does, one term at a time.
 //! * [`metrics`]: Prometheus metrics of reconciles and leadership.
 //! * [`watch_set`]: a pass over a whole set of watched objects (debounced, resynced).
+//! * [`permissions`]: what this process may do itself (SelfSubjectAccessReview), and what it
+//!   reports when a narrower role leaves something out.
 //! * [`ops`]: `/healthz`, `/readyz`, `/metrics` and shutdown on SIGTERM.
 //! * [`testing`] (feature `testing`): a real kube-apiserver + etcd for integration tests, with
 //!   clients for any identity and kubeconfig files for child processes.
@@ -82,6 +84,7 @@ pub mod leader;
 pub mod leading;
 pub mod metrics;
 pub mod ops;
+pub mod permissions;
 pub mod watch_set;
 
 #[cfg(feature = "testing")]

@@ -322,7 +322,7 @@ fn in_scope(settings: &Settings, namespace: &str) -> Result<(), ApiError> {
     )))
 }
 
-fn portforward<'a>(namespace: &'a str, pod: &'a str) -> ResourceAccess<'a> {
+fn portforward(namespace: &str, pod: &str) -> ResourceAccess {
     ResourceAccess::new("create", "pods", namespace)
         .subresource("portforward")
         .name(pod)

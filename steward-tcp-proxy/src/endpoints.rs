@@ -12,7 +12,7 @@
 //!
 //! Under a role without write access to Endpoints (the original's ClusterRole grants only
 //! EndpointSlices), the slices are still managed and the Endpoints object is left alone: the
-//! missing permission is found by asking ([`crate::permissions`]) at start, or from the first 403,
+//! missing permission is found by asking ([`k8s_reconcile::permissions`]) at start, or from the first 403,
 //! then reported once (log, metric, `/readyz` detail) and re-checked by asking again every
 //! [`PERMISSION_RECHECK`], so no reconcile hits a 403 in between.
 
@@ -23,11 +23,13 @@ use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::{Endpoints, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
+use k8s_reconcile::auth::ResourceAccess;
 use k8s_reconcile::endpointslice::{
     EndpointsOptions, EndpointsOutcome, ServiceEndpoint, ServiceEndpoints, ServicePort,
     apply_service_endpoints, desired_endpoints, ready_endpoints,
 };
 use k8s_reconcile::ops::Health;
+use k8s_reconcile::permissions::{self, MissingPermissions};
 use k8s_reconcile::{Action, Context, Reconciler};
 use kube::ResourceExt as _;
 use kube::api::{Api, ListParams};
@@ -36,7 +38,6 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
 use crate::cli::EndpointMode;
-use crate::permissions::{Access, MissingPermissions};
 
 /// The Service whose endpoints we own.
 pub const KUBERNETES_SERVICE: &str = "kubernetes";
@@ -56,24 +57,24 @@ pub const NO_EVENTS: &str = "no Events are recorded; warnings go to the log only
 
 /// What writing the `kubernetes` Endpoints needs (the applier reads, then applies); the write
 /// first, as the one a user misses.
-pub fn endpoints_write_access() -> [Access; 2] {
+pub fn endpoints_write_access() -> [ResourceAccess; 2] {
     [
-        Access::new("patch", "", "endpoints", KUBERNETES_NAMESPACE).named(KUBERNETES_SERVICE),
-        Access::new("get", "", "endpoints", KUBERNETES_NAMESPACE).named(KUBERNETES_SERVICE),
+        ResourceAccess::new("patch", "endpoints", KUBERNETES_NAMESPACE).name(KUBERNETES_SERVICE),
+        ResourceAccess::new("get", "endpoints", KUBERNETES_NAMESPACE).name(KUBERNETES_SERVICE),
     ]
 }
 
 /// What watching the `kubernetes` Endpoints needs.
-pub fn endpoints_watch_access() -> [Access; 2] {
+pub fn endpoints_watch_access() -> [ResourceAccess; 2] {
     [
-        Access::new("list", "", "endpoints", KUBERNETES_NAMESPACE).named(KUBERNETES_SERVICE),
-        Access::new("watch", "", "endpoints", KUBERNETES_NAMESPACE).named(KUBERNETES_SERVICE),
+        ResourceAccess::new("list", "endpoints", KUBERNETES_NAMESPACE).name(KUBERNETES_SERVICE),
+        ResourceAccess::new("watch", "endpoints", KUBERNETES_NAMESPACE).name(KUBERNETES_SERVICE),
     ]
 }
 
 /// What recording an Event about the proxy Service needs.
-pub fn events_access(namespace: &str) -> Access {
-    Access::new("create", "events.k8s.io", "events", namespace)
+pub fn events_access(namespace: &str) -> ResourceAccess {
+    ResourceAccess::new("create", "events", namespace).group("events.k8s.io")
 }
 
 /// Settings of the endpoints reconciler.
@@ -255,9 +256,9 @@ pub struct EndpointsReconciler {
     fight: Arc<Mutex<FightDetector>>,
     permissions: MissingPermissions,
     /// Set while writing the Endpoints is denied: the denied access and when to ask again.
-    endpoints_denied: Mutex<Option<(Access, Instant)>>,
+    endpoints_denied: Mutex<Option<(ResourceAccess, Instant)>>,
     /// The permission Events need, when it is missing.
-    events_denied: Option<Access>,
+    events_denied: Option<ResourceAccess>,
 }
 
 impl EndpointsReconciler {
@@ -283,7 +284,7 @@ impl EndpointsReconciler {
 
     /// Starts with writing the Endpoints denied (found out by asking at start).
     #[must_use]
-    pub fn endpoints_denied(self, denied: Option<Access>) -> Self {
+    pub fn endpoints_denied(self, denied: Option<ResourceAccess>) -> Self {
         if let Some(access) = &denied {
             self.permissions.deny(access, NO_ENDPOINTS_WRITE);
         }
@@ -295,7 +296,7 @@ impl EndpointsReconciler {
 
     /// Starts with recording Events denied.
     #[must_use]
-    pub fn events_denied(mut self, denied: Option<Access>) -> Self {
+    pub fn events_denied(mut self, denied: Option<ResourceAccess>) -> Self {
         if let Some(access) = &denied {
             self.permissions.deny(access, NO_EVENTS);
         }
@@ -317,7 +318,8 @@ impl EndpointsReconciler {
             }
             // Ask rather than try: a refused try is one more 403 for the API server to log.
             let [patch, get] = endpoints_write_access();
-            let still = Access::first_denied(ctx.client(), &[access.clone(), patch, get]).await;
+            let still =
+                permissions::first_denied(ctx.client(), &[access.clone(), patch, get]).await;
             self.set_endpoints_denied(Some(&access), still, now);
             if self
                 .endpoints_denied
@@ -332,7 +334,7 @@ impl EndpointsReconciler {
             Ok(applied) => Ok(Some(applied)),
             Err(k8s_reconcile::Error::Kube(kube::Error::Api(status))) if status.code == 403 => {
                 let [patch, _] = endpoints_write_access();
-                let access = Access::from_forbidden(&status.message, &patch);
+                let access = permissions::denied_access(&status.message, &patch);
                 self.set_endpoints_denied(None, Some(access), now);
                 Ok(None)
             }
@@ -342,8 +344,8 @@ impl EndpointsReconciler {
 
     fn set_endpoints_denied(
         &self,
-        before: Option<&Access>,
-        now_denied: Option<Access>,
+        before: Option<&ResourceAccess>,
+        now_denied: Option<ResourceAccess>,
         at: Instant,
     ) {
         if let Some(before) = before

@@ -10,7 +10,6 @@
 
 mod cli;
 mod endpoints;
-mod permissions;
 mod relay;
 mod tls;
 
@@ -26,6 +25,7 @@ use k8s_reconcile::app;
 use k8s_reconcile::leader::LeaseConfig;
 use k8s_reconcile::metrics::ControllerMetrics;
 use k8s_reconcile::ops::{self, Health};
+use k8s_reconcile::permissions::{self, MissingPermissions};
 use kube::api::Api;
 use kube::runtime::reflector::ObjectRef;
 use kube::runtime::watcher;
@@ -42,7 +42,6 @@ use crate::endpoints::{
     EndpointsConfig, EndpointsMetrics, EndpointsReconciler, KUBERNETES_NAMESPACE,
     KUBERNETES_SERVICE, MANAGER,
 };
-use crate::permissions::{Access, MissingPermissions};
 use crate::relay::{Relay, RelaySettings};
 use crate::tls::TerminatingAcceptor;
 
@@ -67,7 +66,8 @@ async fn run(args: Args) -> anyhow::Result<()> {
     let mut registry = Registry::default();
     let observer = Arc::new(PrometheusObserver::register(&mut registry));
     let endpoint_metrics = EndpointsMetrics::register(&mut registry);
-    let missing_permissions = MissingPermissions::register(&mut registry);
+    let missing_permissions =
+        MissingPermissions::register(registry.sub_registry_with_prefix("steward"));
     let controller_metrics = ControllerMetrics::register(&mut registry);
     let registry = Arc::new(registry);
 
@@ -190,9 +190,11 @@ async fn endpoints_controller(
     let ns = args.service_namespace.clone();
     let service = ObjectRef::<Service>::new(&args.service_name).within(&ns);
     // What the role lacks is asked once here, so that nothing below runs into a 403.
-    let cannot_write = Access::first_denied(&client, &endpoints::endpoints_write_access()).await;
-    let cannot_watch = Access::first_denied(&client, &endpoints::endpoints_watch_access()).await;
-    let cannot_record = Access::first_denied(&client, &[endpoints::events_access(&ns)]).await;
+    let cannot_write =
+        permissions::first_denied(&client, &endpoints::endpoints_write_access()).await;
+    let cannot_watch =
+        permissions::first_denied(&client, &endpoints::endpoints_watch_access()).await;
+    let cannot_record = permissions::first_denied(&client, &[endpoints::events_access(&ns)]).await;
     if let Some(access) = &cannot_watch {
         permissions.deny(
             access,

@@ -1203,7 +1203,7 @@ async fn under_the_originals_narrower_cluster_role_the_slice_is_managed_without_
     let (code, body) = proxy.readyz().await.unwrap();
     assert_eq!(code, 200, "{body}");
     assert!(
-        body.contains(r#"missing permission patch endpoints "kubernetes" in namespace default"#),
+        body.contains(r#"missing permission patch endpoints "kubernetes" in namespace "default""#),
         "{body}"
     );
     let metrics = proxy.metrics_text().await;
@@ -1311,7 +1311,7 @@ async fn a_forbidden_endpoints_write_closes_the_gate_after_one_403() {
     let (code, body) = proxy.readyz().await.unwrap();
     assert_eq!(code, 200, "{body}");
     assert!(
-        body.contains(r#"missing permission create endpoints "kubernetes" in namespace default"#),
+        body.contains(r#"missing permission create endpoints "kubernetes" in namespace "default""#),
         "{body}"
     );
     plane.writes_by(&user).await.unwrap();
