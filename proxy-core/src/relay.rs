@@ -325,7 +325,21 @@ pub async fn relay_tcp(
     counters: &RelayCounters,
     cancel: &CancellationToken,
 ) -> RelaySummary {
-    for (leg, stream) in [("client", &client), ("upstream", &upstream)] {
+    relay_tcp_legs(client, upstream, config, counters, cancel, false).await
+}
+
+/// [`relay_tcp`], leaving the client's socket options alone when `client_ready` (a listener
+/// whose accepted sockets inherit them).
+pub(crate) async fn relay_tcp_legs(
+    client: TcpStream,
+    upstream: TcpStream,
+    config: &RelayConfig,
+    counters: &RelayCounters,
+    cancel: &CancellationToken,
+    client_ready: bool,
+) -> RelaySummary {
+    let legs = [("client", &client), ("upstream", &upstream)];
+    for (leg, stream) in legs.into_iter().skip(usize::from(client_ready)) {
         if let Err(error) = config.socket.apply(stream) {
             tracing::debug!(%error, leg, "cannot set socket options");
         }

@@ -368,6 +368,8 @@ struct ServerShared {
 struct ListenerShared {
     local_addr: SocketAddr,
     relay: RelayConfig,
+    /// Accepted sockets inherit the relay's socket options from the listener (set once).
+    client_options_inherited: bool,
     acceptor: Option<Arc<dyn StreamAcceptor>>,
     route: Mutex<Arc<ActiveRoute>>,
     /// Stops the accept loop; a child of the server's shutdown token.
@@ -435,10 +437,15 @@ impl ProxyServer {
             addr: config.bind,
             cause,
         })?;
+        // Set once on the listener rather than on every accepted socket, where the system
+        // lets accepted sockets inherit them: five fewer syscalls per connection.
+        let client_options_inherited =
+            config.acceptor.is_none() && config.relay.socket.apply_to_listener(&listener);
         let close_connections = shared.shutdown.child_token();
         let state = Arc::new(ListenerShared {
             local_addr,
             relay: config.relay,
+            client_options_inherited,
             acceptor: config.acceptor,
             route: Mutex::new(Arc::new(ActiveRoute::new(
                 config.route,
@@ -712,6 +719,7 @@ impl ListenerShared {
             client,
             route,
             self.relay,
+            self.client_options_inherited,
             self.acceptor.clone(),
             counters,
             close,
@@ -783,6 +791,7 @@ async fn run_connection(
     client: TcpStream,
     route: Arc<ActiveRoute>,
     config: RelayConfig,
+    client_ready: bool,
     acceptor: Option<Arc<dyn StreamAcceptor>>,
     counters: Arc<RelayCounters>,
     close: CancellationToken,
@@ -799,7 +808,7 @@ async fn run_connection(
         interval: report_interval,
     };
     let summary = match acceptor {
-        None => relay_plain(client, &route, &close, &config, &reports).await,
+        None => relay_plain(client, client_ready, &route, &close, &config, &reports).await,
         Some(acceptor) => {
             relay_accepted(client, acceptor.as_ref(), &route, &close, &config, &reports).await
         }
@@ -819,6 +828,7 @@ async fn run_connection(
 /// TCP to TCP: connect to the route's upstream, then relay (spliced where possible).
 async fn relay_plain(
     client: TcpStream,
+    client_ready: bool,
     route: &ActiveRoute,
     close: &CancellationToken,
     config: &RelayConfig,
@@ -837,7 +847,14 @@ async fn relay_plain(
             RelaySummary::from_counters(reports.counters, Ending::ConnectFailed, mode)
         }
         Some(Ok(upstream)) => {
-            let relay = relay::relay_tcp(client, upstream, config, reports.counters, close);
+            let relay = relay::relay_tcp_legs(
+                client,
+                upstream,
+                config,
+                reports.counters,
+                close,
+                client_ready,
+            );
             reports.while_running(relay).await
         }
     }

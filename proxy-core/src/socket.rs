@@ -70,14 +70,36 @@ impl SocketOptions {
 
     /// Applies the options to `stream`. Stops at the first option that fails.
     pub fn apply(&self, stream: &TcpStream) -> io::Result<()> {
-        stream.set_nodelay(self.nodelay)?;
+        self.apply_to(SockRef::from(stream))
+    }
+
+    /// Applies the options to a listening socket, so that the sockets it accepts start with
+    /// them and need no `setsockopt` of their own. True when accepted sockets inherit them
+    /// (Linux copies `TCP_NODELAY` and the keepalive settings from the listener); false on
+    /// other systems, or if an option could not be set, where each accepted socket still
+    /// needs [`apply`](Self::apply).
+    pub fn apply_to_listener(&self, listener: &TcpListener) -> bool {
+        if !cfg!(target_os = "linux") {
+            return false;
+        }
+        match self.apply_to(SockRef::from(listener)) {
+            Ok(()) => true,
+            Err(error) => {
+                tracing::debug!(%error, "cannot set socket options on the listener, setting them per connection");
+                false
+            }
+        }
+    }
+
+    fn apply_to(&self, socket: SockRef<'_>) -> io::Result<()> {
+        socket.set_tcp_nodelay(self.nodelay)?;
         if let Some(keepalive) = self.keepalive {
             let params = TcpKeepalive::new()
                 .with_time(keepalive.idle)
                 .with_interval(keepalive.interval);
             #[cfg(any(target_os = "linux", target_os = "android", target_os = "macos"))]
             let params = params.with_retries(keepalive.retries);
-            SockRef::from(stream).set_tcp_keepalive(&params)?;
+            socket.set_tcp_keepalive(&params)?;
         }
         Ok(())
     }
@@ -181,6 +203,34 @@ mod tests {
             peer.ip(),
             std::net::IpAddr::V6(Ipv4Addr::LOCALHOST.to_ipv6_mapped())
         );
+    }
+
+    #[cfg(target_os = "linux")]
+    #[tokio::test]
+    async fn accepted_sockets_inherit_the_listeners_options() {
+        let listener = bind_listener(SocketAddr::from((Ipv4Addr::LOCALHOST, 0)), 16).unwrap();
+        let options = SocketOptions::default().with_keepalive(Some(Keepalive {
+            idle: Duration::from_secs(61),
+            interval: Duration::from_secs(11),
+            retries: 7,
+        }));
+        assert!(options.apply_to_listener(&listener));
+        let _client = TcpStream::connect(listener.local_addr().unwrap())
+            .await
+            .unwrap();
+        let (accepted, _) = listener.accept().await.unwrap();
+        let accepted = SockRef::from(&accepted);
+        assert!(accepted.tcp_nodelay().unwrap());
+        assert!(accepted.keepalive().unwrap());
+        assert_eq!(
+            accepted.tcp_keepalive_time().unwrap(),
+            Duration::from_secs(61)
+        );
+        assert_eq!(
+            accepted.tcp_keepalive_interval().unwrap(),
+            Duration::from_secs(11)
+        );
+        assert_eq!(accepted.tcp_keepalive_retries().unwrap(), 7);
     }
 
     #[tokio::test]
