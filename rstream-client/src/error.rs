@@ -187,7 +187,10 @@ pub enum Error {
     /// The tunnel options violate the client-side rules.
     #[error("invalid tunnel options: {0}")]
     InvalidTunnelOptions(String),
-    /// The feature is not supported by this client (datagram tunnels, HTTP/3, QUIC).
+    /// A datagram stream failed (oversized or truncated record, I/O).
+    #[error(transparent)]
+    Datagram(#[from] crate::datagram::DatagramError),
+    /// The feature is not supported by this client (QUIC transport, `quic` tunnels, HTTP/3).
     #[error("unsupported: {0}")]
     Unsupported(String),
     /// The configuration is invalid (TLS files, timeouts, ...).

@@ -4,8 +4,9 @@
 //! The protocol runs over TLS (ALPN `rstrm/1`) with one TLS connection per logical channel: a long-lived
 //! **control channel** carrying length-prefixed protobuf frames, and one **data connection** per inbound
 //! stream or private dial, which becomes a raw byte pipe after its first frame. This crate implements the
-//! client side for bytestream tunnels (`http`, `tls`, `tcp`); datagram tunnels (`dtls`, `quic`, HTTP/3)
-//! are rejected with [`Error::Unsupported`].
+//! client side for bytestream tunnels (`http`, `tls`, `tcp`) and for datagram tunnels over TLS
+//! (`dtls`: each datagram a length-prefixed record inside a data connection, see [`datagram`]).
+//! The QUIC transport, `quic` tunnels and HTTP/3 are rejected with [`Error::Unsupported`].
 //!
 //! ```no_run
 //! # async fn demo() -> rstream_client::Result<()> {
@@ -35,6 +36,7 @@
 //! | [`stream`] | [`RstreamStream`], the byte pipe of an inbound stream or a private dial. |
 //! | [`supervisor`] | Keeps a tunnel up: reconnect with backoff and jitter, re-create, reuse a stable hostname, report state changes. |
 //! | [`forward`] | Relays accepted streams to a local TCP target ([`forward::relay`] is the single copy function). |
+//! | [`datagram`] | Datagram streams: the record codec, [`datagram::DatagramStream`], and the UDP relay of datagram tunnels. |
 //! | [`error`] | [`Error`] with engine codes and [`Error::retryable`]. |
 //! | `engine` | (feature `engine`) `LocalEngine` and `LocalControlPlane` for tests, examples and demos. |
 //!
@@ -52,6 +54,7 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub mod client;
+pub mod datagram;
 #[cfg(feature = "engine")]
 #[cfg_attr(docsrs, doc(cfg(feature = "engine")))]
 pub mod engine;

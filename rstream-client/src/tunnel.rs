@@ -4,7 +4,9 @@
 //! [`TunnelOptions`] is what the application asks for; [`TunnelOptions::to_properties`] validates and
 //! normalises it into the wire [`crate::proto::TunnelProperties`] the same way the
 //! official SDKs do (TCP tunnels are always published bytestreams, private tunnels take no public-exposure
-//! option, a published port needs TCP, datagram tunnels and HTTP/3 are rejected as unsupported).
+//! option, a published port needs TCP, datagram tunnels use protocol `dtls`). Datagram tunnels are
+//! carried over TLS as length-prefixed records ([`crate::datagram`]); `quic` tunnels and HTTP/3 need
+//! the QUIC transport, which this client does not implement, and are rejected as unsupported.
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -54,9 +56,9 @@ string_enum!(
         Tls => "tls",
         /// Raw TCP on a public port.
         Tcp => "tcp",
-        /// DTLS (datagram; unsupported here).
+        /// DTLS (datagram tunnels, carried over TLS as length-prefixed records).
         Dtls => "dtls",
-        /// QUIC (datagram; unsupported here).
+        /// QUIC (needs the QUIC transport; unsupported here).
         Quic => "quic",
     }
 );
@@ -66,7 +68,7 @@ string_enum!(
     TunnelType {
         /// Stream of bytes.
         Bytestream => "bytestream",
-        /// Datagrams (unsupported here).
+        /// Datagrams (length-prefixed records over TLS, see [`crate::datagram`]).
         Datagram => "datagram",
     }
 );
@@ -80,7 +82,7 @@ string_enum!(
         H2 => "h2",
         /// HTTP/2 with prior knowledge.
         H2c => "h2c",
-        /// HTTP/3 (needs datagrams; unsupported here).
+        /// HTTP/3 (needs the QUIC transport; unsupported here).
         H3 => "h3",
     }
 );
@@ -183,6 +185,14 @@ impl TunnelOptions {
         Self::new().protocol(TunnelProtocol::Tcp)
     }
 
+    /// A published datagram tunnel (`protocol: dtls`, `type: datagram`); wrap its streams in a
+    /// [`DatagramStream`](crate::datagram::DatagramStream).
+    pub fn dtls() -> Self {
+        Self::new()
+            .protocol(TunnelProtocol::Dtls)
+            .tunnel_type(TunnelType::Datagram)
+    }
+
     /// A private (unpublished) bytestream tunnel reachable by private dial under `name`.
     pub fn private(name: impl Into<String>) -> Self {
         Self::new().name(name).publish(false)
@@ -283,7 +293,8 @@ impl TunnelOptions {
         self.upstream_tls = Some(on);
         self
     }
-    /// Datagram reliable path.
+    /// Datagram reliable path (datagram tunnels only; passed through to the engine; over TLS every
+    /// datagram is delivered in order anyway).
     pub fn datagram_guaranteed_delivery(mut self, on: bool) -> Self {
         self.datagram_guaranteed_delivery = Some(on);
         self
@@ -302,19 +313,18 @@ impl TunnelOptions {
             _ => TunnelType::Bytestream,
         };
         let tunnel_type = self.tunnel_type.unwrap_or(inferred);
-        if tunnel_type == TunnelType::Datagram
-            || matches!(
-                self.protocol,
-                Some(TunnelProtocol::Dtls | TunnelProtocol::Quic)
-            )
-        {
+        if self.protocol == Some(TunnelProtocol::Quic) {
             return Err(Error::Unsupported(
-                "datagram tunnels (dtls, quic) are not supported by this client".into(),
+                "protocol 'quic' needs the QUIC transport, which this client does not implement; \
+                 use protocol 'dtls' for a datagram tunnel over TLS"
+                    .into(),
             ));
         }
         if self.http_version == Some(HttpVersion::H3) {
             return Err(Error::Unsupported(
-                "HTTP/3 tunnels require datagram support".into(),
+                "HTTP/3 tunnels need the QUIC transport, which this client does not implement; \
+                 use http/1.1 or h2c"
+                    .into(),
             ));
         }
         let mut publish = self.publish;
@@ -424,7 +434,14 @@ pub fn validate_properties(p: &TunnelProperties) -> std::result::Result<(), Stri
     if p.http_version.is_some() && protocol.is_some() && protocol != Some("http") {
         return Err("HTTP options require protocol 'http'".into());
     }
-    if p.datagram_guaranteed_delivery == Some(true) && p.r#type.as_deref() != Some("datagram") {
+    let datagram = p.r#type.as_deref() == Some("datagram");
+    if datagram && protocol.is_some_and(|p| !matches!(p, "dtls" | "quic")) {
+        return Err("datagram tunnels use protocol 'dtls'".into());
+    }
+    if protocol == Some("dtls") && !datagram {
+        return Err("protocol 'dtls' carries datagrams: the type must be 'datagram'".into());
+    }
+    if p.datagram_guaranteed_delivery == Some(true) && !datagram {
         return Err("guaranteed delivery requires a datagram tunnel".into());
     }
     if let Some(h) = p.hostname.as_deref()
@@ -596,18 +613,58 @@ mod tests {
     }
 
     #[test]
-    fn datagram_is_unsupported() {
-        for o in [
-            TunnelOptions::new().protocol(TunnelProtocol::Quic),
-            TunnelOptions::new().protocol(TunnelProtocol::Dtls),
-            TunnelOptions::http().http_version(HttpVersion::H3),
-            TunnelOptions::new().tunnel_type(TunnelType::Datagram),
+    fn quic_and_http3_are_unsupported() {
+        for (o, needle) in [
+            (TunnelOptions::new().protocol(TunnelProtocol::Quic), "quic"),
+            (
+                TunnelOptions::new()
+                    .protocol(TunnelProtocol::Quic)
+                    .tunnel_type(TunnelType::Datagram),
+                "quic",
+            ),
+            (
+                TunnelOptions::http().http_version(HttpVersion::H3),
+                "HTTP/3",
+            ),
         ] {
-            assert!(
-                matches!(o.to_properties(), Err(Error::Unsupported(_))),
-                "{o:?}"
-            );
+            match o.to_properties() {
+                Err(Error::Unsupported(m)) => {
+                    assert!(m.contains(needle) && m.contains("QUIC"), "{m}")
+                }
+                other => panic!("{o:?}: expected unsupported, got {other:?}"),
+            }
         }
+    }
+
+    #[test]
+    fn datagram_tunnels_over_tls() {
+        let p = TunnelOptions::dtls()
+            .datagram_guaranteed_delivery(true)
+            .to_properties()
+            .unwrap();
+        assert_eq!(p.protocol.as_deref(), Some("dtls"));
+        assert_eq!(p.r#type.as_deref(), Some("datagram"));
+        assert_eq!(p.datagram_guaranteed_delivery, Some(true));
+        // The type is inferred from dtls.
+        let p = TunnelOptions::new()
+            .protocol(TunnelProtocol::Dtls)
+            .to_properties()
+            .unwrap();
+        assert_eq!(p.r#type.as_deref(), Some("datagram"));
+        let private = TunnelOptions::private("udp")
+            .tunnel_type(TunnelType::Datagram)
+            .to_properties()
+            .unwrap();
+        assert_eq!(private.r#type.as_deref(), Some("datagram"));
+        assert!(invalid(TunnelOptions::http().tunnel_type(TunnelType::Datagram)).contains("dtls"));
+        assert!(
+            invalid(TunnelOptions::tcp().tunnel_type(TunnelType::Datagram)).contains("bytestream")
+        );
+        assert!(
+            invalid(TunnelOptions::dtls().tunnel_type(TunnelType::Bytestream)).contains("datagram")
+        );
+        assert!(invalid(TunnelOptions::dtls().port(10042)).contains("tcp"));
+        assert!(invalid(TunnelOptions::dtls().http_version(HttpVersion::H2c)).contains("HTTP"));
     }
 
     #[test]

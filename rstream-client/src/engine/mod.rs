@@ -12,6 +12,11 @@
 //!   `ProxyConnReq` to the owner and is spliced, raw bytes both ways. HTTP tunnels are not terminated:
 //!   a test sends a plain HTTP request to [`LocalEngine::ingress_addr`]. The reply's `hostname` is
 //!   `127.0.0.1` (or the requested stable hostname) and `port` the listener port;
+//! * **datagram tunnels** (`protocol: dtls`, `type: datagram`): a published one gets a UDP socket on
+//!   `127.0.0.1` ([`LocalEngine::udp_ingress_addr`]). Each UDP peer (source address) becomes one
+//!   inbound stream to the owner, carrying its datagrams as length-prefixed records
+//!   ([`crate::datagram`]); records coming back are sent to that peer. A peer without traffic for
+//!   [`UDP_PEER_IDLE_TIMEOUT`] is forgotten (its stream closed);
 //! * private dials (`StreamReq`) by tunnel ID or name;
 //! * the owner's tunnels are dropped when its control channel ends; [`LocalEngine::close_tunnel`] sends an
 //!   unsolicited `CloseTunnelRsp`;
@@ -76,11 +81,13 @@ mod control_plane;
 mod faults;
 mod pki;
 mod server;
+mod udp;
 
 pub use control_plane::{LocalControlPlane, LocalControlPlaneBuilder, RecordedRequest};
 pub use faults::Faults;
 pub use pki::EngineIdentity;
 use server::*;
+pub use udp::UDP_PEER_IDLE_TIMEOUT;
 
 const FIRST_FRAME_TIMEOUT: Duration = Duration::from_secs(10);
 const DEFAULT_PROXY_TIMEOUT: Duration = Duration::from_secs(10);
@@ -412,12 +419,22 @@ impl LocalEngine {
         &self.shared.faults
     }
 
-    /// The published ingress address of a tunnel.
+    /// The published TCP ingress address of a bytestream tunnel.
     pub fn ingress_addr(&self, tunnel_id: &str) -> Option<SocketAddr> {
+        self.ingress(tunnel_id, false)
+    }
+
+    /// The published UDP ingress address of a datagram tunnel.
+    pub fn udp_ingress_addr(&self, tunnel_id: &str) -> Option<SocketAddr> {
+        self.ingress(tunnel_id, true)
+    }
+
+    fn ingress(&self, tunnel_id: &str, datagram: bool) -> Option<SocketAddr> {
         self.shared
             .state()
             .tunnels
             .get(tunnel_id)
+            .filter(|t| (t.props.r#type.as_deref() == Some("datagram")) == datagram)
             .and_then(|t| t.ingress.as_ref().map(|(a, _)| *a))
     }
 

@@ -389,14 +389,12 @@ pub(super) async fn open_tunnel(
         .r#type
         .get_or_insert_with(|| "bytestream".into())
         .clone();
-    if kind != "bytestream" {
-        return Err(proto::Error::new(
-            ErrorCode::FeatureNotAvailable,
-            "Datagram tunnels are not available on this engine.",
-        ));
+    let datagram = kind == "datagram";
+    if !datagram && kind != "bytestream" {
+        return Err(invalid(format!("Unknown tunnel type '{kind}'.")));
     }
     if let Some(p) = props.protocol.as_deref()
-        && !matches!(p, "http" | "tls" | "tcp")
+        && !matches!(p, "http" | "tls" | "tcp" | "dtls")
     {
         return Err(proto::Error::new(
             ErrorCode::FeatureNotAvailable,
@@ -418,7 +416,16 @@ pub(super) async fn open_tunnel(
     props.id = Some(id.clone());
     props.creation_date = Some(proto::Timestamp::now());
     let mut ingress = None;
-    if published {
+    if published && datagram {
+        let (addr, cancel) = super::udp::start_ingress(shared, &id)
+            .await
+            .map_err(|e| invalid(format!("No UDP ingress: {e}")))?;
+        if props.hostname.is_none() {
+            props.hostname = Some("127.0.0.1".into());
+        }
+        props.port = Some(u32::from(addr.port()));
+        ingress = Some((addr, cancel));
+    } else if published {
         let port = props.port.and_then(|p| u16::try_from(p).ok()).unwrap_or(0);
         let listener = bind_reuse(SocketAddr::from(([127, 0, 0, 1], port)))
             .map_err(|_| invalid(format!("Port {port} is not available.")))?;
