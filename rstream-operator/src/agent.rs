@@ -10,6 +10,7 @@ use k8s_reconcile::app;
 use k8s_reconcile::ops::Health;
 use kube::api::Api;
 use prometheus_client::registry::Registry;
+use rstream_client::datagram::{DEFAULT_UDP_IDLE_TIMEOUT, relay_udp};
 use rstream_client::forward::{TARGET_CONNECT_TIMEOUT, relay_to};
 use rstream_client::supervisor::{StableHostname, Supervisor, SupervisorConfig, SupervisorState};
 use rstream_client::tls::{ClientIdentity, TlsOptions};
@@ -367,8 +368,19 @@ fn client_for(config: &AgentConfig, options: &AgentOptions) -> Result<Client, Ag
     builder.tls(tls).build().map_err(bad)
 }
 
-/// Relays one tunnel stream to the target with the client's relay (proxy-core's copy engine).
-async fn forward(stream: RstreamStream, target: Arc<str>, cancel: CancellationToken) {
+/// Relays one tunnel stream to the target with the client's relays: bytes to a TCP target
+/// (proxy-core's copy engine), or datagram records to a UDP target (a socket per stream).
+async fn forward(stream: RstreamStream, target: Arc<str>, udp: bool, cancel: CancellationToken) {
+    if udp {
+        match relay_udp(stream, &target, DEFAULT_UDP_IDLE_TIMEOUT, &cancel).await {
+            Ok(s) => tracing::debug!(component = "runner", to_target = s.to_target,
+                from_target = s.from_target, ending = ?s.ending, "datagram stream finished"),
+            Err(error) => {
+                tracing::warn!(component = "runner", %target, %error, "cannot reach the target");
+            }
+        }
+        return;
+    }
     match relay_to(stream, &target, TARGET_CONNECT_TIMEOUT, &cancel).await {
         Ok(summary) => tracing::debug!(
             component = "runner",
@@ -400,6 +412,7 @@ pub async fn run(options: AgentOptions, shutdown: CancellationToken) -> Result<(
         .filter(|t| !t.trim().is_empty())
         .unwrap_or_else(|| config.target_address())
         .into();
+    let udp = config.target_is_udp();
 
     let health = Health::new();
     health.set("tunnel", false, "not online");
@@ -459,7 +472,7 @@ pub async fn run(options: AgentOptions, shutdown: CancellationToken) -> Result<(
             () = shutdown.cancelled() => break,
             next = handle.accept() => match next {
                 Some(stream) => {
-                    relays.spawn(forward(stream, Arc::clone(&target), relay_cancel.clone()));
+                    relays.spawn(forward(stream, Arc::clone(&target), udp, relay_cancel.clone()));
                 }
                 None => break,
             },

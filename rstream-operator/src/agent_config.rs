@@ -433,8 +433,23 @@ impl AgentConfig {
             ));
         }
         self.retry()?;
-        self.tunnel_options()?;
+        let options = self.tunnel_options()?;
+        let protocol = self.target.protocol.trim().to_ascii_uppercase();
+        if protocol != "TCP" && protocol != "UDP" {
+            return Err(invalid("target.protocol must be TCP or UDP"));
+        }
+        let datagram = options.tunnel_type == Some(ClientTunnelType::Datagram);
+        if datagram != (protocol == "UDP") {
+            return Err(invalid(
+                "target.protocol must be UDP for a datagram tunnel and TCP otherwise",
+            ));
+        }
         Ok(())
+    }
+
+    /// Whether streams go to a UDP target (datagram tunnels).
+    pub fn target_is_udp(&self) -> bool {
+        self.target.protocol.trim().eq_ignore_ascii_case("UDP")
     }
 
     /// `(initial, max)` backoff: defaults 1 s and 30 s, `initial > 0`, `max >= initial`.
@@ -596,6 +611,36 @@ mod tests {
         c.tunnel.tcp_port = Some(10042);
         let props = c.tunnel_options().unwrap().to_properties().unwrap();
         assert_eq!(props.protocol.as_deref(), Some("tcp"));
+    }
+
+    #[test]
+    fn datagram_tunnels_forward_to_udp() {
+        let mut c = sample();
+        c.tunnel.protocol = "dtls".into();
+        c.tunnel.type_ = "datagram".into();
+        c.tunnel.datagram_guaranteed_delivery = Some(true);
+        let err = c.validate().unwrap_err().to_string();
+        assert!(err.contains("target.protocol must be UDP"), "{err}");
+        c.target.protocol = "UDP".into();
+        c.validate().unwrap();
+        assert!(c.target_is_udp());
+        let props = c.tunnel_options().unwrap().to_properties().unwrap();
+        assert_eq!(props.r#type.as_deref(), Some("datagram"));
+        assert_eq!(props.datagram_guaranteed_delivery, Some(true));
+        c.target.protocol = "SCTP".into();
+        assert!(c.validate().unwrap_err().to_string().contains("TCP or UDP"));
+        // HTTP/3 and quic tunnels stay refused, naming QUIC.
+        let mut c = sample();
+        c.tunnel.http = Some(HttpConfig {
+            version: Some("h3".into()),
+            ..HttpConfig::default()
+        });
+        assert!(c.validate().unwrap_err().to_string().contains("QUIC"));
+        let mut c = sample();
+        c.tunnel.protocol = "quic".into();
+        c.tunnel.type_ = "datagram".into();
+        c.target.protocol = "UDP".into();
+        assert!(c.validate().unwrap_err().to_string().contains("QUIC"));
     }
 
     #[test]

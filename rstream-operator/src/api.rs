@@ -311,9 +311,9 @@ pub enum Protocol {
     Http,
     /// TLS.
     Tls,
-    /// DTLS.
+    /// DTLS: a datagram tunnel, carried over TLS; the target Service port must be UDP.
     Dtls,
-    /// QUIC.
+    /// QUIC (refused: needs the QUIC transport, which the agent does not implement).
     Quic,
     /// Raw TCP on a public port.
     Tcp,
@@ -338,7 +338,7 @@ impl Protocol {
 pub enum TunnelType {
     /// Byte stream.
     Bytestream,
-    /// Datagrams.
+    /// Datagrams (protocol dtls; each datagram a length-prefixed record over TLS).
     Datagram,
 }
 
@@ -362,7 +362,7 @@ pub enum HttpVersion {
     /// HTTP/2 with prior knowledge.
     #[serde(rename = "h2c")]
     H2c,
-    /// HTTP/3.
+    /// HTTP/3 (refused: needs the QUIC transport).
     #[serde(rename = "h3")]
     H3,
 }
@@ -572,7 +572,8 @@ pub struct RstreamTunnelSpec {
     /// Transport type (inferred when omitted).
     #[serde(default, rename = "type", skip_serializing_if = "Option::is_none")]
     pub type_: Option<TunnelType>,
-    /// Datagram reliable path (datagram only).
+    /// Datagram reliable path (datagram only; passed to the engine; over TLS datagrams are always
+    /// delivered in order).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub datagram_guaranteed_delivery: Option<bool>,
     /// Allow a cross-region payload path.
