@@ -19,6 +19,7 @@ use std::fmt::Debug;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, Preconditions};
 use kube::core::NamespaceScope;
+use kube::core::object::HasStatus;
 use kube::{Client, Resource, ResourceExt as _};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -207,6 +208,52 @@ impl Applier {
     {
         Api::all_with(self.client.clone(), &()).constrain(namespace)
     }
+}
+
+/// How many times a conflicting status write is retried.
+const STATUS_ATTEMPTS: usize = 8;
+
+/// Reads the object, lets `mutate` change a copy of its status and writes it back when it changed:
+/// a JSON merge patch of the whole status on the status subresource, guarded by the
+/// `resourceVersion` that was read (a concurrent writer's conditions are never lost) and retried
+/// on conflict. Returns whether a write happened; a missing object is not an error (`Ok(false)`).
+pub async fn update_status<K, S, F>(
+    api: &Api<K>,
+    name: &str,
+    mut mutate: F,
+) -> Result<bool, kube::Error>
+where
+    K: Resource + HasStatus<Status = S> + Clone + DeserializeOwned + Debug,
+    S: Default + Clone + PartialEq + Serialize,
+    F: FnMut(&K, &mut S),
+{
+    let mut last_conflict = None;
+    for _ in 0..STATUS_ATTEMPTS {
+        let Some(live) = api.get_opt(name).await? else {
+            return Ok(false);
+        };
+        let current = live.status().cloned().unwrap_or_default();
+        let mut desired = current.clone();
+        mutate(&live, &mut desired);
+        if desired == current {
+            return Ok(false);
+        }
+        let patch = serde_json::json!({
+            "metadata": {"resourceVersion": live.resource_version()},
+            "status": desired,
+        });
+        match api
+            .patch_status(name, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+        {
+            Ok(_) => return Ok(true),
+            Err(kube::Error::Api(s)) if s.code == 409 => last_conflict = Some(kube::Error::Api(s)),
+            Err(kube::Error::Api(s)) if s.code == 404 => return Ok(false),
+            Err(e) => return Err(e),
+        }
+    }
+    Err(last_conflict
+        .unwrap_or_else(|| kube::Error::Service("status update kept conflicting".into())))
 }
 
 /// Delete parameters that delete only `resource_version` of the object (the version that was

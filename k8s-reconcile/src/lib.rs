@@ -24,6 +24,8 @@
 //! * [`watch_set`]: a pass over a whole set of watched objects (debounced, resynced).
 //! * [`permissions`]: what this process may do itself (SelfSubjectAccessReview), and what it
 //!   reports when a narrower role leaves something out.
+//! * [`pod`]: Pod spec pieces: `restricted` security contexts, env from Secrets and fields,
+//!   Secret files, HTTP probes.
 //! * [`ops`]: `/healthz`, `/readyz`, `/metrics` and shutdown on SIGTERM.
 //! * [`testing`] (feature `testing`): a real kube-apiserver + etcd for integration tests, with
 //!   clients for any identity and kubeconfig files for child processes.
@@ -85,6 +87,7 @@ pub mod leading;
 pub mod metrics;
 pub mod ops;
 pub mod permissions;
+pub mod pod;
 pub mod watch_set;
 
 #[cfg(feature = "testing")]

@@ -29,9 +29,14 @@ pub struct Check {
 }
 
 /// Named readiness checks, shared between the parts of a binary.
+///
+/// [`Health::scoped`] gives a part its own names (`tunnels/leadership`) in the same set, so
+/// `/readyz` sees every part's checks at once.
 #[derive(Debug, Clone, Default)]
 pub struct Health {
     checks: Arc<RwLock<BTreeMap<String, Check>>>,
+    /// Prefix of this view's names, `""` or ending in `/`.
+    scope: Arc<str>,
 }
 
 impl Health {
@@ -40,11 +45,21 @@ impl Health {
         Self::default()
     }
 
+    /// A view of the same set whose checks are named `<prefix>/<name>`; its [`Health::ready`],
+    /// [`Health::checks`] and [`Health::check`] see only those (under their short names).
+    #[must_use]
+    pub fn scoped(&self, prefix: &str) -> Self {
+        Self {
+            checks: Arc::clone(&self.checks),
+            scope: format!("{}{prefix}/", self.scope).into(),
+        }
+    }
+
     /// Sets the state of check `name`.
     pub fn set(&self, name: &str, ok: bool, detail: impl Into<String>) {
         if let Ok(mut checks) = self.checks.write() {
             checks.insert(
-                name.to_owned(),
+                format!("{}{name}", self.scope),
                 Check {
                     ok,
                     detail: detail.into(),
@@ -53,22 +68,36 @@ impl Health {
         }
     }
 
-    /// Whether every check passes.
+    /// Whether every check (of this view) passes.
     pub fn ready(&self) -> bool {
         self.checks
             .read()
-            .map(|c| c.values().all(|check| check.ok))
+            .map(|c| {
+                c.iter()
+                    .filter(|(name, _)| name.starts_with(&*self.scope))
+                    .all(|(_, check)| check.ok)
+            })
             .unwrap_or(false)
     }
 
-    /// A copy of every check.
+    /// A copy of every check (of this view).
     pub fn checks(&self) -> BTreeMap<String, Check> {
-        self.checks.read().map(|c| c.clone()).unwrap_or_default()
+        let Ok(checks) = self.checks.read() else {
+            return BTreeMap::new();
+        };
+        checks
+            .iter()
+            .filter_map(|(name, check)| {
+                let short = name.strip_prefix(&*self.scope)?;
+                Some((short.to_owned(), check.clone()))
+            })
+            .collect()
     }
 
     /// The state of one check.
     pub fn check(&self, name: &str) -> Option<Check> {
-        self.checks.read().ok()?.get(name).cloned()
+        let key = format!("{}{name}", self.scope);
+        self.checks.read().ok()?.get(&key).cloned()
     }
 }
 
@@ -177,5 +206,28 @@ mod tests {
             health.check("leadership").map(|c| c.detail),
             Some("leader".to_owned())
         );
+    }
+
+    #[test]
+    fn a_scoped_view_names_its_checks_and_the_whole_set_sees_them() {
+        let health = Health::new();
+        let tunnels = health.scoped("tunnels");
+        tunnels.set("leadership", false, "follower");
+        health.set("upstream", true, "dialable");
+        assert!(!tunnels.ready());
+        assert!(!health.ready());
+        assert_eq!(
+            health.check("tunnels/leadership").map(|c| c.detail),
+            Some("follower".to_owned())
+        );
+        assert_eq!(
+            tunnels.checks().keys().collect::<Vec<_>>(),
+            ["leadership"],
+            "a view sees only its own checks"
+        );
+        let other = health.scoped("connections");
+        assert!(other.ready(), "an empty view is ready");
+        tunnels.set("leadership", true, "leader");
+        assert!(health.ready());
     }
 }

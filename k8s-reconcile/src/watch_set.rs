@@ -19,6 +19,9 @@
 //! }
 //! # }
 //! ```
+//!
+//! [`spawn_store`] is the one-kind case without passes: a store that a background watch keeps
+//! filled, for lookups from a mapper or a reconciler.
 
 use std::fmt::Debug;
 use std::hash::Hash;
@@ -35,6 +38,32 @@ use kube::runtime::watcher::{self, Event};
 use serde::de::DeserializeOwned;
 use tokio::time::{Instant, Sleep};
 use tokio_util::sync::CancellationToken;
+
+/// A store of `api`'s objects kept filled by a watch (retried with [`WatchBackoff`]) until `stop`.
+pub fn spawn_store<K>(api: Api<K>, config: watcher::Config, stop: CancellationToken) -> Store<K>
+where
+    K: Resource + Clone + Debug + DeserializeOwned + Send + Sync + 'static,
+    K::DynamicType: Default + Eq + Hash + Clone + Send + Sync,
+{
+    let (store, writer) = reflector::store();
+    let events = reflector::reflector(
+        writer,
+        watcher::watcher(api, config).backoff(WatchBackoff::default()),
+    )
+    .for_each(|event| {
+        if let Err(err) = event {
+            tracing::warn!(error = %err, "watch failed, retrying");
+        }
+        futures::future::ready(())
+    });
+    tokio::spawn(async move {
+        tokio::select! {
+            () = stop.cancelled() => {}
+            () = events => {}
+        }
+    });
+    store
+}
 
 /// Reflector stores over several watches, and when a pass over all of them is due.
 pub struct WatchSet {

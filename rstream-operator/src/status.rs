@@ -1,17 +1,10 @@
-//! Status writes shared by the manager and the agent: a JSON merge patch of the whole status on the
-//! status subresource, guarded by the `resourceVersion` that was read (so two writers never lose each
-//! other's conditions), retried on conflict, and skipped when nothing changes.
-
-use std::fmt::Debug;
+//! Condition types and reasons of both resources, and status writes shared by the manager and the
+//! agent ([`update_status`]: guarded by the `resourceVersion` read, so two writers never lose each
+//! other's conditions).
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use k8s_openapi::jiff::Timestamp;
 use k8s_reconcile::conditions::{ConditionUpdate, Status, set_condition};
-use kube::api::{Api, Patch, PatchParams};
-use kube::core::object::HasStatus;
-use kube::{Resource, ResourceExt as _};
-use serde::Serialize;
-use serde::de::DeserializeOwned;
 
 /// Condition types.
 pub mod types {
@@ -66,49 +59,8 @@ pub mod reasons {
     pub const FINALIZING: &str = "Finalizing";
 }
 
-/// How many times a conflicting status write is retried.
-const ATTEMPTS: usize = 8;
-
-/// Reads the object, lets `mutate` change a copy of its status and writes it back when it changed.
-/// Returns whether a write happened; a missing object is not an error (`Ok(false)`).
-pub async fn update_status<K, S, F>(
-    api: &Api<K>,
-    name: &str,
-    mut mutate: F,
-) -> Result<bool, kube::Error>
-where
-    K: Resource + HasStatus<Status = S> + Clone + DeserializeOwned + Debug,
-    S: Default + Clone + PartialEq + Serialize,
-    F: FnMut(&K, &mut S),
-{
-    let mut last_conflict = None;
-    for _ in 0..ATTEMPTS {
-        let Some(live) = api.get_opt(name).await? else {
-            return Ok(false);
-        };
-        let current = live.status().cloned().unwrap_or_default();
-        let mut desired = current.clone();
-        mutate(&live, &mut desired);
-        if desired == current {
-            return Ok(false);
-        }
-        let patch = serde_json::json!({
-            "metadata": {"resourceVersion": live.resource_version()},
-            "status": desired,
-        });
-        match api
-            .patch_status(name, &PatchParams::default(), &Patch::Merge(&patch))
-            .await
-        {
-            Ok(_) => return Ok(true),
-            Err(kube::Error::Api(s)) if s.code == 409 => last_conflict = Some(kube::Error::Api(s)),
-            Err(kube::Error::Api(s)) if s.code == 404 => return Ok(false),
-            Err(e) => return Err(e),
-        }
-    }
-    Err(last_conflict
-        .unwrap_or_else(|| kube::Error::Service("status update kept conflicting".into())))
-}
+/// Status writes with conflict retries, from the framework.
+pub use k8s_reconcile::apply::update_status;
 
 /// Sets one condition in an optional list, stamped with `generation`.
 pub fn set(

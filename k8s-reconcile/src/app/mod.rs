@@ -39,7 +39,7 @@ pub use flags::{go_bool_flags, parse_args, try_parse_args_from};
 pub use logging::{LogFormat, init_logging};
 pub use process::{
     EXIT_FAILURE, EXIT_USAGE, block_on, error_chain, exit_with, kube_client, leader_identity,
-    serve_ops, usage_error,
+    own_namespace, serve_ops, usage_error,
 };
 pub use values::{
     ValueError, parse_duration, parse_go_bool, parse_listen_addr, parse_optional_listen_addr,

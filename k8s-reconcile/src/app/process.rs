@@ -39,6 +39,14 @@ pub fn leader_identity(explicit: Option<&str>, binary: &str) -> String {
         .unwrap_or_else(|| format!("{binary}-{}", std::process::id()))
 }
 
+/// The namespace of this Pod, from its ServiceAccount mount; `None` outside a cluster.
+pub fn own_namespace() -> Option<String> {
+    std::fs::read_to_string("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
+        .ok()
+        .map(|s| s.trim().to_owned())
+        .filter(|s| !s.is_empty())
+}
+
 /// `error` and each of its causes, once each, joined by `": "`.
 ///
 /// A cause whose text the message so far already ends with is skipped, so an error that still

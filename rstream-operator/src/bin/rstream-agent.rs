@@ -3,6 +3,7 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+use anyhow::Context as _;
 use clap::Parser;
 use k8s_reconcile::app::{self, LogFormat};
 use k8s_reconcile::ops;
@@ -41,23 +42,20 @@ struct Args {
     log_level: String,
 }
 
-async fn run(args: Args) -> Result<(), String> {
+async fn run(args: Args) -> anyhow::Result<()> {
     let health_bind_address = app::parse_optional_listen_addr(&args.health_bind_address)
-        .map_err(|e| format!("--health-bind-address: {e}"))?;
-    let shutdown = ops::shutdown_on_signals().map_err(|e| e.to_string())?;
+        .context("--health-bind-address")?;
     let options = AgentOptions {
         config: args.config,
         health_bind_address,
         target_override: args.target_override,
         ca_file: args.ca_file,
     };
-    agent::run(options, shutdown)
-        .await
-        .map_err(|e| e.to_string())
+    Ok(agent::run(options, ops::shutdown_on_signals()?).await?)
 }
 
 fn main() -> ExitCode {
-    let args = Args::parse();
+    let args: Args = app::parse_args();
     app::init_logging(args.log_format, Some(&args.log_level));
     app::block_on("rstream-agent", run(args))
 }

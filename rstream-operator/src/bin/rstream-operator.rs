@@ -3,6 +3,7 @@
 use std::process::ExitCode;
 use std::sync::Arc;
 
+use anyhow::Context as _;
 use clap::Parser;
 use k8s_reconcile::app::{self, LogFormat};
 use k8s_reconcile::metrics::ControllerMetrics;
@@ -15,7 +16,6 @@ const DEFAULT_AGENT_IMAGE: &str = concat!(
     "ghcr.io/kube-netkit/rstream-operator:",
     env!("CARGO_PKG_VERSION")
 );
-const SA_NAMESPACE_FILE: &str = "/var/run/secrets/kubernetes.io/serviceaccount/namespace";
 
 /// Manages rstream tunnels from RstreamConnection and RstreamTunnel resources. Boolean flags take
 /// Go's forms (`--leader-elect`, `--leader-elect=true`, `--leader-elect=false`).
@@ -58,20 +58,18 @@ struct Args {
     log_level: String,
 }
 
-async fn run(args: Args) -> Result<(), String> {
+async fn run(args: Args) -> anyhow::Result<()> {
     let metrics_addr = app::parse_optional_listen_addr(&args.metrics_bind_address)
-        .map_err(|e| format!("--metrics-bind-address: {e}"))?;
+        .context("--metrics-bind-address")?;
     let health_addr = app::parse_optional_listen_addr(&args.health_probe_bind_address)
-        .map_err(|e| format!("--health-probe-bind-address: {e}"))?;
-    let resync = app::parse_positive_duration(&args.resync_period)
-        .map_err(|e| format!("--resync-period: {e}"))?;
-    if args.agent_image.trim().is_empty() {
-        return Err("--agent-image must not be empty".into());
-    }
-    let shutdown = ops::shutdown_on_signals().map_err(|e| e.to_string())?;
-    let client = kube::Client::try_default()
-        .await
-        .map_err(|e| format!("Kubernetes client: {e}"))?;
+        .context("--health-probe-bind-address")?;
+    let resync = app::parse_positive_duration(&args.resync_period).context("--resync-period")?;
+    anyhow::ensure!(
+        !args.agent_image.trim().is_empty(),
+        "--agent-image must not be empty"
+    );
+    let shutdown = ops::shutdown_on_signals()?;
+    let client = app::kube_client(None).await?;
 
     let mut registry = Registry::default();
     let metrics = ControllerMetrics::register(&mut registry);
@@ -83,19 +81,12 @@ async fn run(args: Args) -> Result<(), String> {
         &registry,
         &shutdown,
     )
-    .await
-    .map_err(|e| e.to_string())?;
+    .await?;
 
     let leader_election = args.leader_elect.then(|| {
-        let namespace = args
-            .leader_election_namespace
-            .clone()
+        let namespace = (args.leader_election_namespace.clone())
             .filter(|n| !n.is_empty())
-            .or_else(|| {
-                std::fs::read_to_string(SA_NAMESPACE_FILE)
-                    .ok()
-                    .map(|s| s.trim().to_owned())
-            })
+            .or_else(app::own_namespace)
             .unwrap_or_else(|| "rstream-system".to_owned());
         (namespace, app::leader_identity(None, "rstream-operator"))
     });
@@ -113,7 +104,7 @@ async fn run(args: Args) -> Result<(), String> {
         let _ = server.await;
     }
     tracing::info!("stopped");
-    result.map_err(|e| e.to_string())
+    Ok(result?)
 }
 
 fn main() -> ExitCode {

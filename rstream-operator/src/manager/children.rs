@@ -4,15 +4,14 @@ use std::collections::BTreeMap;
 
 use k8s_openapi::api::apps::v1::{Deployment, DeploymentSpec, DeploymentStrategy};
 use k8s_openapi::api::core::v1::{
-    Capabilities, ConfigMap, ConfigMapVolumeSource, Container, ContainerPort, EnvVar, EnvVarSource,
-    HTTPGetAction, KeyToPath, ObjectFieldSelector, PodSecurityContext, PodSpec, PodTemplateSpec,
-    Probe, ProjectedVolumeSource, ResourceRequirements, SeccompProfile, SecretKeySelector,
-    SecretProjection, SecurityContext, ServiceAccount, Volume, VolumeMount, VolumeProjection,
+    ConfigMap, ConfigMapVolumeSource, Container, ContainerPort, KeyToPath, PodSpec,
+    PodTemplateSpec, Probe, ProjectedVolumeSource, ResourceRequirements, ServiceAccount, Volume,
+    VolumeMount, VolumeProjection,
 };
 use k8s_openapi::api::rbac::v1::{PolicyRule, Role, RoleBinding, RoleRef, Subject};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, OwnerReference};
-use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+use k8s_reconcile::pod;
 use kube::api::ObjectMeta;
 use sha2::{Digest as _, Sha256};
 
@@ -136,35 +135,6 @@ pub fn config_hash(config_yaml: &str, secret_versions: &[String]) -> String {
     hex
 }
 
-fn secret_env(name: &str, r: &SecretKeyRef) -> EnvVar {
-    EnvVar {
-        name: name.to_owned(),
-        value_from: Some(EnvVarSource {
-            secret_key_ref: Some(SecretKeySelector {
-                name: r.name.clone(),
-                key: r.key.clone(),
-                optional: None,
-            }),
-            ..EnvVarSource::default()
-        }),
-        ..EnvVar::default()
-    }
-}
-
-fn field_env(name: &str, path: &str) -> EnvVar {
-    EnvVar {
-        name: name.to_owned(),
-        value_from: Some(EnvVarSource {
-            field_ref: Some(ObjectFieldSelector {
-                field_path: path.to_owned(),
-                api_version: None,
-            }),
-            ..EnvVarSource::default()
-        }),
-        ..EnvVar::default()
-    }
-}
-
 fn default_resources() -> ResourceRequirements {
     ResourceRequirements {
         requests: Some(BTreeMap::from([
@@ -176,17 +146,6 @@ fn default_resources() -> ResourceRequirements {
             Quantity("256Mi".to_owned()),
         )])),
         ..ResourceRequirements::default()
-    }
-}
-
-fn probe(path: &str) -> Probe {
-    Probe {
-        http_get: Some(HTTPGetAction {
-            path: Some(path.to_owned()),
-            port: IntOrString::String("health".to_owned()),
-            ..HTTPGetAction::default()
-        }),
-        ..Probe::default()
     }
 }
 
@@ -208,9 +167,10 @@ pub fn deployment(
     let mut annotations = agent.pod_annotations.clone().unwrap_or_default();
     annotations.insert(names::CONFIG_HASH_ANNOTATION.to_owned(), hash.to_owned());
 
+    let secret_env = |name: &str, r: &SecretKeyRef| pod::secret_env(name, &r.name, &r.key);
     let mut env = vec![
-        field_env(names::POD_NAME_ENV, "metadata.name"),
-        field_env(names::POD_NAMESPACE_ENV, "metadata.namespace"),
+        pod::field_env(names::POD_NAME_ENV, "metadata.name"),
+        pod::field_env(names::POD_NAMESPACE_ENV, "metadata.namespace"),
     ];
     let cspec = &connection.spec;
     if let Some(r) = &cspec.token_secret_ref {
@@ -245,19 +205,7 @@ pub fn deployment(
         read_only: Some(true),
         ..VolumeMount::default()
     }];
-    let project = |r: &SecretKeyRef, path: &str| VolumeProjection {
-        secret: Some(SecretProjection {
-            name: r.name.clone(),
-            items: Some(vec![KeyToPath {
-                key: r.key.clone(),
-                path: path.to_owned(),
-                mode: None,
-                ..KeyToPath::default()
-            }]),
-            optional: None,
-        }),
-        ..VolumeProjection::default()
-    };
+    let project = |r: &SecretKeyRef, path: &str| pod::secret_file(&r.name, &r.key, path);
     let mut mount_secrets = |name: &str, dir: &str, sources: Vec<VolumeProjection>| {
         volumes.push(Volume {
             name: name.to_owned(),
@@ -318,29 +266,16 @@ pub fn deployment(
             period_seconds: Some(10),
             timeout_seconds: Some(2),
             failure_threshold: Some(6),
-            ..probe("/healthz")
+            ..pod::http_probe("/healthz", "health")
         }),
         readiness_probe: Some(Probe {
             period_seconds: Some(5),
             timeout_seconds: Some(2),
             failure_threshold: Some(3),
-            ..probe("/readyz")
+            ..pod::http_probe("/readyz", "health")
         }),
         resources: Some(agent.resources.clone().unwrap_or_else(default_resources)),
-        security_context: Some(SecurityContext {
-            allow_privilege_escalation: Some(false),
-            read_only_root_filesystem: Some(true),
-            run_as_non_root: Some(true),
-            capabilities: Some(Capabilities {
-                drop: Some(vec!["ALL".to_owned()]),
-                add: None,
-            }),
-            seccomp_profile: Some(SeccompProfile {
-                type_: "RuntimeDefault".to_owned(),
-                localhost_profile: None,
-            }),
-            ..SecurityContext::default()
-        }),
+        security_context: Some(pod::restricted_security_context()),
         env: Some(env),
         volume_mounts: Some(mounts),
         ..Container::default()
@@ -367,14 +302,7 @@ pub fn deployment(
                 spec: Some(PodSpec {
                     service_account_name: Some(cx.base.clone()),
                     automount_service_account_token: Some(true),
-                    security_context: Some(PodSecurityContext {
-                        run_as_non_root: Some(true),
-                        seccomp_profile: Some(SeccompProfile {
-                            type_: "RuntimeDefault".to_owned(),
-                            localhost_profile: None,
-                        }),
-                        ..PodSecurityContext::default()
-                    }),
+                    security_context: Some(pod::restricted_pod_security_context()),
                     node_selector: agent.node_selector.clone(),
                     tolerations: agent.tolerations.clone(),
                     affinity: agent.affinity.clone(),

@@ -8,7 +8,6 @@ pub mod tunnel;
 
 use std::time::Duration;
 
-use futures::StreamExt as _;
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{ConfigMap, Secret, Service, ServiceAccount};
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
@@ -16,9 +15,10 @@ use k8s_reconcile::ControllerBuilder;
 use k8s_reconcile::leader::LeaseConfig;
 use k8s_reconcile::metrics::ControllerMetrics;
 use k8s_reconcile::ops::Health;
+use k8s_reconcile::watch_set::spawn_store;
 use kube::api::Api;
-use kube::runtime::reflector::{self, ObjectRef, Store};
-use kube::runtime::{WatchStreamExt as _, watcher};
+use kube::runtime::reflector::{ObjectRef, Store};
+use kube::runtime::watcher;
 use kube::{Client, ResourceExt as _};
 use tokio_util::sync::CancellationToken;
 
@@ -154,46 +154,6 @@ fn connections_reading(
         .collect()
 }
 
-/// Runs a reflector into a store until `shutdown`.
-fn spawn_reflector<K>(api: Api<K>, shutdown: CancellationToken) -> Store<K>
-where
-    K: kube::Resource<DynamicType = ()>
-        + Clone
-        + std::fmt::Debug
-        + serde::de::DeserializeOwned
-        + Send
-        + Sync
-        + 'static,
-{
-    let (store, writer) = reflector::store();
-    let stream = reflector::reflector(writer, watcher(api, watcher::Config::default()))
-        .default_backoff()
-        .touched_objects()
-        .for_each(|_| futures::future::ready(()));
-    tokio::spawn(async move {
-        tokio::select! {
-            () = shutdown.cancelled() => {}
-            () = stream => {}
-        }
-    });
-    store
-}
-
-/// Copies the readiness checks of a controller into the process-wide set, prefixed.
-fn mirror_health(from: Health, into: Health, prefix: &'static str, shutdown: CancellationToken) {
-    tokio::spawn(async move {
-        loop {
-            for (name, check) in from.checks() {
-                into.set(&format!("{prefix}/{name}"), check.ok, check.detail);
-            }
-            tokio::select! {
-                () = shutdown.cancelled() => return,
-                () = tokio::time::sleep(Duration::from_millis(250)) => {}
-            }
-        }
-    });
-}
-
 /// Runs both controllers until `shutdown`; `health` gets their readiness checks.
 pub async fn run(
     client: Client,
@@ -203,17 +163,15 @@ pub async fn run(
     shutdown: CancellationToken,
 ) -> Result<(), ManagerError> {
     let ns = options.namespace.as_deref();
-    let tunnels = spawn_reflector(api::<RstreamTunnel>(&client, ns), shutdown.clone());
-    let connections = spawn_reflector(api::<RstreamConnection>(&client, ns), shutdown.clone());
-    let owned = watcher::Config::default().labels(&tunnel::managed_selector());
-
-    let tunnel_health = Health::new();
-    mirror_health(
-        tunnel_health.clone(),
-        health.clone(),
-        "tunnels",
+    let all = watcher::Config::default;
+    let tunnels = spawn_store(api::<RstreamTunnel>(&client, ns), all(), shutdown.clone());
+    let connections = spawn_store(
+        api::<RstreamConnection>(&client, ns),
+        all(),
         shutdown.clone(),
     );
+    let owned = watcher::Config::default().labels(&tunnel::managed_selector());
+
     let mut tunnel_controller = ControllerBuilder::new(
         client.clone(),
         TUNNEL_CONTROLLER,
@@ -224,7 +182,7 @@ pub async fn run(
     .field_manager(FIELD_MANAGER)
     .resync(options.resync)
     .concurrency(options.concurrency)
-    .health(tunnel_health)
+    .health(health.scoped("tunnels"))
     .metrics(metrics.clone())
     .owns(api::<Deployment>(&client, ns), owned.clone())
     .owns(api::<ConfigMap>(&client, ns), owned.clone())
@@ -258,19 +216,12 @@ pub async fn run(
         }
     });
 
-    let connection_health = Health::new();
-    mirror_health(
-        connection_health.clone(),
-        health.clone(),
-        "connections",
-        shutdown.clone(),
-    );
     let mut connection_controller =
         ControllerBuilder::new(client.clone(), CONNECTION_CONTROLLER, ConnectionReconciler)
             .field_manager(FIELD_MANAGER)
             .resync(options.resync)
             .concurrency(options.concurrency)
-            .health(connection_health)
+            .health(health.scoped("connections"))
             .metrics(metrics)
             .watches(api::<Secret>(&client, ns), watcher::Config::default(), {
                 let connections = connections.clone();

@@ -228,19 +228,12 @@ pub async fn restrict_namespace(plane: &ControlPlane, ns: &str) -> Result<(), Te
 
 /// The security context of every Pod here: what Pod Security `restricted` asks for.
 pub fn restricted_pod_security() -> serde_json::Value {
-    json!({
-        "runAsNonRoot": true, "runAsUser": 65532, "runAsGroup": 65532,
-        "seccompProfile": { "type": "RuntimeDefault" },
-    })
+    serde_json::to_value(crate::pod::restricted_pod_security_context()).unwrap_or_default()
 }
 
 /// The security context of every container here.
 pub fn restricted_container_security() -> serde_json::Value {
-    json!({
-        "allowPrivilegeEscalation": false,
-        "readOnlyRootFilesystem": true,
-        "capabilities": { "drop": ["ALL"] },
-    })
+    serde_json::to_value(crate::pod::restricted_security_context()).unwrap_or_default()
 }
 
 /// A Deployment of the testbox echo server (`serve`), `app=<name>`, ready by its HTTP probe.

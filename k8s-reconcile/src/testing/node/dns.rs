@@ -61,10 +61,7 @@ pub(super) fn objects() -> Vec<Value> {
                         "serviceAccountName": "coredns",
                         "dnsPolicy": "Default",
                         "priorityClassName": "system-cluster-critical",
-                        "securityContext": {
-                            "runAsNonRoot": true, "runAsUser": 65532, "runAsGroup": 65532,
-                            "seccompProfile": { "type": "RuntimeDefault" },
-                        },
+                        "securityContext": super::check::restricted_pod_security(),
                         "containers": [{
                             "name": "coredns",
                             "image": COREDNS_IMAGE,
@@ -76,11 +73,7 @@ pub(super) fn objects() -> Vec<Value> {
                             ],
                             "readinessProbe": { "httpGet": { "path": "/ready", "port": 8181 }, "periodSeconds": 2 },
                             "livenessProbe": { "httpGet": { "path": "/health", "port": 8080 }, "periodSeconds": 10 },
-                            "securityContext": {
-                                "allowPrivilegeEscalation": false,
-                                "readOnlyRootFilesystem": true,
-                                "capabilities": { "drop": ["ALL"] },
-                            },
+                            "securityContext": super::check::restricted_container_security(),
                             "volumeMounts": [{ "name": "config", "mountPath": "/etc/coredns", "readOnly": true }],
                         }],
                         "volumes": [{ "name": "config", "configMap": { "name": "coredns" } }],
