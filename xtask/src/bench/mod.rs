@@ -69,7 +69,7 @@ type Contenders = fn(&Settings) -> Vec<(&'static str, String)>;
 const BENCHES: [(&str, Which, Bench, Contenders); 5] = [
     ("proxy", Which::Proxy, proxy::run, proxy::contenders),
     ("steward", Which::Steward, steward::run, steward::contenders),
-    ("rstream", Which::Rstream, rstream::run, rstream_contenders),
+    ("rstream", Which::Rstream, rstream::run, rstream::contenders),
     (
         "operator",
         Which::Operator,
@@ -83,20 +83,6 @@ const BENCHES: [(&str, Which, Bench, Contenders); 5] = [
         pod_proxier::contenders,
     ),
 ];
-
-/// rstream's contenders (kept here so that the bench's module stays as it is).
-fn rstream_contenders(_settings: &Settings) -> Vec<(&'static str, String)> {
-    vec![
-        ("direct", "generator to sink on loopback".to_owned()),
-        (
-            "rstream tunnel",
-            format!(
-                "rstream-client LocalEngine + published TCP tunnel (ingress, engine, TLS proxy leg, client, forward) on its own one-worker runtime pinned to CPU {}",
-                system::RELAY_CPU
-            ),
-        ),
-    ]
-}
 
 /// Set in the release build of xtask that a debug build hands the bench to.
 const RELEASE_ENV: &str = "NETKIT_BENCH_RELEASE";
