@@ -1,60 +1,65 @@
-//! `cargo xtask demo`: the three binaries against a local control plane, with traffic through each.
+//! `cargo xtask demo`: the three charts running on the test node, with traffic through each.
 //!
-//! It starts etcd and kube-apiserver, then steward-tcp-proxy (relaying to that API server and
-//! publishing itself as `default/kubernetes`), pod-proxier (mapping a demo Pod backed by a local
-//! server) and rstream-operator (manager and agent, with `LocalEngine` as the engine), each as a
-//! process, as their integration tests do. It checks that traffic flows through each, prints what
-//! happened and what to try, and runs until Ctrl-C or SIGTERM; then it stops every process and
-//! removes every file it made. Everything listens on 127.0.0.0/8.
+//! It builds the release images, starts the control plane with its node and imports the images,
+//! then installs each chart with Helm into a namespace where Pod Security `restricted` is
+//! enforced, as `cargo xtask e2e` does and with the same functions ([`crate::e2e`]):
+//! steward-tcp-proxy (a client of `https://10.96.0.1` goes through kube-proxy and steward),
+//! pod-proxier (a workload Pod mapped, a request through the entry port of its Service) and
+//! rstream-operator (an `RstreamTunnel` to a workload Service, a request through a `LocalEngine`
+//! run here on the host's end of the node link). kubelet runs every Pod and reports it Ready by
+//! its probes; nothing writes a status by hand. The demo prints what it saw, the kubeconfig and
+//! commands to try, and runs until Ctrl-C or SIGTERM; then it stops the engine, the node and the
+//! control plane and removes every file it made.
 //!
-//! `--exit-after-check` (hidden, for `cargo xtask test`) stops right after the checks.
+//! It needs root (the node makes network namespaces, mounts and cgroups); its traffic stays on
+//! loopback and on the node's Pod and Service ranges. `--skip-build` packages the release
+//! binaries already built (as `cargo xtask e2e --skip-build`); `--exit-after-check` (hidden, for
+//! `cargo xtask test`) stops right after the checks.
 
-mod net;
 mod pod_proxier;
-mod processes;
 mod progress;
 mod rstream;
 mod steward;
 
-use std::path::PathBuf;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use anyhow::{Context as _, anyhow};
-use k8s_openapi::api::core::v1::Namespace;
+use anyhow::{Context as _, anyhow, bail};
+use k8s_openapi::api::core::v1::Pod;
 use k8s_reconcile::testing::ControlPlane;
-use kube::api::{Api, PostParams};
+use k8s_reconcile::testing::node::{self, check};
+use kube::api::{Api, ListParams};
 use rstream_client::engine::LocalEngine;
 use tokio::signal::unix::{Signal, SignalKind, signal};
 
-use processes::{Binaries, Processes};
+use crate::e2e::Env;
+use crate::image::Built;
 use progress::Progress;
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// Check the traffic through each binary, clean up and exit 0 instead of waiting for Ctrl-C.
+    /// Package the release binaries already under target/release instead of building them.
+    #[arg(long)]
+    skip_build: bool,
+    /// Check the traffic through each chart, clean up and exit 0 instead of waiting for Ctrl-C.
     #[arg(long, hide = true)]
     exit_after_check: bool,
 }
 
-/// The namespace of every demo object.
-const NAMESPACE: &str = "demo";
-const PACKAGES: [&str; 3] = ["steward-tcp-proxy", "pod-proxier", "rstream-operator"];
-const STEPS: usize = 6;
-/// A cold debug build of the workspace on a small machine takes minutes.
-const BUILD_LIMIT: Duration = Duration::from_secs(30 * 60);
-const CONTROL_PLANE_LIMIT: Duration = Duration::from_secs(120);
-const BINARY_LIMIT: Duration = Duration::from_secs(90);
-/// How often the children are checked while the demo runs.
-const WATCH_INTERVAL: Duration = Duration::from_secs(1);
+const STEPS: usize = 7;
+/// A cold release build of the three binaries on a small machine takes many minutes.
+const BUILD_LIMIT: Duration = Duration::from_secs(40 * 60);
+/// Above the e2e's own start limit, so that its clearer error comes first.
+const CLUSTER_LIMIT: Duration = Duration::from_secs(300);
+/// One chart from `helm install` to traffic checked (Pods Ready, kube-proxy routing).
+const CHART_LIMIT: Duration = Duration::from_secs(240);
+const ENGINE_SHUTDOWN_LIMIT: Duration = Duration::from_secs(5);
+/// How many lines of a log a failure shows.
+const LOG_TAIL_LINES: usize = 20;
 
-/// What every part of the demo needs from the cluster.
-struct Cluster<'a> {
-    plane: &'a ControlPlane,
-    admin: kube::Client,
-    binaries: &'a Binaries,
-}
-
-/// What one binary did, and commands to see it for oneself.
+/// What one chart did, and commands to see it for oneself.
 struct Shown {
     name: &'static str,
     facts: Vec<String>,
@@ -64,23 +69,28 @@ struct Shown {
 pub fn run(args: &Args) -> anyhow::Result<()> {
     let started = Instant::now();
     let mut progress = Progress::new(STEPS);
-    progress.step_blocking("checking kube-apiserver and etcd", || {
-        crate::envtest::ensure(&Default::default())
-    })?;
+    let helm = progress.step_blocking(
+        "checking the node's binaries, its images and Helm",
+        crate::e2e::ensure_tools,
+    )?;
     let runtime = tokio::runtime::Runtime::new()?;
-    let result = runtime.block_on(run_session(args, progress, started));
+    let result = runtime.block_on(run_session(args, helm, progress, started));
     // Nothing of the demo runs any more; do not wait for stray blocking tasks.
     runtime.shutdown_timeout(Duration::from_secs(1));
     result
 }
 
-async fn run_session(args: &Args, mut progress: Progress, started: Instant) -> anyhow::Result<()> {
+async fn run_session(
+    args: &Args,
+    helm: PathBuf,
+    mut progress: Progress,
+    started: Instant,
+) -> anyhow::Result<()> {
     // Registered first, so that a Ctrl-C while starting also cleans up.
     let mut signals = Signals::new()?;
     let mut session = Session::new()?;
-    eprintln!("      logs in {}", session.workdir.display());
     let started_up = tokio::select! {
-        shown = session.start(&mut progress) => shown,
+        shown = session.start(args, helm, &mut progress) => shown,
         name = signals.recv() => {
             // The interrupted step's line has no end yet.
             eprintln!();
@@ -90,17 +100,19 @@ async fn run_session(args: &Args, mut progress: Progress, started: Instant) -> a
     let outcome = match started_up {
         Ok(shown) => {
             session.print_summary(&shown, started, args.exit_after_check);
-            if args.exit_after_check {
-                Ok(())
-            } else {
-                session.run_until_signal(&mut signals).await
+            if !args.exit_after_check {
+                let name = signals.recv().await;
+                eprintln!("{name} received");
             }
+            Ok(())
         }
-        Err(err) => Err(err),
+        Err(err) => {
+            if let Some(node) = session.plane.as_ref().and_then(ControlPlane::node) {
+                eprintln!("{}", node.log_tails(LOG_TAIL_LINES));
+            }
+            Err(err)
+        }
     };
-    if outcome.is_err() {
-        session.processes.print_log_tails();
-    }
     session.shutdown().await;
     outcome
 }
@@ -127,10 +139,11 @@ impl Signals {
     }
 }
 
-/// Everything the demo made, so that all of it can be removed however the demo ends.
+/// Everything the demo made, so that all of it can be removed however the demo ends. The node's
+/// own guardian removes the node and the control plane even if this process is killed.
 struct Session {
-    workdir: PathBuf,
-    processes: Processes,
+    /// The build log.
+    workdir: tempfile::TempDir,
     engine: Option<LocalEngine>,
     plane: Option<ControlPlane>,
 }
@@ -140,60 +153,66 @@ impl Session {
         let workdir = tempfile::Builder::new()
             .prefix("kube-netkit-demo-")
             .tempdir()
-            .context("creating the demo's directory")?
-            .keep();
-        let processes = Processes::new(&workdir)?;
+            .context("creating the demo's directory")?;
         Ok(Self {
             workdir,
-            processes,
             engine: None,
             plane: None,
         })
     }
 
-    /// Starts everything, checking the traffic through each binary on the way.
-    async fn start(&mut self, progress: &mut Progress) -> anyhow::Result<Vec<Shown>> {
-        let build_log = self.workdir.join("cargo-build.log");
-        let binaries = progress
-            .step(
-                "building the binaries (cargo build)",
-                BUILD_LIMIT,
-                processes::build(&PACKAGES, &build_log),
-            )
-            .await?;
-        let (plane, admin) = progress
-            .step(
-                "starting etcd and kube-apiserver",
-                CONTROL_PLANE_LIMIT,
-                start_control_plane(),
-            )
-            .await?;
-        let cluster = Cluster {
-            plane: self.plane.insert(plane),
-            admin,
-            binaries: &binaries,
+    /// Starts everything, checking the traffic through each chart on the way.
+    async fn start(
+        &mut self,
+        args: &Args,
+        helm: PathBuf,
+        progress: &mut Progress,
+    ) -> anyhow::Result<Vec<Shown>> {
+        let build_log = self.workdir.path().join("cargo-build.log");
+        let title = if args.skip_build {
+            "packaging the release images (--skip-build)"
+        } else {
+            "building the release images (cargo build --release)"
         };
-        let processes = &mut self.processes;
+        let built = progress
+            .step(
+                title,
+                BUILD_LIMIT,
+                build_images(args.skip_build, &build_log),
+            )
+            .await?;
+        let plane = progress
+            .step(
+                "starting the control plane and its node",
+                CLUSTER_LIMIT,
+                crate::e2e::start_cluster(),
+            )
+            .await?;
+        let plane = &*self.plane.insert(plane);
+        // `ctr images import`, a few seconds; nothing else needs to run meanwhile.
+        let env = progress
+            .step_blocking("importing the images into the node's containerd", || {
+                Env::new(plane, helm, &built)
+            })?;
         let steward = progress
             .step(
-                "starting steward-tcp-proxy and calling the API through it",
-                BINARY_LIMIT,
-                steward::start(&cluster, processes),
+                "installing steward-tcp-proxy and calling the API through it",
+                CHART_LIMIT,
+                steward::start(&env),
             )
             .await?;
         let pod_proxier = progress
             .step(
-                "starting pod-proxier and mapping a pod",
-                BINARY_LIMIT,
-                pod_proxier::start(&cluster, processes),
+                "installing pod-proxier and mapping a workload Pod",
+                CHART_LIMIT,
+                pod_proxier::start(&env),
             )
             .await?;
-        let engine = &*self.engine.insert(rstream::start_engine().await?);
         let rstream = progress
             .step(
-                "starting rstream-operator, its agent and a tunnel",
-                BINARY_LIMIT,
-                rstream::start(&cluster, processes, engine, &self.workdir),
+                "installing rstream-operator and a tunnel through a local engine",
+                CHART_LIMIT,
+                rstream::start(&env, &mut self.engine),
             )
             .await?;
         Ok(vec![steward, pod_proxier, rstream])
@@ -202,7 +221,7 @@ impl Session {
     fn print_summary(&self, shown: &[Shown], started: Instant, exit_after_check: bool) {
         println!();
         println!(
-            "kube-netkit demo: traffic checked through all three binaries, {:.1}s after start",
+            "kube-netkit demo: the three charts run as Pods on the node; traffic checked through each, {:.1}s after start",
             started.elapsed().as_secs_f64()
         );
         for part in shown {
@@ -219,11 +238,16 @@ impl Session {
             .unwrap_or_default();
         println!();
         println!("kubeconfig: {kubeconfig}");
-        println!("logs:       {}", self.workdir.display());
+        println!(
+            "network:    Pods {}, Services {}, node {}; the host reaches them over the node link",
+            node::POD_CIDR,
+            node::SERVICE_CIDR,
+            node::NODE_IP
+        );
         println!();
-        println!("try:");
+        println!("try (as root, like the demo):");
         println!("  export KUBECONFIG={kubeconfig}");
-        println!("  kubectl get all -n {NAMESPACE}");
+        println!("  kubectl get pods -A -o wide");
         for command in shown.iter().flat_map(|part| &part.try_these) {
             println!("  {command}");
         }
@@ -235,37 +259,24 @@ impl Session {
         }
     }
 
-    /// Until Ctrl-C or SIGTERM; fails if a child exits meanwhile.
-    async fn run_until_signal(&mut self, signals: &mut Signals) -> anyhow::Result<()> {
-        loop {
-            tokio::select! {
-                name = signals.recv() => {
-                    eprintln!("{name} received");
-                    return Ok(());
-                }
-                _ = tokio::time::sleep(WATCH_INTERVAL) => self.processes.ensure_running()?,
-            }
-        }
-    }
-
-    /// Stops the children (they may still talk to the engine and the API server), then the
-    /// engine, then the control plane; removes the work directory.
+    /// Stops the engine (agents still talk to it), then the node and the control plane; removes
+    /// the work directory.
     async fn shutdown(mut self) {
         let started = Instant::now();
-        eprintln!("stopping the binaries, the engine and the control plane ...");
-        let killed = self.processes.stop_all().await;
-        if !killed.is_empty() {
-            eprintln!("killed after the grace period: {}", killed.join(", "));
-        }
-        if let Some(engine) = self.engine.take() {
-            let _ = tokio::time::timeout(Duration::from_secs(5), engine.shutdown()).await;
+        eprintln!("stopping the engine, the node and the control plane ...");
+        if let Some(engine) = self.engine.take()
+            && tokio::time::timeout(ENGINE_SHUTDOWN_LIMIT, engine.shutdown())
+                .await
+                .is_err()
+        {
+            eprintln!("the engine did not stop within {ENGINE_SHUTDOWN_LIMIT:?}; dropped");
         }
         if let Some(plane) = self.plane.take() {
             plane.stop();
         }
-        self.processes.release_guardian();
-        if let Err(err) = std::fs::remove_dir_all(&self.workdir) {
-            eprintln!("could not remove {}: {err}", self.workdir.display());
+        let workdir = self.workdir.path().to_path_buf();
+        if let Err(err) = self.workdir.close() {
+            eprintln!("could not remove {}: {err}", workdir.display());
         }
         eprintln!(
             "stopped and removed everything in {:.1}s",
@@ -274,19 +285,72 @@ impl Session {
     }
 }
 
-/// A control plane without the built-in endpoint reconciler (steward-tcp-proxy writes
-/// `default/kubernetes` instead), with the demo namespace.
-async fn start_control_plane() -> anyhow::Result<(ControlPlane, kube::Client)> {
-    let plane = ControlPlane::builder()
-        .apiserver_arg("--endpoint-reconciler-type=none")
-        .start()
-        .await?;
-    let admin = plane.client().await?;
-    let mut namespace = Namespace::default();
-    namespace.metadata.name = Some(NAMESPACE.to_owned());
-    Api::<Namespace>::all(admin.clone())
-        .create(&PostParams::default(), &namespace)
+/// The release images of the three binaries: `cargo build --release` (unless `skip_build`) with
+/// its output in `log`, then the images written under `target/images/`.
+async fn build_images(skip_build: bool, log: &Path) -> anyhow::Result<Vec<Built>> {
+    let specs = crate::image::selected("all")?;
+    if !skip_build {
+        let output = File::create(log).with_context(|| format!("creating {}", log.display()))?;
+        let mut cargo = tokio::process::Command::from(crate::image::release_build(&specs));
+        cargo
+            .stdin(Stdio::null())
+            .stdout(output.try_clone()?)
+            .stderr(output)
+            .kill_on_drop(true);
+        let status = cargo
+            .status()
+            .await
+            .context("running cargo build --release")?;
+        if !status.success() {
+            bail!(
+                "cargo build --release failed ({status}); the end of {}:\n{}",
+                log.display(),
+                log_tail(log, LOG_TAIL_LINES)
+            );
+        }
+    }
+    tokio::task::spawn_blocking(move || {
+        crate::image::package(&specs, crate::image::DEFAULT_REPOSITORY, None)
+    })
+    .await
+    .context("the image packaging task")?
+}
+
+/// The last `lines` lines of a log file.
+fn log_tail(path: &Path, lines: usize) -> String {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let all: Vec<&str> = text.lines().collect();
+    all[all.len().saturating_sub(lines)..].join("\n")
+}
+
+/// One line per Pod in `ns` matching `selector` (every Pod if empty): its name, IP and whether
+/// kubelet reports it Ready.
+async fn describe_pods(env: &Env<'_>, ns: &str, selector: &str) -> anyhow::Result<Vec<String>> {
+    let pods: Api<Pod> = Api::namespaced(env.plane.client().await?, ns);
+    let mut params = ListParams::default();
+    if !selector.is_empty() {
+        params = params.labels(selector);
+    }
+    let list = pods
+        .list(&params)
         .await
-        .context("creating the demo namespace")?;
-    Ok((plane, admin))
+        .with_context(|| format!("listing the Pods {selector} in {ns}"))?;
+    Ok(list
+        .items
+        .iter()
+        .map(|pod| {
+            let name = pod.metadata.name.as_deref().unwrap_or_default();
+            let ip = pod
+                .status
+                .as_ref()
+                .and_then(|s| s.pod_ip.as_deref())
+                .unwrap_or("no IP yet");
+            let state = if check::is_ready(pod) {
+                "Running, Ready"
+            } else {
+                "not Ready"
+            };
+            format!("Pod {ns}/{name} at {ip}: {state}")
+        })
+        .collect())
 }

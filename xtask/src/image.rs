@@ -77,43 +77,65 @@ pub struct Built {
 }
 
 pub fn run(args: &Args) -> anyhow::Result<Vec<Built>> {
-    let specs: Vec<&ImageSpec> = match args.which.as_str() {
-        "all" => IMAGES.iter().collect(),
-        name => vec![IMAGES.iter().find(|s| s.name == name).with_context(|| {
-            format!(
-                "unknown image {name:?}: steward-tcp-proxy, rstream-operator, pod-proxier or all"
-            )
-        })?],
-    };
-    let root = crate::workspace_root();
+    let specs = selected(&args.which)?;
     if !args.skip_build {
-        let mut cmd = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned()));
-        cmd.current_dir(&root).args(["build", "--release"]);
-        without_run_env(&mut cmd);
-        for spec in &specs {
-            cmd.args(["-p", spec.package]);
-        }
-        let status = cmd.status().context("running cargo build --release")?;
+        let status = release_build(&specs)
+            .status()
+            .context("running cargo build --release")?;
         if !status.success() {
             bail!("release build failed ({status})");
         }
     }
-    let tag = args
-        .tag
-        .clone()
-        .unwrap_or_else(|| env!("CARGO_PKG_VERSION").to_owned());
-    let mut built = Vec::new();
-    for spec in specs {
-        let image = build_image(&root, spec, &args.repository, &tag)?;
+    let built = package(&specs, &args.repository, args.tag.as_deref())?;
+    for image in &built {
         println!(
             "{}  {}  {}",
             image.reference,
             image.manifest_digest,
             image.tarball.display()
         );
-        built.push(image);
     }
     Ok(built)
+}
+
+/// The images `which` names: one image's name, or `all`.
+pub fn selected(which: &str) -> anyhow::Result<Vec<&'static ImageSpec>> {
+    Ok(match which {
+        "all" => IMAGES.iter().collect(),
+        name => vec![IMAGES.iter().find(|s| s.name == name).with_context(|| {
+            format!(
+                "unknown image {name:?}: steward-tcp-proxy, rstream-operator, pod-proxier or all"
+            )
+        })?],
+    })
+}
+
+/// `cargo build --release` of the packages of `specs`, in the workspace root, without the
+/// environment `cargo run` gave this process.
+pub fn release_build(specs: &[&ImageSpec]) -> Command {
+    let mut cmd = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned()));
+    cmd.current_dir(crate::workspace_root())
+        .args(["build", "--release"]);
+    without_run_env(&mut cmd);
+    for spec in specs {
+        cmd.args(["-p", spec.package]);
+    }
+    cmd
+}
+
+/// Writes the images of `specs` from the release binaries already built (`tag` defaults to the
+/// workspace version); prints nothing.
+pub fn package(
+    specs: &[&ImageSpec],
+    repository: &str,
+    tag: Option<&str>,
+) -> anyhow::Result<Vec<Built>> {
+    let root = crate::workspace_root();
+    let tag = tag.unwrap_or(env!("CARGO_PKG_VERSION"));
+    specs
+        .iter()
+        .map(|spec| build_image(&root, spec, repository, tag))
+        .collect()
 }
 
 fn build_image(

@@ -1,7 +1,8 @@
 //! Project tasks: `cargo xtask <task>` (`cargo xtask --help` lists them).
 //!
 //! * `envtest`, `helm`: the test control plane binaries and Helm, built from their Go modules.
-//! * `cluster`, `demo`: a local control plane alone, or with the three binaries running on it.
+//! * `cluster`, `demo`: a local control plane (optionally with a node), or the three charts
+//!   running on its node with traffic through each.
 //! * `crds`, `charts`, `image`, `verify-images`, `readme-flags`: generated files and release
 //!   artefacts, each with its check.
 //! * `bench`: benchmarks against baselines measured in the same run; `loc`: each binary's own
@@ -43,8 +44,8 @@ enum Task {
     /// Start a local control plane (etcd + kube-apiserver; --node: and a real node), print its
     /// kubeconfig, run until Ctrl-C (--check: prove the node works, then exit).
     Cluster(cluster::Args),
-    /// Run the three binaries against a local control plane and show traffic through each,
-    /// until Ctrl-C.
+    /// Install the three charts on a local control plane's node (root) and show traffic through
+    /// each, until Ctrl-C.
     Demo(demo::Args),
     /// Lint and render every chart (with a matrix of values) and kustomize tree, and dry-run
     /// every object against a real API server.

@@ -144,6 +144,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
             vec![],
         ),
         (
+            // On the node, with the release binaries the image step built.
             "demo (smoke run)",
             vec![
                 "run",
@@ -152,6 +153,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
                 "xtask",
                 "--",
                 "demo",
+                "--skip-build",
                 "--exit-after-check",
             ],
             vec![],

@@ -1,173 +1,139 @@
-//! pod-proxier mapping a demo Pod to its entry port (V1 API). No kubelet runs here, so the Pod's
-//! status is written by hand with a loopback IP where a local server listens, as the e2e tests do
-//! (`pod-proxier/tests/e2e/harness.rs`).
+//! pod-proxier from its chart as the e2e installs it (auth by the Kubernetes API, its Service as a
+//! NodePort): a ServiceAccount that may only port-forward maps a workload Pod (V1), and an HTTP
+//! request through the Service's entry port, and through its NodePort, is answered by that Pod.
 
-use std::net::{IpAddr, Ipv4Addr, SocketAddr};
-use std::process::Command;
-use std::time::Duration;
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
 
-use anyhow::{Context as _, ensure};
-use k8s_openapi::api::core::v1::Pod;
-use kube::CustomResourceExt as _;
-use kube::api::{Api, Patch, PatchParams, PostParams};
-use pod_proxier::crd::PortMapping;
+use anyhow::{Context as _, bail, ensure};
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::Service;
+use kube::api::{Api, PostParams};
+use serde_json::json;
 
-use super::processes::Processes;
-use super::{Cluster, NAMESPACE, Shown, net};
+use super::{Shown, describe_pods};
+use crate::e2e::Env;
+use crate::e2e::pod_proxier::{self, API_PORT, ENTRY_PORT};
+use k8s_reconcile::testing::node::{NODE_IP, check};
 
-const POD: &str = "web-0";
-/// The Pod's IP: a loopback address of its own, so the proxied bytes visibly go somewhere else.
-const POD_IP: Ipv4Addr = Ipv4Addr::new(127, 0, 0, 10);
-/// The container port name pod-proxier maps by default (`--jprofiler-port-name`).
+/// The workload pod-proxier maps.
+const WORKLOAD: &str = "profiled";
+/// The container port name pod-proxier maps by default (the chart's `jprofilerPortName`).
 const PORT_NAME: &str = "jprofiler-port";
-/// Long enough for a demo session; pod-proxier removes the mapping when it expires.
+/// The ServiceAccount `pod_proxier::debugger_accounts` allows to `create pods/portforward`.
+const DEBUGGER: &str = "debugger";
+/// Long enough for a demo session; pod-proxier closes the entry port when it expires.
 const MAPPING_SECONDS: u64 = 3600;
+/// How long the first request through a fresh mapping may keep failing.
+const FIRST_ANSWER_LIMIT: Duration = Duration::from_secs(20);
 
-pub async fn start(cluster: &Cluster<'_>, processes: &mut Processes) -> anyhow::Result<Shown> {
-    cluster
-        .plane
-        .install_crds(&[PortMapping::crd()])
+pub async fn start(env: &Env<'_>) -> anyhow::Result<Shown> {
+    let ns = env.restricted_namespace("demo-pod-proxier").await?;
+    let work = env.restricted_namespace("demo-apps").await?;
+    let client = env.plane.client().await?;
+    // The testbox's HTTP port carries the mapped name, so a plain curl shows which Pod answers.
+    let mut workload = check::testbox_deployment(WORKLOAD, 1);
+    workload["spec"]["template"]["spec"]["containers"][0]["ports"][0]["name"] = json!(PORT_NAME);
+    Api::<Deployment>::namespaced(client.clone(), &work)
+        .create(&PostParams::default(), &serde_json::from_value(workload)?)
         .await
-        .context("installing the PortMapping CRD")?;
-    let greeting = format!("hello from pod {NAMESPACE}/{POD}");
-    let backend = net::http_server(IpAddr::V4(POD_IP), greeting.clone()).await?;
-    create_running_pod(&cluster.admin, backend).await?;
+        .context("creating the workload Deployment")?;
+    pod_proxier::debugger_accounts(env, &work).await?;
+    pod_proxier::install(env, &ns, &work).await?;
+    check::wait_pods_ready(env.plane, &ns, pod_proxier::SELECTOR, 1).await?;
+    let (pod, pod_ip) = check::wait_pods_ready(env.plane, &work, &format!("app={WORKLOAD}"), 1)
+        .await?
+        .remove(0);
 
-    let api = net::free_addr()?;
-    let entry = net::free_addr()?;
-    let metrics = net::free_addr()?;
-    processes.spawn(
-        "pod-proxier",
-        Command::new(cluster.binaries.get("pod-proxier")?)
-            .arg(format!(
-                "--kubeconfig={}",
-                cluster.plane.kubeconfig_path().display()
-            ))
-            .arg(format!("--state-namespace={NAMESPACE}"))
-            .arg(format!("--allowed-namespaces={NAMESPACE}"))
-            .arg("--identity=pod-proxier-demo-0")
-            .arg("--enable-v1")
-            .arg("--auth=none")
-            .arg("--listen-addr=127.0.0.1")
-            .arg("--api-listen-addr=127.0.0.1")
-            .arg(format!("--listen-port={}", api.port()))
-            .arg(format!("--default-map-port={}", entry.port()))
-            .arg(format!("--metrics-addr={metrics}"))
-            .arg("--drain-timeout=1")
-            .env_remove("KUBECONFIG"),
-    )?;
-    processes
-        .wait_for("pod-proxier /readyz", Duration::from_secs(30), || async {
-            Ok(net::answers_ok(metrics, "/readyz").await.then_some(()))
-        })
-        .await?;
-
-    let mapping = map_pod(api).await?;
-    let response = net::http(entry, "GET", "/", None)
+    let service: Service = Api::namespaced(client, &ns)
+        .get(pod_proxier::RELEASE)
         .await
-        .context("sending a request to the entry port")?;
+        .context("reading the pod-proxier Service")?;
+    let spec = service
+        .spec
+        .context("the pod-proxier Service has no spec")?;
+    let cluster_ip = spec
+        .cluster_ip
+        .clone()
+        .context("the pod-proxier Service has no ClusterIP")?;
+    let node_port = spec
+        .ports
+        .iter()
+        .flatten()
+        .find(|p| p.name.as_deref() == Some("entry"))
+        .and_then(|p| p.node_port)
+        .and_then(|p| u16::try_from(p).ok())
+        .context("the entry port of the pod-proxier Service has no nodePort")?;
+    let api: SocketAddr = format!("{cluster_ip}:{API_PORT}").parse()?;
+    let entry: SocketAddr = format!("{cluster_ip}:{ENTRY_PORT}").parse()?;
+    let entry_on_node = SocketAddr::new(NODE_IP.into(), node_port);
+    pod_proxier::wait_routed(api).await?;
+
+    let token = pod_proxier::token(env, &work, DEBUGGER).await?;
+    let request = json!({ "pod_name": format!("{work}/{pod}"), "time": MAPPING_SECONDS });
+    let (status, answer) = pod_proxier::http(
+        api,
+        "POST",
+        "/api/v1/mapping",
+        Some(&token),
+        Some(&request.to_string()),
+    )
+    .await?;
     ensure!(
-        response.body == greeting,
-        "the entry port answered {:?}, not the pod's greeting",
-        response.body
+        status == 200,
+        "POST /api/v1/mapping as {work}/{DEBUGGER} answered {status}: {answer}"
     );
-    let resource = format!("v1-entry-{}", entry.port());
-    wait_until_active(cluster, processes, &resource).await?;
+    let upstreams = &answer["data"]["upstreams"];
+    let through_service = answered_by(entry, &pod).await?;
+    let through_node_port = answered_by(entry_on_node, &pod).await?;
+
+    let mut facts = describe_pods(env, &ns, pod_proxier::SELECTOR).await?;
+    facts.extend(describe_pods(env, &work, &format!("app={WORKLOAD}")).await?);
+    facts.push(format!(
+        "Service {ns}/{}: API {api}, entry port {entry}, NodePort {entry_on_node}",
+        pod_proxier::RELEASE
+    ));
+    facts.push(format!(
+        "POST /api/v1/mapping as ServiceAccount {work}/{DEBUGGER} (may only create pods/portforward): {status}, {MAPPING_SECONDS} s, upstreams {upstreams}"
+    ));
+    facts.push(format!(
+        "GET http://{entry}/ answered by {pod} ({pod_ip}): {through_service}"
+    ));
+    facts.push(format!(
+        "GET http://{entry_on_node}/ answered by {pod}: {through_node_port}"
+    ));
     Ok(Shown {
         name: "pod-proxier",
-        facts: vec![
-            format!("API http://{api} (--auth none), entry port {entry}"),
-            format!(
-                "POST /api/v1/mapping {{\"pod_name\":\"{NAMESPACE}/{POD}\",\"time\":{MAPPING_SECONDS}}} -> {entry} -> {} until {}",
-                mapping.upstreams, mapping.expires_at
-            ),
-            format!(
-                "PortMapping {NAMESPACE}/{resource} is Active; GET http://{entry}/ -> {} {:?}",
-                response.status_line, response.body
-            ),
-        ],
+        facts,
         try_these: vec![
-            "kubectl get portmappings -A".to_owned(),
-            format!("curl http://{entry}/"),
-            format!(
-                "curl http://{api}/api/v1/mapping -H 'content-type: application/json' -d '{{\"pod_name\":\"{NAMESPACE}/{POD}\",\"time\":600}}'"
-            ),
+            format!("curl http://{entry}/   # the mapped Pod answers"),
+            format!("curl http://{entry_on_node}/   # the same, through the NodePort"),
+            format!("TOKEN=$(kubectl -n {work} create token {DEBUGGER})"),
+            format!("curl -H \"Authorization: Bearer $TOKEN\" http://{api}/api/v1/mappings"),
+            "kubectl get portmappings -A   # the mappings, as pod-proxier stores them".to_owned(),
         ],
     })
 }
 
-/// A Pod named [`POD`], Running at [`POD_IP`] with a container port [`PORT_NAME`] where `backend`
-/// listens.
-async fn create_running_pod(admin: &kube::Client, backend: SocketAddr) -> anyhow::Result<()> {
-    let pod: Pod = serde_json::from_value(serde_json::json!({
-        "apiVersion": "v1", "kind": "Pod",
-        "metadata": {"name": POD, "namespace": NAMESPACE, "labels": {"app": "web"}},
-        "spec": {"containers": [{"name": "web", "image": "example.test/web:demo",
-                 "ports": [{"name": PORT_NAME, "containerPort": backend.port()}]}]},
-    }))?;
-    let pods: Api<Pod> = Api::namespaced(admin.clone(), NAMESPACE);
-    pods.create(&PostParams::default(), &pod)
-        .await
-        .context("creating the demo Pod")?;
-    let ip = POD_IP.to_string();
-    let status = serde_json::json!({
-        "status": {"phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}]}});
-    pods.patch_status(POD, &PatchParams::default(), &Patch::Merge(&status))
-        .await
-        .context("setting the demo Pod's status")?;
-    Ok(())
-}
-
-struct Mapping {
-    upstreams: String,
-    expires_at: String,
-}
-
-/// `POST /api/v1/mapping` for the demo Pod.
-async fn map_pod(api: SocketAddr) -> anyhow::Result<Mapping> {
-    let request =
-        serde_json::json!({"pod_name": format!("{NAMESPACE}/{POD}"), "time": MAPPING_SECONDS});
-    let response = net::http(api, "POST", "/api/v1/mapping", Some(&request)).await?;
-    ensure!(
-        response.status == 200,
-        "POST /api/v1/mapping answered {}: {}",
-        response.status_line,
-        response.body
-    );
-    let body: serde_json::Value =
-        serde_json::from_str(&response.body).context("the mapping response is not JSON")?;
-    let data = &body["data"];
-    let upstreams = data["upstreams"]
-        .as_array()
-        .map(|all| {
-            all.iter()
-                .filter_map(serde_json::Value::as_str)
-                .collect::<Vec<_>>()
-                .join(", ")
-        })
-        .unwrap_or_default();
-    Ok(Mapping {
-        upstreams,
-        expires_at: data["expires_at"].as_str().unwrap_or("?").to_owned(),
-    })
-}
-
-/// The leader reports the mapping's status on the PortMapping object.
-async fn wait_until_active(
-    cluster: &Cluster<'_>,
-    processes: &mut Processes,
-    name: &str,
-) -> anyhow::Result<()> {
-    let mappings: Api<PortMapping> = Api::namespaced(cluster.admin.clone(), NAMESPACE);
-    processes
-        .wait_for(
-            &format!("PortMapping {name} to be Active"),
-            Duration::from_secs(15),
-            || async {
-                let mapping = mappings.get_opt(name).await?;
-                let phase = mapping.and_then(|m| m.status).and_then(|s| s.phase);
-                Ok((phase.as_deref() == Some("Active")).then_some(()))
-            },
-        )
-        .await
+/// GETs `/` from `addr` until the testbox names `pod` as the one answering (a new mapping and a
+/// new NodePort take a moment); returns the answer.
+async fn answered_by(addr: SocketAddr, pod: &str) -> anyhow::Result<String> {
+    let started = Instant::now();
+    loop {
+        let answer = check::http_get(addr, "/").await;
+        let named = answer.as_ref().ok().and_then(|body| {
+            serde_json::from_str::<serde_json::Value>(body)
+                .ok()
+                .and_then(|v| v["pod"].as_str().map(str::to_owned))
+        });
+        match (&answer, named) {
+            (Ok(body), Some(name)) if name == pod => return Ok(body.trim().to_owned()),
+            _ if started.elapsed() > FIRST_ANSWER_LIMIT => {
+                bail!(
+                    "GET http://{addr}/ was not answered by {pod} within {FIRST_ANSWER_LIMIT:?}: {answer:?}"
+                )
+            }
+            _ => tokio::time::sleep(Duration::from_millis(200)).await,
+        }
+    }
 }

@@ -1,138 +1,85 @@
-//! steward-tcp-proxy relaying to the local API server, publishing its Service's ClusterIP as the
-//! endpoint of `default/kubernetes` (as in `steward-tcp-proxy/tests/steward.rs`).
+//! steward-tcp-proxy from its chart with the defaults (two replicas, leader election, `pod-ip`
+//! mode): `default/kubernetes` points at its Pods, and a client of `https://10.96.0.1` (the
+//! `kubernetes` Service, as every in-cluster client uses it) reaches the API server through
+//! kube-proxy and steward, counted by steward's own metrics.
 
-use std::net::SocketAddr;
-use std::process::Command;
 use std::time::Duration;
 
-use anyhow::Context as _;
-use k8s_openapi::api::core::v1::{Namespace, Service};
-use k8s_openapi::api::discovery::v1::EndpointSlice;
-use kube::api::{Api, ListParams, PostParams};
+use anyhow::{Context as _, ensure};
+use k8s_openapi::api::core::v1::Namespace;
+use kube::api::{Api, ListParams};
 
-use super::processes::Processes;
-use super::{Cluster, NAMESPACE, Shown, net};
+use super::{Shown, describe_pods};
+use crate::e2e::Env;
+use crate::e2e::steward::{self, Release};
+use k8s_reconcile::testing::node::{KUBERNETES_SERVICE_IP, check};
 
-const SERVICE: &str = "steward-tcp-proxy";
-const SERVICE_PORT: i32 = 443;
+/// The chart's default `replicaCount`.
+const REPLICAS: usize = 2;
+/// The chart's default `metricsPort`.
+const METRICS_PORT: u16 = 9090;
+const CONNECTIONS_METRIC: &str = "proxy_connections_total";
 
-pub async fn start(cluster: &Cluster<'_>, processes: &mut Processes) -> anyhow::Result<Shown> {
-    let listen = net::free_addr()?;
-    let health = net::free_addr()?;
-    let cluster_ip = create_service(cluster, listen).await?;
-    let upstream = cluster.plane.server_url().trim_start_matches("https://");
-    processes.spawn(
-        "steward-tcp-proxy",
-        Command::new(cluster.binaries.get("steward-tcp-proxy")?)
-            .arg(format!(
-                "--kubeconfig={}",
-                cluster.plane.kubeconfig_path().display()
-            ))
-            .arg(format!("--upstream-addr={upstream}"))
-            .arg(format!("--listen-addr={listen}"))
-            .arg(format!("--health-addr={health}"))
-            .arg(format!("--metrics-addr={}", net::free_addr()?))
-            .arg(format!("--service-namespace={NAMESPACE}"))
-            .arg(format!("--service-name={SERVICE}"))
-            .arg(format!("--service-port={SERVICE_PORT}"))
-            .arg("--endpoint-mode=cluster-ip")
-            // Stopping the demo should not wait for idle kubectl connections.
-            .arg("--drain-timeout=1s")
-            .env_remove("KUBECONFIG")
-            .env("RUST_LOG", "info"),
-    )?;
-    // Ready means: the upstream is dialable and the endpoints are written.
-    processes
-        .wait_for(
-            "steward-tcp-proxy /readyz",
-            Duration::from_secs(30),
-            || async { Ok(net::answers_ok(health, "/readyz").await.then_some(())) },
-        )
-        .await?;
-    let expected = (vec![cluster_ip.clone()], SERVICE_PORT);
-    processes
-        .wait_for(
-            "default/kubernetes to point at the proxy's ClusterIP",
-            Duration::from_secs(15),
-            || async {
-                let published = published_endpoints(&cluster.admin).await?;
-                Ok((published.as_ref() == Some(&expected)).then_some(()))
-            },
-        )
-        .await?;
-    let (version, namespaces) = call_through(cluster, listen).await?;
-    Ok(Shown {
-        name: "steward-tcp-proxy",
-        facts: vec![
-            format!("relays {listen} -> kube-apiserver {upstream} (TLS passes through untouched)"),
-            format!(
-                "EndpointSlice default/kubernetes -> {cluster_ip}:{SERVICE_PORT}, the ClusterIP of Service {NAMESPACE}/{SERVICE}"
-            ),
-            format!(
-                "a client with server https://{listen}: GET /version -> {version}, listed {namespaces} namespaces"
-            ),
-        ],
-        try_these: vec![
-            "kubectl get endpointslice kubernetes -o wide".to_owned(),
-            format!("kubectl --server https://{listen} get namespaces   # through the relay"),
-        ],
-    })
-}
-
-/// The proxy's own Service; its ClusterIP is what `default/kubernetes` will point at.
-async fn create_service(cluster: &Cluster<'_>, listen: SocketAddr) -> anyhow::Result<String> {
-    let service: Service = serde_json::from_value(serde_json::json!({
-        "apiVersion": "v1", "kind": "Service",
-        "metadata": {"name": SERVICE, "namespace": NAMESPACE},
-        "spec": {"ports": [{"name": "https", "port": SERVICE_PORT, "targetPort": listen.port()}]},
-    }))?;
-    let created = Api::<Service>::namespaced(cluster.admin.clone(), NAMESPACE)
-        .create(&PostParams::default(), &service)
-        .await
-        .context("creating the proxy's Service")?;
-    created
-        .spec
-        .and_then(|spec| spec.cluster_ip)
-        .context("the proxy's Service got no ClusterIP")
-}
-
-/// The addresses and port `default/kubernetes` publishes.
-async fn published_endpoints(client: &kube::Client) -> anyhow::Result<Option<(Vec<String>, i32)>> {
-    let Some(slice) = Api::<EndpointSlice>::namespaced(client.clone(), "default")
-        .get_opt("kubernetes")
-        .await?
-    else {
-        return Ok(None);
+pub async fn start(env: &Env<'_>) -> anyhow::Result<Shown> {
+    let ns = env.restricted_namespace("demo-steward").await?;
+    steward::install(env, &ns).await?;
+    let pods = check::wait_pods_ready(env.plane, &ns, steward::SELECTOR, REPLICAS).await?;
+    let release = Release {
+        client: env.plane.client().await?,
+        ns: ns.clone(),
     };
-    let addresses = slice
-        .endpoints
-        .unwrap_or_default()
-        .into_iter()
-        .flat_map(|endpoint| endpoint.addresses)
-        .collect();
-    let port = slice
-        .ports
-        .unwrap_or_default()
-        .first()
-        .and_then(|port| port.port);
-    Ok(port.map(|port| (addresses, port)))
-}
+    release
+        .wait_published("pod-ip", Duration::from_secs(30))
+        .await?;
+    let routed = release.wait_routed_through_steward().await?;
 
-/// `/version` and a namespace list through the relay, with the admin's certificates: the client
-/// verifies the API server's own certificate, so this proves the bytes pass through unchanged.
-async fn call_through(cluster: &Cluster<'_>, relay: SocketAddr) -> anyhow::Result<(String, usize)> {
-    let text = std::fs::read_to_string(cluster.plane.kubeconfig_path())?;
-    let kubeconfig = kube::config::Kubeconfig::from_yaml(&text)?;
-    let mut config = kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default()).await?;
-    config.cluster_url = format!("https://{relay}").parse()?;
-    let client = kube::Client::try_from(config)?;
+    let before = release.metric_sum(CONNECTIONS_METRIC).await?;
+    let client = steward::service_client(env).await?;
     let version = client
         .apiserver_version()
         .await
-        .context("GET /version through the relay")?;
+        .with_context(|| format!("GET /version through https://{KUBERNETES_SERVICE_IP}"))?;
     let namespaces = Api::<Namespace>::all(client)
         .list(&ListParams::default())
         .await
-        .context("listing namespaces through the relay")?;
-    Ok((version.git_version, namespaces.items.len()))
+        .with_context(|| format!("listing namespaces through https://{KUBERNETES_SERVICE_IP}"))?;
+    let after = release.metric_sum(CONNECTIONS_METRIC).await?;
+    ensure!(
+        after > before,
+        "steward's {CONNECTIONS_METRIC} stayed at {before}: the calls to {KUBERNETES_SERVICE_IP} did not go through it"
+    );
+    let (leader, _) = release.lease().await?;
+    let published = release.published().await?;
+
+    let mut facts = describe_pods(env, &ns, steward::SELECTOR).await?;
+    facts.push(format!(
+        "leader (Lease {ns}/{}): {}",
+        steward::RELEASE,
+        leader.as_deref().unwrap_or("none")
+    ));
+    facts.push(format!(
+        "default/kubernetes: {}; kube-proxy routed {KUBERNETES_SERVICE_IP}:443 to steward {:.1}s after it was written",
+        published.describe(),
+        routed.as_secs_f64()
+    ));
+    facts.push(format!(
+        "a client of https://{KUBERNETES_SERVICE_IP}: GET /version -> {}, listed {} namespaces; steward's {CONNECTIONS_METRIC} {before} -> {after}",
+        version.git_version,
+        namespaces.items.len()
+    ));
+    let metrics_pod = &pods[0];
+    Ok(Shown {
+        name: "steward-tcp-proxy",
+        facts,
+        try_these: vec![
+            "kubectl get endpointslice kubernetes -o wide   # the steward Pods".to_owned(),
+            format!(
+                "kubectl --server https://{KUBERNETES_SERVICE_IP} get namespaces   # through kube-proxy and steward"
+            ),
+            format!(
+                "curl -s http://{}:{METRICS_PORT}/metrics | grep ^{CONNECTIONS_METRIC}   # {}",
+                metrics_pod.1, metrics_pod.0
+            ),
+        ],
+    })
 }

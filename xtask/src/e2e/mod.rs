@@ -11,10 +11,13 @@
 //! status that a kubelet or a controller would write. Before steward runs, the test harness
 //! points `default/kubernetes` at the API server once, as the operator of a hosted control plane
 //! does (the API server's own reconciler is off); steward then takes the objects over.
+//!
+//! `cargo xtask demo` runs on the same cluster: [`ensure_tools`], [`start_cluster`], [`Env::new`],
+//! each chart's `install` and the steps the demo shows are shared from here, so they exist once.
 
-mod pod_proxier;
-mod rstream_operator;
-mod steward;
+pub mod pod_proxier;
+pub mod rstream_operator;
+pub mod steward;
 
 use std::fmt::Write as _;
 use std::path::PathBuf;
@@ -23,9 +26,11 @@ use std::time::{Duration, Instant};
 use anyhow::{Context as _, bail};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_reconcile::testing::ControlPlane;
-use k8s_reconcile::testing::node::{self, check};
+use k8s_reconcile::testing::node::{self, TESTBOX_IMAGE, check};
 use kube::api::{Api, ListParams};
 use serde::Serialize;
+
+use crate::image::Built;
 
 #[derive(clap::Args, Default)]
 pub struct Args {
@@ -111,6 +116,64 @@ pub struct Env<'a> {
     pub images: Vec<(String, String)>,
 }
 
+/// How long the control plane and its node may take to start (a cold containerd and CoreDNS on a
+/// busy small machine).
+const CLUSTER_START_LIMIT: Duration = Duration::from_secs(240);
+
+/// What the charts' runs need on the machine: the envtest binaries with the node's (kubelet & co.,
+/// containerd, the node images), and Helm; returns Helm's path.
+pub fn ensure_tools() -> anyhow::Result<PathBuf> {
+    crate::envtest::ensure(&crate::envtest::Args {
+        node: true,
+        ..crate::envtest::Args::default()
+    })?;
+    crate::tools::ensure_helm()
+}
+
+/// The control plane the charts run on, with its node: the API server without its endpoint
+/// reconciler, as a hosted control plane runs it (the node points `default/kubernetes` at the
+/// API server once; steward takes it over).
+pub async fn start_cluster() -> anyhow::Result<ControlPlane> {
+    ControlPlane::builder()
+        .apiserver_arg("--endpoint-reconciler-type=none")
+        .node()
+        .start_timeout(CLUSTER_START_LIMIT)
+        .start()
+        .await
+        .context("starting the control plane with its node")
+}
+
+impl<'a> Env<'a> {
+    /// Imports the release images into the node's containerd, so kubelet runs them without a
+    /// pull.
+    pub fn new(plane: &'a ControlPlane, helm: PathBuf, built: &[Built]) -> anyhow::Result<Self> {
+        let api_port = url_port(plane.server_url())?;
+        let node = plane.node().context("the control plane has no node")?;
+        for image in built {
+            node.import_image(&image.tarball)
+                .with_context(|| format!("importing {}", image.tarball.display()))?;
+        }
+        Ok(Self {
+            plane,
+            helm,
+            apiserver: format!("{}:{api_port}", node::HOST_IP),
+            images: built
+                .iter()
+                .map(|b| (b.name.clone(), b.reference.clone()))
+                .collect(),
+        })
+    }
+}
+
+/// The directory of the chart of `release` (each release is named after its crate).
+pub fn chart_dir(release: &str) -> String {
+    crate::workspace_root()
+        .join(release)
+        .join("chart")
+        .to_string_lossy()
+        .into_owned()
+}
+
 impl Env<'_> {
     fn image(&self, name: &str) -> anyhow::Result<(String, String)> {
         let reference = self
@@ -145,6 +208,27 @@ impl Env<'_> {
         Ok(text)
     }
 
+    /// `helm install <release>` of the repository's chart into `ns` with `values` (each a `--set`
+    /// argument) and `helm test` set to run the node's testbox image; returns helm's output,
+    /// NOTES.txt included.
+    pub async fn install_chart(
+        &self,
+        release: &str,
+        ns: &str,
+        values: &[String],
+    ) -> anyhow::Result<String> {
+        let chart = chart_dir(release);
+        let mut args = vec!["install", release, chart.as_str(), "-n", ns];
+        let tests = format!("tests.image={TESTBOX_IMAGE},tests.pullPolicy=Never");
+        for value in [tests.as_str(), "tests.command={/testbox,get}"]
+            .into_iter()
+            .chain(values.iter().map(String::as_str))
+        {
+            args.extend(["--set", value]);
+        }
+        self.helm(&args).await
+    }
+
     /// Creates a namespace labelled for Pod Security `restricted`.
     pub async fn restricted_namespace(&self, prefix: &str) -> anyhow::Result<String> {
         let ns = self.plane.create_namespace(prefix).await?;
@@ -155,11 +239,7 @@ impl Env<'_> {
 
 pub fn run(args: &Args) -> anyhow::Result<()> {
     let wall = Instant::now();
-    crate::envtest::ensure(&crate::envtest::Args {
-        node: true,
-        ..crate::envtest::Args::default()
-    })?;
-    let helm = crate::tools::ensure_helm()?;
+    let helm = ensure_tools()?;
     let built = crate::image::run(&crate::image::Args {
         which: "all".to_owned(),
         repository: crate::image::DEFAULT_REPOSITORY.to_owned(),
@@ -173,30 +253,11 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
     let runtime = tokio::runtime::Runtime::new()?;
     let report = runtime.block_on(async {
         let started = Instant::now();
-        let plane = ControlPlane::builder()
-            .apiserver_arg("--endpoint-reconciler-type=none")
-            .node()
-            .start_timeout(Duration::from_secs(240))
-            .start()
-            .await;
-        let plane = plane.context("starting the control plane with its node")?;
+        let plane = start_cluster().await?;
         let cluster_start = started.elapsed();
         println!("control plane and node ready in {cluster_start:.1?}");
-        let api_port = url_port(plane.server_url())?;
+        let env = Env::new(&plane, helm, &built)?;
         let node = plane.node().context("the control plane has no node")?;
-        for image in &built {
-            node.import_image(&image.tarball)
-                .with_context(|| format!("importing {}", image.tarball.display()))?;
-        }
-        let env = Env {
-            plane: &plane,
-            helm,
-            apiserver: format!("{}:{api_port}", node::HOST_IP),
-            images: built
-                .iter()
-                .map(|b| (b.name.clone(), b.reference.clone()))
-                .collect(),
-        };
         let mut charts = Vec::new();
         println!("steward-tcp-proxy:");
         charts.push(steward::run(&env).await);

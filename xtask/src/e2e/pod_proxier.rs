@@ -15,12 +15,12 @@ use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 
 use super::{ChartReport, Env};
-use k8s_reconcile::testing::node::{NODE_IP, TESTBOX_IMAGE, check};
+use k8s_reconcile::testing::node::{NODE_IP, check};
 
-const RELEASE: &str = "pod-proxier";
-const SELECTOR: &str = "app.kubernetes.io/name=pod-proxier";
-const API_PORT: u16 = 3343;
-const ENTRY_PORT: u16 = 8849;
+pub const RELEASE: &str = "pod-proxier";
+pub const SELECTOR: &str = "app.kubernetes.io/name=pod-proxier";
+pub const API_PORT: u16 = 3343;
+pub const ENTRY_PORT: u16 = 8849;
 const V2_START: u16 = 9000;
 const V2_END: u16 = 9004;
 
@@ -48,9 +48,6 @@ async fn scenarios(env: &Env<'_>, report: &mut ChartReport) -> anyhow::Result<()
     let work = env.restricted_namespace("debuggee").await?;
     report.namespace = format!("{ns}, {work}");
     let client = env.plane.client().await?;
-    let (repository, tag) = env.image("pod-proxier")?;
-    let chart = crate::workspace_root().join("pod-proxier/chart");
-    let chart = chart.to_string_lossy().into_owned();
 
     // The workloads first: the allowed namespace must exist before the chart binds in it.
     let deployments: Api<Deployment> = Api::namespaced(client.clone(), &work);
@@ -81,29 +78,7 @@ async fn scenarios(env: &Env<'_>, report: &mut ChartReport) -> anyhow::Result<()
     debugger_accounts(env, &work).await?;
 
     let started = Instant::now();
-    let installed = env
-        .helm(&[
-            "install",
-            RELEASE,
-            &chart,
-            "-n",
-            &ns,
-            "--set",
-            &format!("tests.image={TESTBOX_IMAGE},tests.pullPolicy=Never"),
-            "--set",
-            "tests.command={/testbox,get}",
-            "--set",
-            &format!("images.podProxier.repository={repository},images.podProxier.tag={tag}"),
-            "--set",
-            "hostNetwork=false,service.enabled=true,service.type=NodePort",
-            "--set",
-            "podProxier.enableV1=true,podProxier.enableV2=true",
-            "--set",
-            &format!("podProxier.portRangeStart={V2_START},podProxier.portRangeEnd={V2_END}"),
-            "--set",
-            &format!("podProxier.allowedNamespaces={{{work}}}"),
-        ])
-        .await?;
+    let installed = install(env, &ns, &work).await?;
     check::wait_pods_ready(env.plane, &ns, SELECTOR, 1).await?;
     report.install_to_ready_ms = Some(started.elapsed().as_millis());
     check::wait_pods_ready(env.plane, &work, "app=profiled", 1).await?;
@@ -126,17 +101,7 @@ async fn scenarios(env: &Env<'_>, report: &mut ChartReport) -> anyhow::Result<()
         NODE_IP.into(),
         node_port("entry").context("the entry port has no nodePort")?,
     );
-    // kube-proxy applies the new Service within a second or two.
-    let routable = Instant::now();
-    while tokio::time::timeout(Duration::from_secs(1), tokio::net::TcpStream::connect(api))
-        .await
-        .map_or(true, |r| r.is_err())
-    {
-        if routable.elapsed() > Duration::from_secs(30) {
-            bail!("the pod-proxier Service {api} is not routed within 30 s");
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    wait_routed(api).await?;
     let allowed = token(env, &work, "debugger").await?;
     let denied = token(env, &work, "bystander").await?;
     let profiled_pod = check::wait_pods_ready(env.plane, &work, "app=profiled", 1)
@@ -358,9 +323,40 @@ async fn scenarios(env: &Env<'_>, report: &mut ChartReport) -> anyhow::Result<()
     Ok(())
 }
 
+/// `helm install` of the chart as the e2e runs it: the embedded backend, auth by the Kubernetes
+/// API, V1 and V2 on, its Service as a NodePort, mappings allowed in `work` only; returns helm's
+/// output.
+pub async fn install(env: &Env<'_>, ns: &str, work: &str) -> anyhow::Result<String> {
+    let (repository, tag) = env.image("pod-proxier")?;
+    let values = [
+        format!("images.podProxier.repository={repository},images.podProxier.tag={tag}"),
+        "hostNetwork=false,service.enabled=true,service.type=NodePort".to_owned(),
+        "podProxier.enableV1=true,podProxier.enableV2=true".to_owned(),
+        format!("podProxier.portRangeStart={V2_START},podProxier.portRangeEnd={V2_END}"),
+        format!("podProxier.allowedNamespaces={{{work}}}"),
+    ];
+    env.install_chart(RELEASE, ns, &values).await
+}
+
+/// Waits until `addr` (a new Service's port) accepts connections: kube-proxy applies a new
+/// Service within a second or two.
+pub async fn wait_routed(addr: SocketAddr) -> anyhow::Result<()> {
+    let routable = Instant::now();
+    while tokio::time::timeout(Duration::from_secs(1), tokio::net::TcpStream::connect(addr))
+        .await
+        .map_or(true, |r| r.is_err())
+    {
+        if routable.elapsed() > Duration::from_secs(30) {
+            bail!("the pod-proxier Service {addr} is not routed within 30 s");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    Ok(())
+}
+
 /// `debugger` may only `create pods/portforward` (and `get services` for V2) in `ns`;
 /// `bystander` may do nothing.
-async fn debugger_accounts(env: &Env<'_>, ns: &str) -> anyhow::Result<()> {
+pub async fn debugger_accounts(env: &Env<'_>, ns: &str) -> anyhow::Result<()> {
     let client = env.plane.client().await?;
     let accounts: Api<ServiceAccount> = Api::namespaced(client.clone(), ns);
     for name in ["debugger", "bystander"] {
@@ -398,7 +394,7 @@ async fn debugger_accounts(env: &Env<'_>, ns: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn token(env: &Env<'_>, ns: &str, account: &str) -> anyhow::Result<String> {
+pub async fn token(env: &Env<'_>, ns: &str, account: &str) -> anyhow::Result<String> {
     let accounts: Api<ServiceAccount> = Api::namespaced(env.plane.client().await?, ns);
     let request: TokenRequest = serde_json::from_value(json!({
         "apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
@@ -464,7 +460,7 @@ async fn mappings(api: SocketAddr, token: &str) -> anyhow::Result<Vec<(String, i
 
 /// One HTTP/1.0 request; returns the status and the JSON body. Retries connection errors for a
 /// few seconds (a Service whose only Pod is being replaced).
-async fn http(
+pub async fn http(
     addr: SocketAddr,
     method: &str,
     path: &str,

@@ -19,10 +19,10 @@ use rstream_operator::names;
 use serde_json::json;
 
 use super::{ChartReport, Env};
-use k8s_reconcile::testing::node::{self, TESTBOX_IMAGE, check};
+use k8s_reconcile::testing::node::{self, check};
 
-const RELEASE: &str = "rstream-operator";
-const SELECTOR: &str = "app.kubernetes.io/instance=rstream-operator";
+pub const RELEASE: &str = "rstream-operator";
+pub const SELECTOR: &str = "app.kubernetes.io/instance=rstream-operator";
 const CRDS: [&str; 2] = [
     "rstreamconnections.tunnels.rstream.io",
     "rstreamtunnels.tunnels.rstream.io",
@@ -41,26 +41,9 @@ async fn scenarios(env: &Env<'_>, report: &mut ChartReport) -> anyhow::Result<()
     let ns = env.restricted_namespace("rstream").await?;
     report.namespace = ns.clone();
     let client = env.plane.client().await?;
-    let (repository, tag) = env.image("rstream-operator")?;
-    let chart = crate::workspace_root().join("rstream-operator/chart");
-    let chart = chart.to_string_lossy().into_owned();
 
     let started = Instant::now();
-    let installed = env
-        .helm(&[
-            "install",
-            RELEASE,
-            &chart,
-            "-n",
-            &ns,
-            "--set",
-            &format!("image.repository={repository},image.tag={tag}"),
-            "--set",
-            &format!("tests.image={TESTBOX_IMAGE},tests.pullPolicy=Never"),
-            "--set",
-            "tests.command={/testbox,get}",
-        ])
-        .await?;
+    let installed = install(env, &ns).await?;
     let pods = check::wait_pods_ready(env.plane, &ns, SELECTOR, 1).await?;
     report.install_to_ready_ms = Some(started.elapsed().as_millis());
     let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
@@ -191,7 +174,7 @@ fn condition(t: &RstreamTunnel, type_: &str) -> Option<(String, String, String)>
 }
 
 /// Waits until `name`'s condition `type_` has `status`; returns the tunnel, or the last status.
-async fn wait_condition(
+pub async fn wait_condition(
     tunnels: &Api<RstreamTunnel>,
     name: &str,
     type_: &str,
@@ -241,7 +224,7 @@ async fn wait_available(
 
 /// The engine Pods reach: LocalEngine on the host's end of the node link, its certificate naming
 /// that address, as a self-hosted engine with a private CA.
-async fn start_engine(identity: Option<EngineIdentity>) -> anyhow::Result<LocalEngine> {
+pub async fn start_engine(identity: Option<EngineIdentity>) -> anyhow::Result<LocalEngine> {
     let identity = match identity {
         Some(identity) => identity,
         None => EngineIdentity::generate_for(&[&node::HOST_IP.to_string()])?,
@@ -261,115 +244,20 @@ async fn tunnel_scenarios(env: &Env<'_>, report: &mut ChartReport, ns: &str) -> 
     let started = Instant::now();
     let mut engine = start_engine(None).await?;
     let deployments: Api<Deployment> = Api::namespaced(client.clone(), ns);
-    deployments
-        .create(
-            &PostParams::default(),
-            &serde_json::from_value(check::testbox_deployment("web", 1))?,
-        )
-        .await?;
-    let services: Api<Service> = Api::namespaced(client.clone(), ns);
-    services
-        .create(
-            &PostParams::default(),
-            &serde_json::from_value(json!({
-                "metadata": { "name": "web" },
-                "spec": { "selector": { "app": "web" }, "ports": [
-                    { "name": "http", "port": 80, "targetPort": 8080 },
-                    { "name": "tcp-echo", "port": 9000, "targetPort": 9000 },
-                ]},
-            }))?,
-        )
-        .await?;
     let secrets: Api<Secret> = Api::namespaced(client.clone(), ns);
-    secrets
-        .create(
-            &PostParams::default(),
-            &serde_json::from_value(json!({
-                "metadata": { "name": "rstream-credentials" },
-                "stringData": { "token": TOKEN, "ca.crt": engine.ca_pem() },
-            }))?,
-        )
-        .await?;
-    let connections: Api<RstreamConnection> = Api::namespaced(client.clone(), ns);
-    connections
-        .create(
-            &PostParams::default(),
-            &serde_json::from_value(json!({
-                "apiVersion": "tunnels.rstream.io/v1alpha1", "kind": "RstreamConnection",
-                "metadata": { "name": "default" },
-                "spec": {
-                    "engine": engine.engine_address(),
-                    "tokenSecretRef": { "name": "rstream-credentials", "key": "token" },
-                    "caSecretRef": { "name": "rstream-credentials", "key": "ca.crt" },
-                },
-            }))?,
-        )
-        .await?;
     let tunnels: Api<RstreamTunnel> = Api::namespaced(client.clone(), ns);
-    for (name, spec) in [
-        (
-            "web",
-            json!({ "target": { "service": { "name": "web", "port": "http" } },
-                        "publish": true, "protocol": "http", "http": { "version": "http/1.1" } }),
-        ),
-        (
-            "echo",
-            json!({ "target": { "service": { "name": "web", "port": "tcp-echo" } },
-                         "publish": true, "protocol": "tcp" }),
-        ),
-    ] {
-        tunnels
-            .create(
-                &PostParams::default(),
-                &serde_json::from_value(json!({
-                    "apiVersion": "tunnels.rstream.io/v1alpha1", "kind": "RstreamTunnel",
-                    "metadata": { "name": name }, "spec": spec,
-                }))?,
-            )
-            .await?;
-    }
+    quick_start(
+        &client,
+        ns,
+        &engine,
+        &[("web", http_tunnel_spec()), ("echo", tcp_tunnel_spec())],
+    )
+    .await?;
 
     // 1. The agent Deployment becomes Available by its own probe; the tunnel is Ready; a request
     //    to the engine's ingress reaches the workload Pod through the Service's DNS name.
-    let web = wait_condition(&tunnels, "web", "Ready", "True", Duration::from_secs(120)).await;
-    let outcome = match &web {
-        Ok(t) => {
-            let status = t.status.clone().unwrap_or_default();
-            let agent = status.agent_deployment.clone().unwrap_or_default();
-            // The agent reports Ready itself; the Deployment controller sets Available after
-            // the kubelet's probe and the ReplicaSet's count have caught up, a moment later.
-            let available = wait_available(&deployments, &agent, Duration::from_secs(60)).await?;
-            let tunnel_id = status.tunnel_id.clone().unwrap_or_default();
-            // The tunnel can be Ready before the workload is: its Pod must be Ready and its
-            // endpoint routed by kube-proxy before the agent's dial to the Service lands.
-            check::wait_pods_ready(env.plane, ns, "app=web", 1).await?;
-            let reached_pod =
-                |a: &Result<String, String>| a.as_ref().is_ok_and(|a| a.contains("\"pod\":\"web-"));
-            let mut attempts = 0;
-            let answer = loop {
-                attempts += 1;
-                let answer = match engine.ingress_addr(&tunnel_id) {
-                    Some(ingress) => check::http_get(ingress, "/").await,
-                    None => Err(format!("the engine has no ingress for {tunnel_id}")),
-                };
-                if reached_pod(&answer) || attempts >= 50 {
-                    break answer;
-                }
-                tokio::time::sleep(Duration::from_millis(200)).await;
-            };
-            let reached = reached_pod(&answer);
-            (
-                available && reached,
-                format!(
-                    "agent Deployment {agent} Available={available}; forwarding address {}; GET / through the engine (attempt {attempts}): {}",
-                    status.forwarding_address.unwrap_or_default(),
-                    match &answer {
-                        Ok(a) => a.lines().last().unwrap_or_default().to_owned(),
-                        Err(e) => e.clone(),
-                    }
-                ),
-            )
-        }
+    let outcome = match http_tunnel(env, &engine, ns, "web").await {
+        Ok(web) => (web.passed(), web.describe()),
         Err(err) => (false, format!("{err:#}")),
     };
     report.record(
@@ -462,6 +350,184 @@ async fn tunnel_scenarios(env: &Env<'_>, report: &mut ChartReport, ns: &str) -> 
     tunnels.delete("echo", &DeleteParams::default()).await?;
     engine.shutdown().await;
     Ok(())
+}
+
+/// `helm install` of the chart with the release image (its CRDs included); returns helm's
+/// output.
+pub async fn install(env: &Env<'_>, ns: &str) -> anyhow::Result<String> {
+    let (repository, tag) = env.image("rstream-operator")?;
+    let values = [format!("image.repository={repository},image.tag={tag}")];
+    env.install_chart(RELEASE, ns, &values).await
+}
+
+/// The Quick Start's HTTP tunnel: port `http` of Service `web`, published.
+pub fn http_tunnel_spec() -> serde_json::Value {
+    json!({ "target": { "service": { "name": "web", "port": "http" } },
+            "publish": true, "protocol": "http", "http": { "version": "http/1.1" } })
+}
+
+/// A TCP tunnel to the workload's echo port, published.
+pub fn tcp_tunnel_spec() -> serde_json::Value {
+    json!({ "target": { "service": { "name": "web", "port": "tcp-echo" } },
+            "publish": true, "protocol": "tcp" })
+}
+
+/// The seed's Quick Start in `ns`: the testbox workload `web` behind Service `web` (`http` and
+/// `tcp-echo`), Secret `rstream-credentials` with the token and `engine`'s CA, RstreamConnection
+/// `default` pointing at `engine` with the CA by Secret reference, and one RstreamTunnel per
+/// `(name, spec)`.
+pub async fn quick_start(
+    client: &kube::Client,
+    ns: &str,
+    engine: &LocalEngine,
+    tunnel_specs: &[(&str, serde_json::Value)],
+) -> anyhow::Result<()> {
+    let deployments: Api<Deployment> = Api::namespaced(client.clone(), ns);
+    deployments
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(check::testbox_deployment("web", 1))?,
+        )
+        .await?;
+    let services: Api<Service> = Api::namespaced(client.clone(), ns);
+    services
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(json!({
+                "metadata": { "name": "web" },
+                "spec": { "selector": { "app": "web" }, "ports": [
+                    { "name": "http", "port": 80, "targetPort": 8080 },
+                    { "name": "tcp-echo", "port": 9000, "targetPort": 9000 },
+                ]},
+            }))?,
+        )
+        .await?;
+    let secrets: Api<Secret> = Api::namespaced(client.clone(), ns);
+    secrets
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(json!({
+                "metadata": { "name": "rstream-credentials" },
+                "stringData": { "token": TOKEN, "ca.crt": engine.ca_pem() },
+            }))?,
+        )
+        .await?;
+    let connections: Api<RstreamConnection> = Api::namespaced(client.clone(), ns);
+    connections
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(json!({
+                "apiVersion": "tunnels.rstream.io/v1alpha1", "kind": "RstreamConnection",
+                "metadata": { "name": "default" },
+                "spec": {
+                    "engine": engine.engine_address(),
+                    "tokenSecretRef": { "name": "rstream-credentials", "key": "token" },
+                    "caSecretRef": { "name": "rstream-credentials", "key": "ca.crt" },
+                },
+            }))?,
+        )
+        .await?;
+    let tunnels: Api<RstreamTunnel> = Api::namespaced(client.clone(), ns);
+    for (name, spec) in tunnel_specs {
+        tunnels
+            .create(
+                &PostParams::default(),
+                &serde_json::from_value(json!({
+                    "apiVersion": "tunnels.rstream.io/v1alpha1", "kind": "RstreamTunnel",
+                    "metadata": { "name": name }, "spec": spec,
+                }))?,
+            )
+            .await?;
+    }
+    Ok(())
+}
+
+/// What the HTTP tunnel of the Quick Start showed.
+pub struct HttpTunnel {
+    pub agent_deployment: String,
+    pub agent_available: bool,
+    pub tunnel_id: String,
+    pub forwarding_address: String,
+    /// The ingress the request went to, if the engine has one for the tunnel.
+    pub ingress: Option<SocketAddr>,
+    pub attempts: u32,
+    /// The body of the last answer through the engine, or why there was none.
+    pub answer: Result<String, String>,
+}
+
+impl HttpTunnel {
+    /// The agent is Available and the workload Pod answered through the engine.
+    pub fn passed(&self) -> bool {
+        self.agent_available && self.reached_pod()
+    }
+
+    /// The testbox names its Pod in its answer.
+    pub fn reached_pod(&self) -> bool {
+        self.answer
+            .as_ref()
+            .is_ok_and(|a| a.contains("\"pod\":\"web-"))
+    }
+
+    pub fn describe(&self) -> String {
+        format!(
+            "agent Deployment {} Available={}; forwarding address {}; GET / through the engine (attempt {}): {}",
+            self.agent_deployment,
+            self.agent_available,
+            self.forwarding_address,
+            self.attempts,
+            match &self.answer {
+                Ok(a) => a.lines().last().unwrap_or_default().to_owned(),
+                Err(e) => e.clone(),
+            }
+        )
+    }
+}
+
+/// Waits for HTTP tunnel `name` to be Ready and its agent Deployment Available by its probe, then
+/// GETs `/` through the engine's ingress until the workload Pod answers (bounded).
+pub async fn http_tunnel(
+    env: &Env<'_>,
+    engine: &LocalEngine,
+    ns: &str,
+    name: &str,
+) -> anyhow::Result<HttpTunnel> {
+    let client = env.plane.client().await?;
+    let tunnels: Api<RstreamTunnel> = Api::namespaced(client.clone(), ns);
+    let deployments: Api<Deployment> = Api::namespaced(client, ns);
+    let tunnel = wait_condition(&tunnels, name, "Ready", "True", Duration::from_secs(120)).await?;
+    let status = tunnel.status.unwrap_or_default();
+    let agent = status.agent_deployment.unwrap_or_default();
+    // The agent reports Ready itself; the Deployment controller sets Available after the
+    // kubelet's probe and the ReplicaSet's count have caught up, a moment later.
+    let available = wait_available(&deployments, &agent, Duration::from_secs(60)).await?;
+    let tunnel_id = status.tunnel_id.unwrap_or_default();
+    // The tunnel can be Ready before the workload is: its Pod must be Ready and its endpoint
+    // routed by kube-proxy before the agent's dial to the Service lands.
+    check::wait_pods_ready(env.plane, ns, "app=web", 1).await?;
+    let ingress = engine.ingress_addr(&tunnel_id);
+    let mut outcome = HttpTunnel {
+        agent_deployment: agent,
+        agent_available: available,
+        tunnel_id,
+        forwarding_address: status.forwarding_address.unwrap_or_default(),
+        ingress,
+        attempts: 0,
+        answer: Err("not tried".to_owned()),
+    };
+    loop {
+        outcome.attempts += 1;
+        outcome.answer = match ingress {
+            Some(ingress) => check::http_get(ingress, "/").await,
+            None => Err(format!(
+                "the engine has no ingress for {}",
+                outcome.tunnel_id
+            )),
+        };
+        if outcome.reached_pod() || outcome.attempts >= 50 {
+            return Ok(outcome);
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
 }
 
 /// Writes `len` pseudo-random bytes through `addr` (an echo behind a tunnel) while reading them

@@ -20,8 +20,8 @@ use serde_json::json;
 use super::{ChartReport, Env};
 use k8s_reconcile::testing::node::{self, KUBERNETES_SERVICE_IP, TESTBOX_IMAGE, check};
 
-const RELEASE: &str = "steward-tcp-proxy";
-const SELECTOR: &str = "app.kubernetes.io/name=steward-tcp-proxy";
+pub const RELEASE: &str = "steward-tcp-proxy";
+pub const SELECTOR: &str = "app.kubernetes.io/name=steward-tcp-proxy";
 const LISTEN_PORT: u16 = 6443;
 
 pub async fn run(env: &Env<'_>) -> ChartReport {
@@ -44,7 +44,7 @@ pub async fn run(env: &Env<'_>) -> ChartReport {
 
 /// What `default/kubernetes` says: the Endpoints' and the slices' (ip, port) sets.
 #[derive(Debug, Default, PartialEq, Eq, Clone)]
-struct Published {
+pub struct Published {
     endpoints: BTreeSet<(String, i32)>,
     slices: BTreeSet<(String, i32)>,
 }
@@ -54,7 +54,7 @@ impl Published {
         !want.is_empty() && &self.endpoints == want && &self.slices == want
     }
 
-    fn describe(&self) -> String {
+    pub fn describe(&self) -> String {
         let show = |set: &BTreeSet<(String, i32)>| {
             set.iter()
                 .map(|(ip, port)| format!("{ip}:{port}"))
@@ -69,13 +69,14 @@ impl Published {
     }
 }
 
-struct Cluster {
-    client: kube::Client,
-    ns: String,
+/// The chart installed in `ns`, and what it publishes.
+pub struct Release {
+    pub client: kube::Client,
+    pub ns: String,
 }
 
-impl Cluster {
-    async fn published(&self) -> anyhow::Result<Published> {
+impl Release {
+    pub async fn published(&self) -> anyhow::Result<Published> {
         let endpoints: Api<Endpoints> = Api::namespaced(self.client.clone(), "default");
         let slices: Api<EndpointSlice> = Api::namespaced(self.client.clone(), "default");
         let mut out = Published::default();
@@ -124,7 +125,7 @@ impl Cluster {
     }
 
     /// (name, IP) of the steward Pods kubelet reports Ready and not being deleted.
-    async fn ready_pods(&self) -> anyhow::Result<Vec<(String, String)>> {
+    pub async fn ready_pods(&self) -> anyhow::Result<Vec<(String, String)>> {
         let pods: Api<Pod> = Api::namespaced(self.client.clone(), &self.ns);
         Ok(pods
             .list(&ListParams::default().labels(SELECTOR))
@@ -152,7 +153,7 @@ impl Cluster {
             .items)
     }
 
-    async fn lease(&self) -> anyhow::Result<(Option<String>, i32)> {
+    pub async fn lease(&self) -> anyhow::Result<(Option<String>, i32)> {
         let leases: Api<Lease> = Api::namespaced(self.client.clone(), &self.ns);
         let lease = leases.get_opt(RELEASE).await?;
         let spec = lease.and_then(|l| l.spec);
@@ -211,7 +212,7 @@ impl Cluster {
     }
 
     /// Polls until `default/kubernetes` matches what `mode` says; returns the time it took.
-    async fn wait_published(&self, mode: &str, limit: Duration) -> anyhow::Result<Duration> {
+    pub async fn wait_published(&self, mode: &str, limit: Duration) -> anyhow::Result<Duration> {
         let started = Instant::now();
         let mut last = Published::default();
         while started.elapsed() < limit {
@@ -230,7 +231,7 @@ impl Cluster {
 
     /// Waits (bounded) until a TCP connection from the host to `10.96.0.1:443` shows up in
     /// steward's metrics: kube-proxy has applied the endpoints steward wrote.
-    async fn wait_routed_through_steward(&self) -> anyhow::Result<Duration> {
+    pub async fn wait_routed_through_steward(&self) -> anyhow::Result<Duration> {
         let started = Instant::now();
         let target = SocketAddr::new(KUBERNETES_SERVICE_IP.into(), 443);
         while started.elapsed() < Duration::from_secs(30) {
@@ -249,7 +250,7 @@ impl Cluster {
     }
 
     /// Sum of a metric over the ready steward Pods' /metrics.
-    async fn metric_sum(&self, name: &str) -> anyhow::Result<f64> {
+    pub async fn metric_sum(&self, name: &str) -> anyhow::Result<f64> {
         let mut sum = 0.0;
         for (pod, ip) in self.ready_pods().await? {
             let addr: SocketAddr = format!("{ip}:9090").parse()?;
@@ -270,37 +271,16 @@ async fn scenarios(env: &Env<'_>, report: &mut ChartReport) -> anyhow::Result<()
     let ns = env.restricted_namespace("steward").await?;
     report.namespace = ns.clone();
     let client = env.plane.client().await?;
-    let cluster = Cluster {
+    let cluster = Release {
         client: client.clone(),
         ns: ns.clone(),
     };
-    let (repository, tag) = env.image("steward-tcp-proxy")?;
-    let chart = crate::workspace_root().join("steward-tcp-proxy/chart");
-    let chart = chart.to_string_lossy().into_owned();
-    let upstream = format!("upstreamAddr={}", env.apiserver);
-    let image = format!("image.repository={repository},image.tag={tag}");
+    let chart = super::chart_dir(RELEASE);
 
     // 1. Install with the chart's defaults; the leader's first write is timed against the moment
     //    the Lease names it and the moment its first Pod is Ready.
     let started = Instant::now();
-    let tests = format!("tests.image={TESTBOX_IMAGE},tests.pullPolicy=Never");
-    let installed = env
-        .helm(&[
-            "install",
-            RELEASE,
-            &chart,
-            "-n",
-            &ns,
-            "--set",
-            &upstream,
-            "--set",
-            &image,
-            "--set",
-            &tests,
-            "--set",
-            "tests.command={/testbox,get}",
-        ])
-        .await?;
+    let installed = install(env, &ns).await?;
     let mut leader_seen: Option<(Instant, String)> = None;
     let mut first_ready: Option<Instant> = None;
     let mut correct: Option<Instant> = None;
@@ -535,6 +515,17 @@ async fn scenarios(env: &Env<'_>, report: &mut ChartReport) -> anyhow::Result<()
     Ok(())
 }
 
+/// `helm install` of the chart with its defaults (2 replicas, leader election, `pod-ip` mode),
+/// the release image, and the API server as Pods reach it for upstream; returns helm's output.
+pub async fn install(env: &Env<'_>, ns: &str) -> anyhow::Result<String> {
+    let (repository, tag) = env.image("steward-tcp-proxy")?;
+    let values = [
+        format!("upstreamAddr={}", env.apiserver),
+        format!("image.repository={repository},image.tag={tag}"),
+    ];
+    env.install_chart(RELEASE, ns, &values).await
+}
+
 async fn rbac_for_lister(env: &Env<'_>, ns: &str) -> anyhow::Result<()> {
     let client = env.plane.client().await?;
     let params = PatchParams::apply("e2e").force();
@@ -686,7 +677,7 @@ impl RollOutcome {
 
 /// A client of `https://10.96.0.1:443` with the admin's credentials (the serving certificate
 /// names that address).
-async fn service_client(env: &Env<'_>) -> anyhow::Result<kube::Client> {
+pub async fn service_client(env: &Env<'_>) -> anyhow::Result<kube::Client> {
     let kubeconfig = kube::config::Kubeconfig::read_from(env.plane.kubeconfig_path())?;
     let mut config = kube::Config::from_custom_kubeconfig(
         kubeconfig,
@@ -701,7 +692,7 @@ async fn service_client(env: &Env<'_>) -> anyhow::Result<kube::Client> {
 
 async fn rolling_upgrade(
     env: &Env<'_>,
-    cluster: &Cluster,
+    cluster: &Release,
     chart: &str,
 ) -> anyhow::Result<RollOutcome> {
     let client = service_client(env).await?;
