@@ -4,8 +4,11 @@
 //! [`relay`] between two streams, [`relay_to`] from a stream to a TCP target; [`forward`] accepts
 //! streams from a [`StreamSource`] (a [`Tunnel`] or a
 //! [`SupervisorHandle`](crate::supervisor::SupervisorHandle)) and relays each to the target.
+//! [`relay_and_log`] relays one stream to a TCP or a UDP ([`crate::datagram`]) target.
 
 use std::future::Future;
+use std::str::FromStr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use proxy_core::copy::RelayCounters;
@@ -14,7 +17,7 @@ use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpStream;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
-use tracing::debug;
+use tracing::{debug, warn};
 
 use crate::client::Tunnel;
 use crate::error::{Error, Result};
@@ -60,6 +63,69 @@ where
     let _ = upstream.set_nodelay(true);
     let counters = RelayCounters::new();
     Ok(relay_streams(stream, upstream, &RelayConfig::default(), &counters, cancel).await)
+}
+
+/// What a stream is relayed to: bytes to a TCP target, or datagram records to a UDP target.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum TargetKind {
+    /// A TCP target (bytestream tunnels).
+    #[default]
+    Tcp,
+    /// A UDP target (datagram tunnels).
+    Udp,
+}
+
+impl FromStr for TargetKind {
+    type Err = Error;
+    /// `TCP` or `UDP`, in any case.
+    fn from_str(s: &str) -> Result<Self> {
+        match s.trim().to_ascii_uppercase().as_str() {
+            "TCP" => Ok(Self::Tcp),
+            "UDP" => Ok(Self::Udp),
+            other => Err(Error::InvalidConfig(format!(
+                "the target protocol must be TCP or UDP, not '{other}'"
+            ))),
+        }
+    }
+}
+
+/// Relays one stream to `target` ([`relay_to`] for TCP, [`crate::datagram::relay_udp`] with its
+/// default idle timeout for UDP) until it ends or `cancel` fires, and logs the outcome: debug when
+/// the relay ends, warn when the target cannot be reached.
+pub async fn relay_and_log(
+    stream: RstreamStream,
+    target: Arc<str>,
+    kind: TargetKind,
+    cancel: CancellationToken,
+) {
+    let outcome = match kind {
+        TargetKind::Tcp => relay_to(stream, &target, TARGET_CONNECT_TIMEOUT, &cancel)
+            .await
+            .map(|s| {
+                format!(
+                    "{} bytes to the target, {} back, {}",
+                    s.to_upstream,
+                    s.to_client,
+                    s.ending.as_str()
+                )
+            }),
+        TargetKind::Udp => {
+            let idle = crate::datagram::DEFAULT_UDP_IDLE_TIMEOUT;
+            crate::datagram::relay_udp(stream, &target, idle, &cancel)
+                .await
+                .map(|s| {
+                    format!(
+                        "{} datagrams to the target, {} back, {} dropped, {:?}",
+                        s.to_target, s.from_target, s.dropped, s.ending
+                    )
+                })
+        }
+    };
+    match outcome {
+        Ok(summary) => debug!(%target, %summary, "stream finished"),
+        Err(error) => warn!(%target, %error, "cannot reach the target"),
+    }
 }
 
 /// A source of accepted streams.
@@ -108,4 +174,18 @@ pub async fn forward<S: StreamSource>(source: &mut S, target: &str) -> Result<()
     relays.close();
     relays.wait().await;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn target_kinds_parse_in_any_case_and_name_a_bad_value() {
+        assert_eq!("tcp".parse::<TargetKind>().unwrap(), TargetKind::Tcp);
+        assert_eq!(" UDP ".parse::<TargetKind>().unwrap(), TargetKind::Udp);
+        let err = "sctp".parse::<TargetKind>().unwrap_err().to_string();
+        assert!(err.contains("TCP or UDP, not 'SCTP'"), "{err}");
+    }
 }

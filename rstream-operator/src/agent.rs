@@ -10,11 +10,10 @@ use k8s_reconcile::app;
 use k8s_reconcile::ops::Health;
 use kube::api::Api;
 use prometheus_client::registry::Registry;
-use rstream_client::datagram::{DEFAULT_UDP_IDLE_TIMEOUT, relay_udp};
-use rstream_client::forward::{TARGET_CONNECT_TIMEOUT, relay_to};
+use rstream_client::Client;
+use rstream_client::forward::{TargetKind, relay_and_log};
 use rstream_client::supervisor::{StableHostname, Supervisor, SupervisorConfig, SupervisorState};
 use rstream_client::tls::{ClientIdentity, TlsOptions};
-use rstream_client::{Client, RstreamStream};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -368,33 +367,6 @@ fn client_for(config: &AgentConfig, options: &AgentOptions) -> Result<Client, Ag
     builder.tls(tls).build().map_err(bad)
 }
 
-/// Relays one tunnel stream to the target with the client's relays: bytes to a TCP target
-/// (proxy-core's copy engine), or datagram records to a UDP target (a socket per stream).
-async fn forward(stream: RstreamStream, target: Arc<str>, udp: bool, cancel: CancellationToken) {
-    if udp {
-        match relay_udp(stream, &target, DEFAULT_UDP_IDLE_TIMEOUT, &cancel).await {
-            Ok(s) => tracing::debug!(component = "runner", to_target = s.to_target,
-                from_target = s.from_target, ending = ?s.ending, "datagram stream finished"),
-            Err(error) => {
-                tracing::warn!(component = "runner", %target, %error, "cannot reach the target");
-            }
-        }
-        return;
-    }
-    match relay_to(stream, &target, TARGET_CONNECT_TIMEOUT, &cancel).await {
-        Ok(summary) => tracing::debug!(
-            component = "runner",
-            to_target = summary.to_upstream,
-            to_client = summary.to_client,
-            ending = summary.ending.as_str(),
-            "stream finished"
-        ),
-        Err(error) => {
-            tracing::warn!(component = "runner", %target, %error, "cannot reach the target");
-        }
-    }
-}
-
 /// Runs the agent until `shutdown`.
 pub async fn run(options: AgentOptions, shutdown: CancellationToken) -> Result<(), AgentError> {
     let text =
@@ -412,7 +384,8 @@ pub async fn run(options: AgentOptions, shutdown: CancellationToken) -> Result<(
         .filter(|t| !t.trim().is_empty())
         .unwrap_or_else(|| config.target_address())
         .into();
-    let udp = config.target_is_udp();
+    // Checked by `from_yaml`.
+    let kind: TargetKind = config.target.protocol.parse().unwrap_or_default();
 
     let health = Health::new();
     health.set("tunnel", false, "not online");
@@ -472,7 +445,12 @@ pub async fn run(options: AgentOptions, shutdown: CancellationToken) -> Result<(
             () = shutdown.cancelled() => break,
             next = handle.accept() => match next {
                 Some(stream) => {
-                    relays.spawn(forward(stream, Arc::clone(&target), udp, relay_cancel.clone()));
+                    relays.spawn(relay_and_log(
+                        stream,
+                        Arc::clone(&target),
+                        kind,
+                        relay_cancel.clone(),
+                    ));
                 }
                 None => break,
             },

@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use k8s_reconcile::app;
 use rstream_client::HttpProxy;
+use rstream_client::forward::TargetKind;
 use rstream_client::tunnel::{
     HttpVersion as ClientHttpVersion, TlsMinVersion as ClientTlsMinVersion,
     TlsMode as ClientTlsMode, TunnelOptions, TunnelProtocol, TunnelType as ClientTunnelType,
@@ -433,23 +434,18 @@ impl AgentConfig {
             ));
         }
         self.retry()?;
-        let options = self.tunnel_options()?;
-        let protocol = self.target.protocol.trim().to_ascii_uppercase();
-        if protocol != "TCP" && protocol != "UDP" {
-            return Err(invalid("target.protocol must be TCP or UDP"));
-        }
-        let datagram = options.tunnel_type == Some(ClientTunnelType::Datagram);
-        if datagram != (protocol == "UDP") {
+        let datagram = self.tunnel_options()?.tunnel_type == Some(ClientTunnelType::Datagram);
+        let kind: TargetKind = self
+            .target
+            .protocol
+            .parse()
+            .map_err(|e| invalid(format!("{e}")))?;
+        if datagram != (kind == TargetKind::Udp) {
             return Err(invalid(
-                "target.protocol must be UDP for a datagram tunnel and TCP otherwise",
+                "target.protocol must be UDP for a datagram tunnel, else TCP",
             ));
         }
         Ok(())
-    }
-
-    /// Whether streams go to a UDP target (datagram tunnels).
-    pub fn target_is_udp(&self) -> bool {
-        self.target.protocol.trim().eq_ignore_ascii_case("UDP")
     }
 
     /// `(initial, max)` backoff: defaults 1 s and 30 s, `initial > 0`, `max >= initial`.
@@ -623,12 +619,16 @@ mod tests {
         assert!(err.contains("target.protocol must be UDP"), "{err}");
         c.target.protocol = "UDP".into();
         c.validate().unwrap();
-        assert!(c.target_is_udp());
         let props = c.tunnel_options().unwrap().to_properties().unwrap();
         assert_eq!(props.r#type.as_deref(), Some("datagram"));
         assert_eq!(props.datagram_guaranteed_delivery, Some(true));
         c.target.protocol = "SCTP".into();
-        assert!(c.validate().unwrap_err().to_string().contains("TCP or UDP"));
+        assert!(
+            c.validate()
+                .unwrap_err()
+                .to_string()
+                .contains("TCP or UDP, not 'SCTP'")
+        );
         // HTTP/3 and quic tunnels stay refused, naming QUIC.
         let mut c = sample();
         c.tunnel.http = Some(HttpConfig {
