@@ -6,11 +6,14 @@
 //! returned as is; the [`relay`](crate::relay) module decides which of them are normal endings.
 
 use std::io;
-use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
 use std::time::Duration;
 
+use std::io::{Read as _, Write as _};
+
 use futures::FutureExt;
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use socket2::SockRef;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, Interest};
 use tokio::net::TcpStream;
 use tokio::time::Instant;
 
@@ -227,7 +230,9 @@ where
 /// from then on it borrows a pipe (when the copy mode and the pipe budget allow).
 const STREAMING_READ: usize = 16 * 1024;
 
-/// Copies `src` to `dst` until EOF, then half-closes `dst`.
+/// Copies `src` to `dst` until EOF, then half-closes `dst`, unless `one_done` says the other
+/// direction has finished already: then both sockets are about to be closed, and the close
+/// sends the FIN (`dst` has nothing left to read, so the close cannot turn into a reset).
 ///
 /// Works on shared references, so both directions of a connection run concurrently without
 /// splitting the streams. With [`CopyMode::Splice`], the first bytes go through the adaptive
@@ -241,6 +246,7 @@ pub(crate) async fn copy_tcp(
     pipe_size: usize,
     counters: &RelayCounters,
     direction: Direction,
+    one_done: &AtomicBool,
 ) -> io::Result<()> {
     let splice_pipe = (mode.resolve() == CopyMode::Splice).then_some(pipe_size);
     // Allocated after the first readiness, so an idle connection holds no buffer.
@@ -264,7 +270,9 @@ pub(crate) async fn copy_tcp(
         let _ = splice_pipe;
         let spare = buffer.spare();
         let capacity = spare.len();
-        let read = match src.try_read(spare) {
+        let read = match try_io_short(src, Interest::READABLE, capacity, || {
+            (&*SockRef::from(src)).read(spare)
+        }) {
             Ok(0) => break,
             Ok(read) => read,
             Err(error) if error.kind() == io::ErrorKind::WouldBlock => continue,
@@ -273,7 +281,10 @@ pub(crate) async fn copy_tcp(
         let mut written = 0;
         while written < read {
             dst.writable().await?;
-            match dst.try_write(&buffer.filled(read)[written..]) {
+            let rest = &buffer.filled(read)[written..];
+            match try_io_short(dst, Interest::WRITABLE, rest.len(), || {
+                (&*SockRef::from(dst)).write(rest)
+            }) {
                 Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
                 Ok(n) => {
                     written += n;
@@ -286,7 +297,37 @@ pub(crate) async fn copy_tcp(
         buffer.advance(read);
         streaming = read == capacity && capacity >= STREAMING_READ;
     }
+    if one_done.swap(true, Ordering::Relaxed) {
+        return Ok(());
+    }
     socket::shutdown_write(dst)
+}
+
+/// One `read` or `write` of up to `len` bytes on `stream` under tokio's readiness tracking.
+/// A short transfer (more than 0, fewer than `len` bytes) means the socket is drained (read)
+/// or its send buffer full (write), so the readiness is cleared there and then, as tokio's
+/// own `poll_read` does, instead of being learnt from one more syscall returning `EAGAIN`.
+/// The readiness cleared is the one seen before the syscall, so an event that arrived since
+/// still counts, and a closed state is never cleared.
+fn try_io_short(
+    stream: &TcpStream,
+    interest: Interest,
+    len: usize,
+    io: impl FnOnce() -> io::Result<usize>,
+) -> io::Result<usize> {
+    let mut short = None;
+    let result = stream.try_io(interest, || {
+        let moved = io()?;
+        if moved > 0 && moved < len {
+            short = Some(moved);
+            return Err(io::ErrorKind::WouldBlock.into());
+        }
+        Ok(moved)
+    });
+    match short {
+        Some(moved) => Ok(moved),
+        None => result,
+    }
 }
 
 #[cfg(target_os = "linux")]

@@ -8,6 +8,8 @@
 
 use std::future::Future;
 use std::io;
+use std::pin::{Pin, pin};
+use std::sync::atomic::AtomicBool;
 use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
@@ -345,22 +347,27 @@ pub(crate) async fn relay_tcp_legs(
         }
     }
     let mode = config.copy_mode.resolve();
-    let to_upstream = copy::copy_tcp(
+    // Both directions share one flag: the direction that finishes second leaves the FIN to
+    // the close that follows at once, one `shutdown` fewer per connection.
+    let one_done = AtomicBool::new(false);
+    let to_upstream = pin!(copy::copy_tcp(
         &client,
         &upstream,
         mode,
         config.pipe_size,
         counters,
         Direction::ToUpstream,
-    );
-    let to_client = copy::copy_tcp(
+        &one_done,
+    ));
+    let to_client = pin!(copy::copy_tcp(
         &upstream,
         &client,
         mode,
         config.pipe_size,
         counters,
         Direction::ToClient,
-    );
+        &one_done,
+    ));
     let ending = drive(to_upstream, to_client, config, counters, cancel).await;
     if matches!(ending, Ending::Reset { .. } | Ending::Error { .. }) {
         socket::reset_on_close(&client);
@@ -384,26 +391,29 @@ where
 {
     let (mut client_read, mut client_write) = tokio::io::split(client);
     let (mut upstream_read, mut upstream_write) = tokio::io::split(upstream);
-    let to_upstream = copy::copy_stream(
+    let to_upstream = pin!(copy::copy_stream(
         &mut client_read,
         &mut upstream_write,
         counters,
         Direction::ToUpstream,
-    );
-    let to_client = copy::copy_stream(
+    ));
+    let to_client = pin!(copy::copy_stream(
         &mut upstream_read,
         &mut client_write,
         counters,
         Direction::ToClient,
-    );
+    ));
     let ending = drive(to_upstream, to_client, config, counters, cancel).await;
     RelaySummary::from_counters(counters, ending, CopyMode::Buffered)
 }
 
 /// Runs both directions until both are done, or one fails, or a timer or `cancel` fires.
+///
+/// The directions come pinned by the caller, so that each lives once in the connection's
+/// future (a future passed by value and pinned here would be stored twice).
 async fn drive(
-    to_upstream: impl Future<Output = io::Result<()>>,
-    to_client: impl Future<Output = io::Result<()>>,
+    mut to_upstream: Pin<&mut impl Future<Output = io::Result<()>>>,
+    mut to_client: Pin<&mut impl Future<Output = io::Result<()>>>,
     config: &RelayConfig,
     counters: &RelayCounters,
     cancel: &CancellationToken,
@@ -419,15 +429,15 @@ async fn drive(
         }
     };
     let idle = idle_expired(counters, config.idle_timeout);
-    tokio::pin!(to_upstream, to_client, lifetime, idle);
+    tokio::pin!(lifetime, idle);
     let (mut upstream_done, mut client_done) = (false, false);
     while !(upstream_done && client_done) {
         let (direction, result) = tokio::select! {
-            result = &mut to_upstream, if !upstream_done => {
+            result = to_upstream.as_mut(), if !upstream_done => {
                 upstream_done = true;
                 (Direction::ToUpstream, result)
             }
-            result = &mut to_client, if !client_done => {
+            result = to_client.as_mut(), if !client_done => {
                 client_done = true;
                 (Direction::ToClient, result)
             }

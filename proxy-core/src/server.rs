@@ -23,6 +23,7 @@ use std::fmt;
 use std::future::Future;
 use std::io;
 use std::net::{IpAddr, SocketAddr};
+use std::pin::{Pin, pin};
 use std::str::FromStr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -847,14 +848,14 @@ async fn relay_plain(
             RelaySummary::from_counters(reports.counters, Ending::ConnectFailed, mode)
         }
         Some(Ok(upstream)) => {
-            let relay = relay::relay_tcp_legs(
+            let relay = pin!(relay::relay_tcp_legs(
                 client,
                 upstream,
                 config,
                 reports.counters,
                 close,
                 client_ready,
-            );
+            ));
             reports.while_running(relay).await
         }
     }
@@ -893,13 +894,13 @@ async fn relay_accepted(
             failed(reports)
         }
         Some(Ok(Ok(accepted))) => {
-            let relay = relay::relay_streams(
+            let relay = pin!(relay::relay_streams(
                 accepted.client,
                 accepted.upstream,
                 config,
                 reports.counters,
                 close,
-            );
+            ));
             reports.while_running(relay).await
         }
     }
@@ -920,7 +921,12 @@ impl Reports<'_> {
     }
 
     /// Runs `relay`, reporting the bytes moved every interval and at the end.
-    async fn while_running(&self, relay: impl Future<Output = RelaySummary>) -> RelaySummary {
+    /// `relay` comes pinned by the caller so that it is stored once in the connection's future
+    /// (by value, it would be stored twice: as the argument and pinned here).
+    async fn while_running(
+        &self,
+        mut relay: Pin<&mut impl Future<Output = RelaySummary>>,
+    ) -> RelaySummary {
         let mut reported = [0u64; 2];
         let report = |reported: &mut [u64; 2]| {
             for (slot, direction) in reported
@@ -935,10 +941,9 @@ impl Reports<'_> {
                 }
             }
         };
-        tokio::pin!(relay);
         let summary = loop {
             tokio::select! {
-                summary = &mut relay => break summary,
+                summary = relay.as_mut() => break summary,
                 () = tokio::time::sleep(self.interval) => report(&mut reported),
             }
         };
