@@ -112,6 +112,7 @@ const LATENCY_P999: Metric = Metric::lower("1 KiB echo at 5k msg/s, p99.9", "µs
 const CONNECTION_RATE: Metric =
     Metric::higher("connection rate (connect, 1 B each way, close)", "conn/s");
 const CONNECTION_P99: Metric = Metric::lower("connect to first byte, p99", "µs");
+const CONNECTION_CPU: Metric = Metric::lower("relay CPU per 1000 connections", "CPU ms");
 const IDLE_RSS: Metric = Metric::lower("relay RSS per idle connection", "KiB");
 const IDLE_FDS: Metric = Metric::lower("relay descriptors per idle connection", "fds");
 
@@ -672,10 +673,12 @@ async fn connection_rate(
     notes: &mut Vec<String>,
 ) -> anyhow::Result<()> {
     eprintln!("proxy: connection rate");
+    recorder.note(CONNECTION_CPU, DIRECT, "no relay process");
     let mut failures: BTreeMap<&str, (u64, u64)> = BTreeMap::new();
     for _ in 0..settings.rounds {
         for index in shuffled(contenders.len()) {
             let contender = &mut contenders[index];
+            let cpu_before = contender.cpu_seconds()?;
             let result = load::connection_rate(
                 contender.addr,
                 workload.connection_concurrency,
@@ -686,6 +689,13 @@ async fn connection_rate(
             contender.check_running()?;
             recorder.record(CONNECTION_RATE, contender.name, result.per_second);
             recorder.record(CONNECTION_P99, contender.name, result.p99_first_byte_us);
+            if let (Some(before), Some(after)) = (cpu_before, contender.cpu_seconds()?) {
+                let seconds = after - before;
+                if seconds >= system::MIN_CPU_SECONDS && result.completed > 0 {
+                    let per_thousand = seconds * 1e3 / (result.completed as f64 / 1e3);
+                    recorder.record(CONNECTION_CPU, contender.name, per_thousand);
+                }
+            }
             let entry = failures.entry(contender.name).or_default();
             entry.0 += result.completed;
             entry.1 += result.failed;
@@ -828,7 +838,7 @@ fn explanations(settings: &Settings) -> Vec<String> {
             "Bulk: {} MiB per run, split evenly over the streams; Gbit/s of payload, checked end to end.",
             workload.bulk_bytes >> 20
         ),
-        "Relay CPU: utime+stime of the relay process from /proc/<pid>/stat over a round's bulk runs, per GiB of payload.".to_owned(),
+        "Relay CPU: utime+stime of the relay process from /proc/<pid>/stat over a round's bulk runs, per GiB of payload; and over each connection-rate run, per 1000 connections (what a relay pays per connection, whatever the generator and the other CPU limit the rate to).".to_owned(),
         format!(
             "Latency: open loop, one connection, {} msg/s for {:?}, measured from each message's scheduled send time (HDR histogram, first 5% dropped as warm-up).",
             workload.latency_rate, workload.latency_duration
