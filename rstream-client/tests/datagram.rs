@@ -89,6 +89,7 @@ async fn ten_thousand_datagrams_through_the_udp_ingress_come_back_intact_and_in_
     peer.connect(ingress).await.unwrap();
     // Flow control over loopback: at most this many bytes in flight, so no socket buffer overflows.
     const WINDOW_BYTES: usize = 96 * 1024;
+    const WINDOW_COUNT: usize = 32;
     const COUNT: usize = 10_000;
     let started = Instant::now();
     let mut in_flight: VecDeque<(usize, Vec<u8>)> = VecDeque::new();
@@ -97,8 +98,10 @@ async fn ten_thousand_datagrams_through_the_udp_ingress_come_back_intact_and_in_
     let (mut received, mut total_bytes, mut largest) = (0usize, 0usize, 0usize);
     let mut next = 0;
     while received < COUNT {
-        let can_send =
-            next < COUNT && (in_flight.is_empty() || in_flight_bytes + size(next) <= WINDOW_BYTES);
+        let can_send = next < COUNT
+            && (in_flight.is_empty()
+                || (in_flight_bytes + size(next) <= WINDOW_BYTES
+                    && in_flight.len() < WINDOW_COUNT));
         if can_send {
             let d = datagram(next);
             assert_eq!(peer.send(&d).await.unwrap(), d.len());
