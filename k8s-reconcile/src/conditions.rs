@@ -2,7 +2,20 @@
 //!
 //! Pure functions over `Vec<Condition>`: a condition is replaced by type, and its
 //! `lastTransitionTime` changes only when its `status` flips, so a reconciler can set every
-//! condition on every pass without making the status churn.
+//! condition on every pass without making the status churn. [`Conditions`] sets several in the
+//! `Option<Vec<Condition>>` field a status struct has, all observed at one generation:
+//!
+//! ```
+//! use k8s_reconcile::conditions::{Conditions, is_true};
+//!
+//! let mut field = None;
+//! Conditions::of(&mut field, Some(3))
+//!     .set("Accepted", true, "Valid", "The spec is valid.")
+//!     .set("Ready", false, "Waiting", "Waiting for the Deployment.");
+//! let list = field.unwrap_or_default();
+//! assert!(is_true(&list, "Accepted") && !is_true(&list, "Ready"));
+//! assert_eq!(list[1].observed_generation, Some(3));
+//! ```
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use k8s_openapi::jiff::Timestamp;
@@ -116,6 +129,51 @@ pub fn set_condition(
             });
             true
         }
+    }
+}
+
+/// Sets conditions in a status's `conditions` field, each observed at the same generation and
+/// stamped with the same time.
+#[derive(Debug)]
+pub struct Conditions<'a> {
+    list: &'a mut Vec<Condition>,
+    generation: Option<i64>,
+    now: Timestamp,
+}
+
+impl<'a> Conditions<'a> {
+    /// The conditions of `field` (created when absent), observed at `generation`.
+    pub fn of(field: &'a mut Option<Vec<Condition>>, generation: Option<i64>) -> Self {
+        Self {
+            list: field.get_or_insert_with(Vec::new),
+            generation,
+            now: Timestamp::now(),
+        }
+    }
+
+    /// Sets condition `type_` to `True` or `False` with `reason` and `message`.
+    pub fn set(
+        &mut self,
+        type_: &str,
+        ok: bool,
+        reason: &str,
+        message: impl Into<String>,
+    ) -> &mut Self {
+        let update = ConditionUpdate::new(type_, Status::from(ok), reason)
+            .message(message)
+            .observed_generation(self.generation);
+        set_condition(self.list, update, self.now);
+        self
+    }
+
+    /// The condition of type `type_`, if present.
+    pub fn find(&self, type_: &str) -> Option<&Condition> {
+        find(self.list, type_)
+    }
+
+    /// Whether the condition of type `type_` is present and `"True"`.
+    pub fn is_true(&self, type_: &str) -> bool {
+        is_true(self.list, type_)
     }
 }
 

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use k8s_reconcile::app;
+use k8s_reconcile::conditions::Conditions;
 use k8s_reconcile::ops::Health;
 use kube::api::Api;
 use prometheus_client::registry::Registry;
@@ -21,7 +22,7 @@ use tokio_util::task::TaskTracker;
 use crate::agent_config::{AgentConfig, ConfigError};
 use crate::api::{RstreamTunnel, RstreamTunnelStatus};
 use crate::names;
-use crate::status::{self, reasons, types};
+use crate::status::{self, messages, reasons, types};
 
 /// Delay before a failed status report is tried again.
 const REPORT_RETRY: Duration = Duration::from_secs(2);
@@ -100,22 +101,19 @@ impl Reporter {
                     let g = t.metadata.generation;
                     s.observed_generation = g;
                     s.last_error = None;
-                    status::set(
-                        &mut s.conditions,
-                        types::TUNNEL_READY,
-                        false,
-                        reasons::TUNNEL_CONNECTING,
-                        "Tunnel agent is connecting to rstream.",
-                        g,
-                    );
-                    status::set(
-                        &mut s.conditions,
-                        types::READY,
-                        false,
-                        reasons::WAITING_FOR_TUNNEL,
-                        "Waiting for the rstream tunnel to come online.",
-                        g,
-                    );
+                    Conditions::of(&mut s.conditions, g)
+                        .set(
+                            types::TUNNEL_READY,
+                            false,
+                            reasons::TUNNEL_CONNECTING,
+                            messages::CONNECTING,
+                        )
+                        .set(
+                            types::READY,
+                            false,
+                            reasons::WAITING_FOR_TUNNEL,
+                            messages::WAITING_FOR_TUNNEL,
+                        );
                 })
                 .await?;
             }
@@ -136,23 +134,10 @@ impl Reporter {
                         .or_else(|| properties.host.clone().filter(|v| !v.is_empty()));
                     s.forwarding_address = Some(forwarding_address.clone());
                     s.target = Some(target.clone());
-                    let msg = format!("Tunnel is online from agent pod {pod}.");
-                    status::set(
-                        &mut s.conditions,
-                        types::TUNNEL_READY,
-                        true,
-                        reasons::TUNNEL_ONLINE,
-                        msg,
-                        g,
-                    );
-                    status::set(
-                        &mut s.conditions,
-                        types::READY,
-                        true,
-                        reasons::READY,
-                        "The tunnel is ready.",
-                        g,
-                    );
+                    let online = format!("Tunnel is online from agent pod {pod}.");
+                    Conditions::of(&mut s.conditions, g)
+                        .set(types::TUNNEL_READY, true, reasons::TUNNEL_ONLINE, online)
+                        .set(types::READY, true, reasons::READY, messages::READY);
                 })
                 .await?;
             }
@@ -163,22 +148,19 @@ impl Reporter {
                     let g = t.metadata.generation;
                     s.observed_generation = g;
                     s.last_error = Some(text.clone());
-                    status::set(
-                        &mut s.conditions,
-                        types::TUNNEL_READY,
-                        false,
-                        reasons::TUNNEL_DISCONNECTED,
-                        text.clone(),
-                        g,
-                    );
-                    status::set(
-                        &mut s.conditions,
-                        types::READY,
-                        false,
-                        reasons::WAITING_FOR_TUNNEL,
-                        "Waiting for the rstream tunnel to reconnect.",
-                        g,
-                    );
+                    Conditions::of(&mut s.conditions, g)
+                        .set(
+                            types::TUNNEL_READY,
+                            false,
+                            reasons::TUNNEL_DISCONNECTED,
+                            text.clone(),
+                        )
+                        .set(
+                            types::READY,
+                            false,
+                            reasons::WAITING_FOR_TUNNEL,
+                            messages::RECONNECTING,
+                        );
                 })
                 .await?;
             }

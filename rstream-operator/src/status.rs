@@ -2,10 +2,6 @@
 //! agent ([`update_status`]: guarded by the `resourceVersion` read, so two writers never lose each
 //! other's conditions).
 
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
-use k8s_openapi::jiff::Timestamp;
-use k8s_reconcile::conditions::{ConditionUpdate, Status, set_condition};
-
 /// Condition types.
 pub mod types {
     /// Spec valid and connection usable.
@@ -59,36 +55,27 @@ pub mod reasons {
     pub const FINALIZING: &str = "Finalizing";
 }
 
+/// Condition messages written by both the manager and the agent.
+pub mod messages {
+    /// Accepted=True.
+    pub const SPEC_VALID: &str = "The tunnel spec is valid.";
+    /// Resolved=True.
+    pub const RESOLVED: &str = "The Service, port, connection and Secret keys exist.";
+    /// AgentReady=True.
+    pub const AGENT_AVAILABLE: &str = "The agent Deployment is available.";
+    /// AgentReady=False, and Ready=False until it is.
+    pub const AGENT_PENDING: &str = "Waiting for the agent Deployment to become available.";
+    /// TunnelReady=False while connecting.
+    pub const CONNECTING: &str = "Tunnel agent is connecting to rstream.";
+    /// Ready=False until the tunnel is online.
+    pub const WAITING_FOR_TUNNEL: &str = "Waiting for the rstream tunnel to come online.";
+    /// Ready=False after the tunnel went down.
+    pub const RECONNECTING: &str = "Waiting for the rstream tunnel to reconnect.";
+    /// Ready=True.
+    pub const READY: &str = "The tunnel is ready.";
+    /// Ready=False while deleting.
+    pub const FINALIZING: &str = "Deleting the agent and its objects.";
+}
+
 /// Status writes with conflict retries, from the framework.
 pub use k8s_reconcile::apply::update_status;
-
-/// Sets one condition in an optional list, stamped with `generation`.
-pub fn set(
-    conditions: &mut Option<Vec<Condition>>,
-    type_: &str,
-    status: bool,
-    reason: &str,
-    message: impl Into<String>,
-    generation: Option<i64>,
-) {
-    let list = conditions.get_or_insert_with(Vec::new);
-    set_condition(
-        list,
-        ConditionUpdate::new(type_, Status::from(status), reason)
-            .message(message)
-            .observed_generation(generation),
-        Timestamp::now(),
-    );
-}
-
-/// The condition of type `type_`.
-pub fn find<'a>(conditions: &'a Option<Vec<Condition>>, type_: &str) -> Option<&'a Condition> {
-    conditions
-        .as_deref()
-        .and_then(|c| k8s_reconcile::conditions::find(c, type_))
-}
-
-/// Whether the condition `type_` is `True`.
-pub fn is_true(conditions: &Option<Vec<Condition>>, type_: &str) -> bool {
-    find(conditions, type_).is_some_and(|c| c.status == "True")
-}

@@ -3,6 +3,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use k8s_reconcile::conditions::Conditions;
 use k8s_reconcile::{Action, Context, Reconciler};
 use kube::ResourceExt as _;
 use kube::api::Api;
@@ -50,40 +51,27 @@ impl Reconciler for ConnectionReconciler {
         };
         status::update_status(&api, &name, |_, s: &mut RstreamConnectionStatus| {
             s.observed_generation = generation;
+            let mut conditions = Conditions::of(&mut s.conditions, generation);
             match &result {
+                Err((reason, message)) => {
+                    conditions.set(types::READY, false, reason, message.clone());
+                    (s.api_url, s.project_id, s.project_endpoint) = Default::default();
+                    (s.region, s.engine) = Default::default();
+                }
                 Ok(r) => {
-                    let spec = &r.connection.spec;
-                    s.api_url = r.api_url.clone();
-                    s.project_id = spec.project_id.clone().filter(|_| r.api_url.is_some());
-                    s.project_endpoint = spec
-                        .project_endpoint
-                        .clone()
-                        .filter(|_| r.api_url.is_some());
-                    s.region = r.region.clone();
-                    s.engine = Some(r.engine.to_string());
-                    status::set(
-                        &mut s.conditions,
+                    conditions.set(
                         types::READY,
                         true,
                         reasons::READY,
                         "Connection settings are ready.",
-                        generation,
                     );
-                }
-                Err((reason, message)) => {
-                    s.api_url = None;
-                    s.project_id = None;
-                    s.project_endpoint = None;
-                    s.region = None;
-                    s.engine = None;
-                    status::set(
-                        &mut s.conditions,
-                        types::READY,
-                        false,
-                        reason,
-                        message.clone(),
-                        generation,
-                    );
+                    // Project fields are shown only when the control plane resolved them.
+                    let by_api = |v: &Option<String>| v.clone().filter(|_| r.api_url.is_some());
+                    s.api_url = r.api_url.clone();
+                    s.project_id = by_api(&r.connection.spec.project_id);
+                    s.project_endpoint = by_api(&r.connection.spec.project_endpoint);
+                    s.region = r.region.clone();
+                    s.engine = Some(r.engine.to_string());
                 }
             }
         })

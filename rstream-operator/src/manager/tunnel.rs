@@ -8,6 +8,7 @@ use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{ConfigMap, Service, ServiceAccount};
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+use k8s_reconcile::conditions::Conditions;
 use k8s_reconcile::{Action, Context, Reconciler};
 use kube::ResourceExt as _;
 use kube::api::{Api, DeleteParams};
@@ -22,7 +23,7 @@ use crate::agent_config::{
 };
 use crate::api::{Protocol, RstreamTunnel, RstreamTunnelSpec, RstreamTunnelStatus, TunnelType};
 use crate::names;
-use crate::status::{self, reasons, types};
+use crate::status::{self, messages, reasons, types};
 
 /// Retry delay of a tunnel blocked on its connection (the control plane may be back soon).
 const RETRY_BLOCKED: Duration = Duration::from_secs(60);
@@ -331,42 +332,20 @@ impl TunnelReconciler {
         status::update_status(api, &tunnel.name_any(), |_, s: &mut RstreamTunnelStatus| {
             s.observed_generation = generation;
             s.last_error = Some(blocked.message.clone());
+            let mut c = Conditions::of(&mut s.conditions, generation);
             match &blocked.accepted {
-                Some((reason, message)) => status::set(
-                    &mut s.conditions,
-                    types::ACCEPTED,
-                    false,
-                    reason,
-                    message.clone(),
-                    generation,
-                ),
-                None => status::set(
-                    &mut s.conditions,
+                Some((reason, message)) => c.set(types::ACCEPTED, false, reason, message.clone()),
+                None => c.set(
                     types::ACCEPTED,
                     true,
                     reasons::ACCEPTED,
-                    "The tunnel spec is valid.",
-                    generation,
+                    messages::SPEC_VALID,
                 ),
-            }
+            };
             if let Some((reason, message)) = &blocked.resolved {
-                status::set(
-                    &mut s.conditions,
-                    types::RESOLVED,
-                    false,
-                    reason,
-                    message.clone(),
-                    generation,
-                );
+                c.set(types::RESOLVED, false, reason, message.clone());
             }
-            status::set(
-                &mut s.conditions,
-                types::READY,
-                false,
-                blocked.reason,
-                blocked.message.clone(),
-                generation,
-            );
+            c.set(types::READY, false, blocked.reason, blocked.message.clone());
         })
         .await?;
         Ok(())
@@ -514,79 +493,59 @@ impl Reconciler for TunnelReconciler {
             if let Some(h) = &hostname {
                 s.hostname = Some(h.clone());
             }
-            let set = |s: &mut RstreamTunnelStatus, t: &str, ok: bool, reason: &str, msg: &str| {
-                status::set(&mut s.conditions, t, ok, reason, msg, generation);
-            };
-            set(
-                s,
+            let mut c = Conditions::of(&mut s.conditions, generation);
+            c.set(
                 types::ACCEPTED,
                 true,
                 reasons::ACCEPTED,
-                "The tunnel spec is valid.",
-            );
-            set(
-                s,
-                types::RESOLVED,
-                true,
-                reasons::RESOLVED,
-                "The Service, port, connection and Secret keys exist.",
-            );
+                messages::SPEC_VALID,
+            )
+            .set(types::RESOLVED, true, reasons::RESOLVED, messages::RESOLVED);
             if agent_ready {
-                set(
-                    s,
+                c.set(
                     types::AGENT_READY,
                     true,
                     reasons::DEPLOYMENT_AVAILABLE,
-                    "The agent Deployment is available.",
+                    messages::AGENT_AVAILABLE,
                 );
             } else {
-                set(
-                    s,
+                c.set(
                     types::AGENT_READY,
                     false,
                     reasons::DEPLOYMENT_PENDING,
-                    "Waiting for the agent Deployment to become available.",
+                    messages::AGENT_PENDING,
                 );
-                if status::find(&s.conditions, types::TUNNEL_READY).is_none() {
-                    set(
-                        s,
+                if c.find(types::TUNNEL_READY).is_none() {
+                    c.set(
                         types::TUNNEL_READY,
                         false,
                         reasons::TUNNEL_CONNECTING,
-                        "Tunnel agent is connecting to rstream.",
+                        messages::CONNECTING,
                     );
                 }
             }
-            let tunnel_ready = status::is_true(&s.conditions, types::TUNNEL_READY);
-            // The agent's own error stays visible while it reconnects; ours are cleared.
-            let disconnected = status::find(&s.conditions, types::TUNNEL_READY)
-                .is_some_and(|c| c.reason == reasons::TUNNEL_DISCONNECTED);
-            if !disconnected {
-                s.last_error = None;
-            }
-            if !agent_ready {
-                set(
-                    s,
-                    types::READY,
+            let tunnel_ready = c.is_true(types::TUNNEL_READY);
+            let disconnected = c
+                .find(types::TUNNEL_READY)
+                .is_some_and(|t| t.reason == reasons::TUNNEL_DISCONNECTED);
+            let (ready, reason, message) = match (agent_ready, tunnel_ready, disconnected) {
+                (false, _, _) => (
                     false,
                     reasons::WAITING_FOR_DEPLOYMENT,
-                    "Waiting for the agent Deployment to become available.",
-                );
-            } else if !tunnel_ready {
-                let message = if disconnected {
-                    "Waiting for the rstream tunnel to reconnect."
-                } else {
-                    "Waiting for the rstream tunnel to come online."
-                };
-                set(s, types::READY, false, reasons::WAITING_FOR_TUNNEL, message);
-            } else {
-                set(
-                    s,
-                    types::READY,
-                    true,
-                    reasons::READY,
-                    "The tunnel is ready.",
-                );
+                    messages::AGENT_PENDING,
+                ),
+                (true, true, _) => (true, reasons::READY, messages::READY),
+                (true, false, true) => (false, reasons::WAITING_FOR_TUNNEL, messages::RECONNECTING),
+                (true, false, false) => (
+                    false,
+                    reasons::WAITING_FOR_TUNNEL,
+                    messages::WAITING_FOR_TUNNEL,
+                ),
+            };
+            c.set(types::READY, ready, reason, message);
+            // The agent's own error stays visible while it reconnects; ours are cleared.
+            if !disconnected {
+                s.last_error = None;
             }
         })
         .await?;
@@ -605,13 +564,11 @@ impl Reconciler for TunnelReconciler {
             &api,
             &tunnel.name_any(),
             |_, s: &mut RstreamTunnelStatus| {
-                status::set(
-                    &mut s.conditions,
+                Conditions::of(&mut s.conditions, generation).set(
                     types::READY,
                     false,
                     reasons::FINALIZING,
-                    "Deleting the agent and its objects.",
-                    generation,
+                    messages::FINALIZING,
                 );
             },
         )
