@@ -444,6 +444,7 @@ pub fn run(settings: &Settings) -> anyhow::Result<Outcome> {
     }
     let goals = goals(&figures);
     notes.extend(explanations(settings));
+    notes.extend(bounds());
     notes.extend(configuration(&relays));
     Ok(Outcome {
         figures,
@@ -860,6 +861,17 @@ fn explanations(settings: &Settings) -> Vec<String> {
             }
         ),
         "Scaling: 8 streams, as the bulk runs, through relays with two worker threads (proxy-core) or nbthread 2 (HAProxy), unpinned.".to_owned(),
+    ]
+}
+
+/// What bounds the figures proxy-core does not reach, from profiles of the relay taken during
+/// this bench (`perf record -g -p <relay>`, cpu-clock sampling, Debian linux-perf) and syscall
+/// counts (`strace -c -f -p <relay>` over 2000 sequential pings, one worker thread). Issue 13.
+fn bounds() -> Vec<String> {
+    vec![
+        "Bound, bulk one stream (goal 0.5x direct): the relay is not CPU-bound. Over the bulk runs it spends 96% of its cycles in the kernel (splice pipe -> socket 68%, which includes the loopback delivery into the receiving socket run in softirq on the relay's CPU, about 26%; splice socket -> pipe 16%) and 3% in user space; at 0.28 CPU s/GiB and about 8 Gbit/s its CPU is busy about a quarter of the time. A single stream through any relay crosses one more loopback TCP hop, with a cross-CPU wake-up (an IPI, costly in this VM) at each hand-off, while the generator's CPU still does every copy in and out; HAProxy with forced splice stops at the same point (0.23x direct up, 0.28x down), so the ceiling is the kernel's loopback path, not the relay's code.".to_owned(),
+        "Bound, connection rate: 83% of the relay's cycles per connection are in the kernel (connect 16%, shutdown 16%, sendto 14%, close 6%, epoll_ctl 4%, recvfrom 4%, setsockopt 4%), 17% in user space (malloc/free and moving the connection future about 4%). proxy-core issued 35 syscalls per connection (setsockopt 10, recvfrom 5 with one EAGAIN, epoll_wait 4, epoll_ctl 4, accept4 2, sendto 2, shutdown 2, close 2, socket, connect, getsockopt SO_ERROR, one eventfd wake-up); HAProxy 2.6 forced splice issues about 22 (plus 6 clock_gettime). Now set once on the listener (accepted sockets inherit them), read/write readiness cleared on short transfers, and the second FIN left to close: 28. What remains above HAProxy: tokio removes each socket from epoll before closing it (2 epoll_ctl per connection, HAProxy lets close do it), tokio's SO_ERROR check after connect, and keepalive on the upstream socket (4 setsockopt; HAProxy runs without option tcpka here).".to_owned(),
+        "Idle connections: 10 000 do not fit this machine's hard open-file limit of 20 000 (setrlimit above it is refused even as root here): a relay needs 2 descriptors per connection plus its own, the generator 2 more (client and sink side), and HAProxy 2.5 per maxconn, so every contender holds the count shown in the note above.".to_owned(),
     ]
 }
 
