@@ -2,6 +2,11 @@
 //!
 //! Failures to set an option are reported to the caller, who logs them and carries on: a
 //! socket without keepalive still relays bytes correctly (linkerd2-proxy does the same).
+//!
+//! The [server](crate::server) sets the options once on each listening socket
+//! ([`SocketOptions::apply_to_listener`]): on Linux accepted sockets inherit `TCP_NODELAY` and
+//! the keepalive settings, which saves five `setsockopt` calls per accepted connection. The
+//! upstream socket still gets them one by one.
 
 use std::io;
 use std::net::{Ipv4Addr, Shutdown, SocketAddr};
