@@ -52,8 +52,29 @@ fn datagram(i: usize) -> Vec<u8> {
     d
 }
 
-#[tokio::test]
-async fn a_datagram_tunnel_carries_udp_to_its_service_and_quic_stays_refused() {
+/// A namespace with the connection, a UDP echo Service and a TCP Service, the given tunnels and
+/// the manager running as a process under its own ServiceAccount.
+struct Setup {
+    plane: &'static k8s_reconcile::testing::ControlPlane,
+    ns: String,
+    admin: kube::Client,
+    dir: tempfile::TempDir,
+    engine: LocalEngine,
+    ca: std::path::PathBuf,
+    echo: SocketAddr,
+    tunnels: Api<RstreamTunnel>,
+    manager: KillOnDrop,
+}
+
+fn udp_target() -> serde_json::Value {
+    serde_json::json!({"service": {"name": "udp-echo", "port": "echo"}})
+}
+
+fn tcp_target() -> serde_json::Value {
+    serde_json::json!({"service": {"name": "web", "port": "http"}})
+}
+
+async fn start(specs: Vec<(&str, serde_json::Value)>) -> Setup {
     let plane = plane().await;
     let ns = plane.create_namespace("datagram").await.unwrap();
     let admin = plane.client().await.unwrap();
@@ -93,35 +114,7 @@ async fn a_datagram_tunnel_carries_udp_to_its_service_and_quic_stays_refused() {
         ),
     )
     .await;
-    let udp_target = serde_json::json!({"service": {"name": "udp-echo", "port": "echo"}});
-    let tcp_target = serde_json::json!({"service": {"name": "web", "port": "http"}});
-    for (name, spec) in [
-        (
-            "udp",
-            serde_json::json!({"target": udp_target, "protocol": "dtls",
-                "datagramGuaranteedDelivery": true}),
-        ),
-        (
-            "dtls-to-tcp",
-            serde_json::json!({"target": tcp_target, "protocol": "dtls"}),
-        ),
-        (
-            "tls-to-udp",
-            serde_json::json!({"target": udp_target, "protocol": "tls"}),
-        ),
-        (
-            "quic",
-            serde_json::json!({"target": udp_target, "protocol": "quic"}),
-        ),
-        (
-            "h3",
-            serde_json::json!({"target": tcp_target, "protocol": "http", "http": {"version": "h3"}}),
-        ),
-        (
-            "http-datagram",
-            serde_json::json!({"target": udp_target, "type": "datagram"}),
-        ),
-    ] {
+    for (name, spec) in specs {
         create(&admin, &ns, &tunnel(name, spec)).await;
     }
 
@@ -141,8 +134,47 @@ async fn a_datagram_tunnel_carries_udp_to_its_service_and_quic_stays_refused() {
     )
     .unwrap();
     let tunnels: Api<RstreamTunnel> = Api::namespaced(admin.clone(), &ns);
+    Setup {
+        plane,
+        ns,
+        admin,
+        dir,
+        engine,
+        ca,
+        echo,
+        tunnels,
+        manager,
+    }
+}
+
+/// Stops the processes and checks that no request of `users` was denied.
+async fn stop(setup: Setup, agent: Option<KillOnDrop>, users: &[String]) {
+    if let Some(agent) = agent {
+        assert!(agent.terminate(Duration::from_secs(10)).await, "agent exit");
+    }
+    assert!(
+        setup.manager.terminate(Duration::from_secs(10)).await,
+        "manager exit"
+    );
+    for user in users {
+        let forbidden = forbidden_requests(setup.plane, user).await;
+        assert!(forbidden.is_empty(), "{user} was denied: {forbidden:?}");
+    }
+    setup.engine.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_datagram_tunnel_carries_udp_to_its_service_intact_and_in_order() {
+    let setup = start(vec![(
+        "udp",
+        serde_json::json!({"target": udp_target(), "protocol": "dtls",
+            "datagramGuaranteedDelivery": true}),
+    )])
+    .await;
+    let (plane, ns, admin) = (setup.plane, setup.ns.as_str(), &setup.admin);
+    let (engine, tunnels, echo, ca) = (&setup.engine, &setup.tunnels, setup.echo, &setup.ca);
     let t = wait_condition(
-        &tunnels,
+        tunnels,
         "udp",
         "Ready",
         "False",
@@ -150,8 +182,8 @@ async fn a_datagram_tunnel_carries_udp_to_its_service_and_quic_stays_refused() {
         WAIT,
     )
     .await;
-    let base = names::base_name(&ns, "udp", t.uid().as_deref());
-    let cm = Api::<ConfigMap>::namespaced(admin.clone(), &ns)
+    let base = names::base_name(ns, "udp", t.uid().as_deref());
+    let cm = Api::<ConfigMap>::namespaced(admin.clone(), ns)
         .get(&format!("{base}-config"))
         .await
         .unwrap();
@@ -164,10 +196,10 @@ async fn a_datagram_tunnel_carries_udp_to_its_service_and_quic_stays_refused() {
 
     // The agent as the Deployment would run it; Service DNS does not resolve here, so its target
     // is mapped to the local UDP echo.
-    let config_path = dir.path().join("config.yaml");
+    let config_path = setup.dir.path().join("config.yaml");
     std::fs::write(&config_path, &yaml).unwrap();
     let agent_kubeconfig = plane
-        .kubeconfig_as(&Identity::service_account(&ns, &base))
+        .kubeconfig_as(&Identity::service_account(ns, &base))
         .await
         .unwrap();
     let agent = KillOnDrop::spawn(
@@ -176,14 +208,14 @@ async fn a_datagram_tunnel_carries_udp_to_its_service_and_quic_stays_refused() {
             .env_remove("RUST_LOG")
             .env(names::TOKEN_ENV, "dgram-token")
             .env(names::POD_NAME_ENV, "udp-agent-0")
-            .env(names::POD_NAMESPACE_ENV, &ns)
+            .env(names::POD_NAMESPACE_ENV, ns)
             .arg(format!("--config={}", config_path.display()))
             .arg(format!("--target-override={echo}"))
             .arg(format!("--ca-file={}", ca.display()))
             .stderr(std::process::Stdio::null()),
     )
     .unwrap();
-    let online = wait_condition(&tunnels, "udp", "TunnelReady", "True", "TunnelOnline", WAIT).await;
+    let online = wait_condition(tunnels, "udp", "TunnelReady", "True", "TunnelOnline", WAIT).await;
     let status = online.status.unwrap();
     let tunnel_id = status.tunnel_id.unwrap();
     let ingress = engine.udp_ingress_addr(&tunnel_id).unwrap();
@@ -236,6 +268,37 @@ async fn a_datagram_tunnel_carries_udp_to_its_service_and_quic_stays_refused() {
         started.elapsed()
     );
 
+    assert_eq!(engine.tunnel_requests().len(), 1);
+    let users = [sa_user(ns, MANAGER_SA), sa_user(ns, &base)];
+    stop(setup, Some(agent), &users).await;
+}
+
+#[tokio::test]
+async fn datagram_specs_that_cannot_work_are_refused_by_name() {
+    let setup = start(vec![
+        (
+            "dtls-to-tcp",
+            serde_json::json!({"target": tcp_target(), "protocol": "dtls"}),
+        ),
+        (
+            "tls-to-udp",
+            serde_json::json!({"target": udp_target(), "protocol": "tls"}),
+        ),
+        (
+            "quic",
+            serde_json::json!({"target": udp_target(), "protocol": "quic"}),
+        ),
+        (
+            "h3",
+            serde_json::json!({"target": tcp_target(), "protocol": "http", "http": {"version": "h3"}}),
+        ),
+        (
+            "http-datagram",
+            serde_json::json!({"target": udp_target(), "type": "datagram"}),
+        ),
+    ])
+    .await;
+    let tunnels = &setup.tunnels;
     // The refused specs, each with a message naming why.
     for (name, status, reason, needle) in [
         (
@@ -254,21 +317,12 @@ async fn a_datagram_tunnel_carries_udp_to_its_service_and_quic_stays_refused() {
         ("h3", "Accepted", "InvalidSpec", "HTTP/3"),
         ("http-datagram", "Accepted", "InvalidSpec", "dtls"),
     ] {
-        let t = wait_condition(&tunnels, name, status, "False", reason, WAIT).await;
+        let t = wait_condition(tunnels, name, status, "False", reason, WAIT).await;
         let message = condition(&t, status).unwrap().2;
         assert!(message.contains(needle), "{name}: {message}");
     }
-    // Only the valid tunnel reached the engine.
-    assert_eq!(engine.tunnel_requests().len(), 1);
-
-    assert!(agent.terminate(Duration::from_secs(10)).await, "agent exit");
-    assert!(
-        manager.terminate(Duration::from_secs(10)).await,
-        "manager exit"
-    );
-    for user in [sa_user(&ns, MANAGER_SA), sa_user(&ns, &base)] {
-        let forbidden = forbidden_requests(plane, &user).await;
-        assert!(forbidden.is_empty(), "{user} was denied: {forbidden:?}");
-    }
-    engine.shutdown().await;
+    // None reached the engine.
+    assert!(setup.engine.tunnel_requests().is_empty());
+    let users = [sa_user(&setup.ns, MANAGER_SA)];
+    stop(setup, None, &users).await;
 }
