@@ -8,9 +8,9 @@
 //!
 //! * [`DatagramCodec`]: the record codec (tokio-util's `LengthDelimitedCodec` with a u32 big-endian
 //!   length and a 65 535-byte limit), with typed errors for oversized and truncated records;
-//! * [`DatagramStream`]: `send(&[u8])` / `recv()` over any byte stream (an [`RstreamStream`]);
-//! * [`relay_udp`]: relays one datagram stream to a UDP target, [`forward_udp`] every stream of a
-//!   tunnel.
+//! * [`DatagramStream`]: `send(&[u8])` / `recv()` over any byte stream (an [`RstreamStream`](crate::RstreamStream));
+//! * [`relay_udp`]: relays one datagram stream to a UDP target;
+//!   [`forward_to`](crate::forward::forward_to) with `TargetKind::Udp` every stream of a tunnel.
 //!
 //! ```
 //! # #[tokio::main(flavor = "current_thread")] async fn main() {
@@ -39,12 +39,9 @@ use tokio_util::codec::{
     Decoder, Encoder, Framed, LengthDelimitedCodec, LengthDelimitedCodecError,
 };
 use tokio_util::sync::CancellationToken;
-use tokio_util::task::TaskTracker;
 use tracing::debug;
 
 use crate::error::{Error, Result};
-use crate::forward::StreamSource;
-use crate::stream::RstreamStream;
 
 /// The largest datagram a record carries (bytes).
 pub const MAX_DATAGRAM_LEN: usize = 65_535;
@@ -52,7 +49,7 @@ pub const MAX_DATAGRAM_LEN: usize = 65_535;
 /// Size of the record length prefix (bytes).
 pub const LENGTH_PREFIX_LEN: usize = 4;
 
-/// How long [`forward_udp`] keeps a stream's UDP socket without traffic in either direction.
+/// How long [`crate::forward::forward_to`] keeps a stream's UDP socket without traffic in either direction.
 pub const DEFAULT_UDP_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// The largest UDP payload read from a socket (the largest IPv6 payload without jumbograms).
@@ -354,38 +351,6 @@ where
     };
     let _ = stream.close().await;
     Ok(summary)
-}
-
-/// Relays every stream of `source` (a datagram tunnel) to the UDP address `target` until the source
-/// ends, then waits for the relays still running. Each stream gets its own UDP socket, closed after
-/// [`DEFAULT_UDP_IDLE_TIMEOUT`] without traffic.
-pub async fn forward_udp<S: StreamSource>(source: &mut S, target: &str) -> Result<()> {
-    if target.trim().is_empty() {
-        return Err(Error::InvalidConfig("forward target is empty".into()));
-    }
-    let relays = TaskTracker::new();
-    let hard = source.hard_close().unwrap_or_default();
-    while let Some(stream) = source.next_stream().await {
-        let target = target.to_owned();
-        let hard = hard.clone();
-        relays.spawn(relay_stream(stream, target, hard));
-    }
-    relays.close();
-    relays.wait().await;
-    Ok(())
-}
-
-async fn relay_stream(stream: RstreamStream, target: String, cancel: CancellationToken) {
-    match relay_udp(stream, &target, DEFAULT_UDP_IDLE_TIMEOUT, &cancel).await {
-        Ok(s) => debug!(
-            to_target = s.to_target,
-            from_target = s.from_target,
-            dropped = s.dropped,
-            ending = ?s.ending,
-            "datagram relay finished"
-        ),
-        Err(e) => debug!(error = %e, "datagram relay ended with an error"),
-    }
 }
 
 #[cfg(test)]

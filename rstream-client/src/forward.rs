@@ -1,10 +1,10 @@
-//! Forwarding accepted streams to a local TCP target.
+//! Forwarding accepted streams to a local TCP or UDP target.
 //!
 //! Bytes move through proxy-core's copy engine, the one every relay of the workspace uses:
-//! [`relay`] between two streams, [`relay_to`] from a stream to a TCP target; [`forward`] accepts
-//! streams from a [`StreamSource`] (a [`Tunnel`] or a
-//! [`SupervisorHandle`](crate::supervisor::SupervisorHandle)) and relays each to the target.
-//! [`relay_and_log`] relays one stream to a TCP or a UDP ([`crate::datagram`]) target.
+//! [`relay`] between two streams, [`relay_to`] from a stream to a TCP target; [`relay_and_log`]
+//! relays one stream to a TCP or a UDP ([`crate::datagram`]) target. [`forward`] and
+//! [`forward_to`] accept streams from a [`StreamSource`] (a [`Tunnel`] or a
+//! [`SupervisorHandle`](crate::supervisor::SupervisorHandle)) and relay each to the target.
 
 use std::future::Future;
 use std::str::FromStr;
@@ -148,28 +148,32 @@ impl StreamSource for Tunnel {
 }
 
 /// Relays every stream of `source` to the TCP address `target` until the source ends, then waits for
-/// the relays still running. Each stream gets its own TCP connection to the target; a stream whose
-/// target connection fails is closed.
+/// the relays still running: [`forward_to`] with [`TargetKind::Tcp`].
 pub async fn forward<S: StreamSource>(source: &mut S, target: &str) -> Result<()> {
+    forward_to(source, target, TargetKind::Tcp).await
+}
+
+/// Relays every stream of `source` to `target` with [`relay_and_log`] until the source ends, then
+/// waits for the relays still running. Each stream gets its own connection (TCP) or socket (UDP)
+/// to the target; a stream whose target cannot be reached is closed.
+pub async fn forward_to<S: StreamSource>(
+    source: &mut S,
+    target: &str,
+    kind: TargetKind,
+) -> Result<()> {
     if target.trim().is_empty() {
         return Err(Error::InvalidConfig("forward target is empty".into()));
     }
+    let target: Arc<str> = target.into();
     let relays = TaskTracker::new();
     let hard = source.hard_close().unwrap_or_default();
     while let Some(stream) = source.next_stream().await {
-        let target = target.to_owned();
-        let hard = hard.clone();
-        relays.spawn(async move {
-            match relay_to(stream, &target, TARGET_CONNECT_TIMEOUT, &hard).await {
-                Ok(summary) => debug!(
-                    to_target = summary.to_upstream,
-                    to_client = summary.to_client,
-                    ending = summary.ending.as_str(),
-                    "relay finished"
-                ),
-                Err(e) => debug!(error = %e, "relay ended with an error"),
-            }
-        });
+        relays.spawn(relay_and_log(
+            stream,
+            Arc::clone(&target),
+            kind,
+            hard.clone(),
+        ));
     }
     relays.close();
     relays.wait().await;

@@ -11,7 +11,8 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use rstream_client::Error;
-use rstream_client::datagram::{self, DatagramError, DatagramStream, MAX_DATAGRAM_LEN};
+use rstream_client::datagram::{DatagramError, DatagramStream, MAX_DATAGRAM_LEN};
+use rstream_client::forward;
 use rstream_client::tunnel::{HttpVersion, TunnelOptions, TunnelProtocol, TunnelType};
 use tokio::net::UdpSocket;
 
@@ -80,7 +81,7 @@ async fn ten_thousand_datagrams_through_the_udp_ingress_come_back_intact_and_in_
         format!("127.0.0.1:{} (dtls)", ingress.port())
     );
     let forwarder = tokio::spawn(async move {
-        datagram::forward_udp(&mut tunnel, &echo.to_string())
+        forward::forward_to(&mut tunnel, &echo.to_string(), forward::TargetKind::Udp)
             .await
             .unwrap()
     });
