@@ -229,21 +229,30 @@ async fn counters_are_live_on_both_paths() {
             relay.client.write_all(&chunk).await.unwrap();
             relay.client.read_exact(&mut back).await.unwrap();
             assert_eq!(back, chunk);
-            // The connection is still open: the counters must already show the bytes.
+            // The connection is still open: the counters must show the bytes while it is. The
+            // relay adds a chunk after its write returns, which can be just after the client has
+            // read it, so give the count a moment to land.
+            let expected = round * chunk.len() as u64;
+            for direction in [Direction::ToUpstream, Direction::ToClient] {
+                let counted = counted_soon(&relay.counters, direction, expected).await;
+                assert_eq!(counted, expected, "{mode:?} {direction:?}");
+            }
             assert!(!relay.task.is_finished());
-            assert_eq!(
-                relay.counters.get(Direction::ToUpstream),
-                round * chunk.len() as u64,
-                "{mode:?}"
-            );
-            assert_eq!(
-                relay.counters.get(Direction::ToClient),
-                round * chunk.len() as u64,
-                "{mode:?}"
-            );
         }
         relay.cancel.cancel();
         assert_eq!(relay.task.await.unwrap().unwrap().ending, Ending::Cancelled);
+    }
+}
+
+/// The counter's value once it reaches `expected`, or its value after two seconds.
+async fn counted_soon(counters: &RelayCounters, direction: Direction, expected: u64) -> u64 {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(2);
+    loop {
+        let counted = counters.get(direction);
+        if counted >= expected || tokio::time::Instant::now() >= deadline {
+            return counted;
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
     }
 }
 
