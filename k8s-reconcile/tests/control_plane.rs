@@ -353,7 +353,12 @@ async fn no_process_outlives_the_test_binary() {
             .unwrap()
             .unwrap();
         let stdout = String::from_utf8_lossy(&output.stdout);
-        assert_eq!(output.status.success(), !panics, "{mode}: {stdout}");
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(
+            output.status.success(),
+            !panics,
+            "{mode}: {stdout}\nstderr:\n{stderr}"
+        );
         let line = stdout
             .lines()
             .find_map(|l| l.strip_prefix("PROBE "))

@@ -1,15 +1,17 @@
 //! Test fixtures shared by the workspace's tests, examples and `cargo xtask` (feature `testing`):
-//! free loopback ports, an echo server, a little HTTP server and client, a "request to first byte"
+//! free loopback ports, TCP and UDP echo servers with tagged datagrams to send them, a little HTTP
+//! server and client, pinned Python environments, a "request to first byte"
 //! timer, child processes that are killed when dropped, and a real HTTP proxy ([`Tinyproxy`]). Not
 //! part of any production binary.
 
 use std::io;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::{TcpListener, TcpStream, UdpSocket};
 
 /// How long [`http_get`] waits for a whole response.
 const HTTP_TIMEOUT: Duration = Duration::from_secs(10);
@@ -40,6 +42,50 @@ pub async fn echo_server() -> io::Result<SocketAddr> {
         }
     });
     Ok(addr)
+}
+
+/// The largest UDP payload over IPv4 (65 535 − 20 − 8).
+pub const MAX_UDP_PAYLOAD: usize = 65_507;
+
+/// A UDP server on 127.0.0.1 that sends every datagram back to its sender; it lives as long as
+/// the runtime.
+pub async fn udp_echo_server() -> io::Result<SocketAddr> {
+    let socket = UdpSocket::bind((Ipv4Addr::LOCALHOST, 0)).await?;
+    let addr = socket.local_addr()?;
+    tokio::spawn(async move {
+        let mut buf = vec![0u8; 65_535];
+        while let Ok((n, peer)) = socket.recv_from(&mut buf).await {
+            let _ = socket.send_to(&buf[..n], peer).await;
+        }
+    });
+    Ok(addr)
+}
+
+/// The size of [`tagged_datagram`] `i`: mostly small, some mid-sized, a few up to
+/// [`MAX_UDP_PAYLOAD`], with the edges (0, 1, the limit) among the first three.
+pub fn tagged_datagram_len(i: usize) -> usize {
+    let x = (i.wrapping_mul(2_654_435_761)) % 1_000_003;
+    match i % 50 {
+        0 => 0,
+        1 => MAX_UDP_PAYLOAD,
+        2 => 1,
+        3..=6 => 16_384 + x % (MAX_UDP_PAYLOAD - 16_384),
+        7..=16 => 1_500 + x % 14_884,
+        _ => x % 1_500,
+    }
+}
+
+/// Datagram `i`: its index (big-endian, as much of it as fits), then bytes derived from `i`, so a
+/// swapped, truncated or corrupted datagram shows when compared with a fresh copy.
+pub fn tagged_datagram(i: usize) -> Vec<u8> {
+    let n = tagged_datagram_len(i);
+    let mut d: Vec<u8> = (0..n)
+        .map(|j| (j.wrapping_mul(31) ^ i.wrapping_mul(7)) as u8)
+        .collect();
+    let tag = (i as u32).to_be_bytes();
+    let k = n.min(4);
+    d[..k].copy_from_slice(&tag[..k]);
+    d
 }
 
 /// An HTTP/1.1 server on `ip` (any port) answering every request with `200 OK` and `body`; it
@@ -153,6 +199,50 @@ pub fn stdout_of(command: &mut Command) -> io::Result<String> {
         )));
     }
     String::from_utf8(output.stdout).map_err(io::Error::other)
+}
+
+/// The project's cache of built tools and environments: `~/.cache/kube-netkit/<name>` (the
+/// system temporary directory stands in for a missing `HOME`).
+pub fn cache_dir(name: &str) -> PathBuf {
+    std::env::var_os("HOME")
+        .map(PathBuf::from)
+        .unwrap_or_else(std::env::temp_dir)
+        .join(".cache/kube-netkit")
+        .join(name)
+}
+
+/// A Python virtual environment at `dir` holding `packages` (name, exact version), created with
+/// `python3 -m venv` and filled with pip when missing or at another version (which needs PyPI
+/// once). Returns the path of its `python`.
+pub fn python_venv(dir: &Path, packages: &[(&str, &str)]) -> io::Result<PathBuf> {
+    let python = dir.join("bin/python");
+    if !python.exists() {
+        if let Some(parent) = dir.parent() {
+            std::fs::create_dir_all(parent)?;
+        }
+        stdout_of(Command::new("python3").args(["-m", "venv"]).arg(dir))?;
+    }
+    let names: Vec<&str> = packages.iter().map(|(name, _)| *name).collect();
+    let probe = format!(
+        "import importlib.metadata as m\nfor p in {names:?}:\n  try: print(m.version(p))\n  except Exception: print('-')"
+    );
+    let installed = stdout_of(Command::new(&python).args(["-c", &probe]))?;
+    let wanted: Vec<&str> = packages.iter().map(|(_, version)| *version).collect();
+    if installed.lines().collect::<Vec<_>>() != wanted {
+        let pins: Vec<String> = packages.iter().map(|(n, v)| format!("{n}=={v}")).collect();
+        stdout_of(
+            Command::new(&python)
+                .args([
+                    "-m",
+                    "pip",
+                    "install",
+                    "--quiet",
+                    "--disable-pip-version-check",
+                ])
+                .args(&pins),
+        )?;
+    }
+    Ok(python)
 }
 
 /// A child process killed (and reaped) when dropped, so a failing test leaves nothing running.

@@ -6,62 +6,20 @@
 mod common;
 
 use std::collections::VecDeque;
-use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use common::*;
+use proxy_core::testing::{MAX_UDP_PAYLOAD, tagged_datagram, tagged_datagram_len, udp_echo_server};
 use rstream_client::Error;
 use rstream_client::datagram::{DatagramError, DatagramStream, MAX_DATAGRAM_LEN};
 use rstream_client::forward;
 use rstream_client::tunnel::{HttpVersion, TunnelOptions, TunnelProtocol, TunnelType};
 use tokio::net::UdpSocket;
 
-/// The largest UDP payload over IPv4 loopback (65 535 − 20 − 8).
-const MAX_UDP_PAYLOAD: usize = 65_507;
-
-/// A UDP echo server on loopback.
-async fn udp_echo() -> SocketAddr {
-    let socket = UdpSocket::bind("127.0.0.1:0").await.unwrap();
-    let addr = socket.local_addr().unwrap();
-    tokio::spawn(async move {
-        let mut buf = vec![0u8; 65_535];
-        while let Ok((n, peer)) = socket.recv_from(&mut buf).await {
-            let _ = socket.send_to(&buf[..n], peer).await;
-        }
-    });
-    addr
-}
-
-/// Deterministic mixed sizes: mostly small, some mid-sized, a few up to the UDP limit, with the
-/// edges (0, 1, the limit) included.
-fn size(i: usize) -> usize {
-    let x = (i.wrapping_mul(2_654_435_761)) % 1_000_003;
-    match i % 50 {
-        0 => 0,
-        1 => MAX_UDP_PAYLOAD,
-        2 => 1,
-        3..=6 => 16_384 + x % (MAX_UDP_PAYLOAD - 16_384),
-        7..=16 => 1_500 + x % 14_884,
-        _ => x % 1_500,
-    }
-}
-
-/// Datagram `i`: its index, then bytes derived from it (so a swapped or corrupted one shows).
-fn datagram(i: usize) -> Vec<u8> {
-    let n = size(i);
-    let mut d: Vec<u8> = (0..n)
-        .map(|j| (j.wrapping_mul(31) ^ i.wrapping_mul(7)) as u8)
-        .collect();
-    let tag = (i as u32).to_be_bytes();
-    let k = n.min(4);
-    d[..k].copy_from_slice(&tag[..k]);
-    d
-}
-
 #[tokio::test]
 async fn ten_thousand_datagrams_through_the_udp_ingress_come_back_intact_and_in_order() {
     let engine = engine().await;
-    let echo = udp_echo().await;
+    let echo = udp_echo_server().await.unwrap();
     let control = client(&engine).connect().await.unwrap();
     let mut tunnel = control
         .create_tunnel(TunnelOptions::dtls().datagram_guaranteed_delivery(true))
@@ -101,10 +59,10 @@ async fn ten_thousand_datagrams_through_the_udp_ingress_come_back_intact_and_in_
     while received < COUNT {
         let can_send = next < COUNT
             && (in_flight.is_empty()
-                || (in_flight_bytes + size(next) <= WINDOW_BYTES
+                || (in_flight_bytes + tagged_datagram_len(next) <= WINDOW_BYTES
                     && in_flight.len() < WINDOW_COUNT));
         if can_send {
-            let d = datagram(next);
+            let d = tagged_datagram(next);
             assert_eq!(peer.send(&d).await.unwrap(), d.len());
             in_flight_bytes += d.len();
             in_flight.push_back((next, d));

@@ -11,6 +11,8 @@ mod common;
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
+
+use proxy_core::testing::{cache_dir, python_venv};
 use std::time::Duration;
 
 use common::*;
@@ -24,55 +26,13 @@ use tokio::process::{Child, ChildStdout, Command};
 /// The pinned SDK release.
 const SDK_VERSION: &str = "0.7.0";
 
-fn venv_dir() -> PathBuf {
-    if let Some(dir) = std::env::var_os("NETKIT_PYTHON_VENV") {
-        return PathBuf::from(dir);
-    }
-    let home = std::env::var_os("HOME")
-        .map(PathBuf::from)
-        .unwrap_or_else(std::env::temp_dir);
-    home.join(".cache/kube-netkit/python")
-        .join(format!("rstream-{SDK_VERSION}"))
-}
-
-fn run(cmd: &mut std::process::Command) -> std::process::Output {
-    cmd.output()
-        .unwrap_or_else(|e| panic!("cannot run {cmd:?}: {e}"))
-}
-
-/// Returns the venv's python, creating the venv and installing the pinned SDK if needed.
+/// The venv with the pinned SDK (`NETKIT_PYTHON_VENV`, or the project's cache); its python.
 fn ensure_sdk() -> PathBuf {
-    let dir = venv_dir();
-    let python = dir.join("bin/python");
-    if !python.exists() {
-        std::fs::create_dir_all(dir.parent().unwrap()).unwrap();
-        let out = run(std::process::Command::new("python3")
-            .args(["-m", "venv"])
-            .arg(&dir));
-        assert!(
-            out.status.success(),
-            "python3 -m venv failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
-    let check = run(std::process::Command::new(&python)
-        .args(["-c", "import rstream; print(rstream.__version__)"]));
-    if String::from_utf8_lossy(&check.stdout).trim() != SDK_VERSION {
-        let out = run(std::process::Command::new(&python).args([
-            "-m",
-            "pip",
-            "install",
-            "--quiet",
-            "--disable-pip-version-check",
-            &format!("rstreamlabs-rstream=={SDK_VERSION}"),
-        ]));
-        assert!(
-            out.status.success(),
-            "pip install failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
-    python
+    let dir = std::env::var_os("NETKIT_PYTHON_VENV")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| cache_dir("python").join(format!("rstream-{SDK_VERSION}")));
+    python_venv(&dir, &[("rstreamlabs-rstream", SDK_VERSION)])
+        .unwrap_or_else(|e| panic!("preparing the Python SDK in {}: {e}", dir.display()))
 }
 
 fn script() -> PathBuf {

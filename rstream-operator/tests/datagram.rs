@@ -14,7 +14,7 @@ use k8s_openapi::api::core::v1::ConfigMap;
 use k8s_reconcile::testing::Identity;
 use kube::ResourceExt as _;
 use kube::api::Api;
-use proxy_core::testing::KillOnDrop;
+use proxy_core::testing::{KillOnDrop, tagged_datagram, udp_echo_server};
 use rstream_client::engine::LocalEngine;
 use rstream_operator::agent_config::AgentConfig;
 use rstream_operator::api::RstreamTunnel;
@@ -22,35 +22,6 @@ use rstream_operator::names;
 use tokio::net::UdpSocket;
 
 const WAIT: Duration = Duration::from_secs(20);
-
-/// A UDP echo server on loopback.
-async fn udp_echo() -> SocketAddr {
-    let socket = UdpSocket::bind("127.0.0.1:0").await.unwrap();
-    let addr = socket.local_addr().unwrap();
-    tokio::spawn(async move {
-        let mut buf = vec![0u8; 65_535];
-        while let Ok((n, peer)) = socket.recv_from(&mut buf).await {
-            let _ = socket.send_to(&buf[..n], peer).await;
-        }
-    });
-    addr
-}
-
-/// Datagram `i` of mixed sizes (0, 1, up to the 65 507-byte UDP loopback limit), tagged with `i`.
-fn datagram(i: usize) -> Vec<u8> {
-    let n = match i % 20 {
-        0 => 0,
-        1 => 65_507,
-        2 => 1,
-        3 => 20_000 + (i * 977) % 45_507,
-        _ => (i * 131) % 1_500,
-    };
-    let mut d: Vec<u8> = (0..n).map(|j| (j ^ (i * 7)) as u8).collect();
-    let tag = (i as u32).to_be_bytes();
-    let k = n.min(4);
-    d[..k].copy_from_slice(&tag[..k]);
-    d
-}
 
 /// A namespace with the connection, a UDP echo Service and a TCP Service, the given tunnels and
 /// the manager running as a process under its own ServiceAccount.
@@ -86,7 +57,7 @@ async fn start(specs: Vec<(&str, serde_json::Value)>) -> Setup {
         .unwrap();
     let ca = dir.path().join("engine-ca.pem");
     std::fs::write(&ca, engine.ca_pem()).unwrap();
-    let echo = udp_echo().await;
+    let echo = udp_echo_server().await.unwrap();
 
     create(&admin, &ns, &secret("creds", &[("token", "dgram-token")])).await;
     create(
@@ -242,9 +213,9 @@ async fn a_datagram_tunnel_carries_udp_to_its_service_intact_and_in_order() {
     let mut buf = vec![0u8; 65_536];
     while received < COUNT {
         let pending: usize = in_flight.iter().map(Vec::len).sum();
-        let room = pending + datagram(next).len() <= 96 * 1024 && in_flight.len() < 32;
+        let room = pending + tagged_datagram(next).len() <= 96 * 1024 && in_flight.len() < 32;
         if next < COUNT && (in_flight.is_empty() || room) {
-            let d = datagram(next);
+            let d = tagged_datagram(next);
             peer.send(&d).await.unwrap();
             in_flight.push_back(d);
             next += 1;

@@ -192,7 +192,8 @@ impl ControlPlaneBuilder {
         self
     }
 
-    /// How long to wait for both servers to become ready (default 60 s).
+    /// How long to wait for both servers to become ready (default 120 s: a loaded 2-core CI
+    /// machine that also runs other control planes needs far more than the usual few seconds).
     pub fn start_timeout(mut self, timeout: Duration) -> Self {
         self.start_timeout = timeout;
         self
@@ -318,6 +319,9 @@ pub struct AuditStatus {
     pub code: u16,
 }
 
+/// How long the servers get to become ready, at start and after a restart.
+const START_TIMEOUT: Duration = Duration::from_secs(120);
+
 static SHARED: tokio::sync::OnceCell<ControlPlane> = tokio::sync::OnceCell::const_new();
 static SHARED_NODE: tokio::sync::OnceCell<ControlPlane> = tokio::sync::OnceCell::const_new();
 
@@ -326,7 +330,7 @@ impl ControlPlane {
     pub fn builder() -> ControlPlaneBuilder {
         ControlPlaneBuilder {
             apiserver_args: Vec::new(),
-            start_timeout: Duration::from_secs(60),
+            start_timeout: START_TIMEOUT,
             node: false,
         }
     }
@@ -669,7 +673,7 @@ impl ControlPlane {
     /// is ready.
     pub async fn start_apiserver(&self) -> Result<(), TestingError> {
         self.respawn("kube-apiserver")?;
-        self.wait_ready(Duration::from_secs(60)).await
+        self.wait_ready(START_TIMEOUT).await
     }
 
     /// Stops etcd with SIGTERM, keeps it down for `down` (the API server answers errors
@@ -687,7 +691,7 @@ impl ControlPlane {
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
         if self.with_process("kube-apiserver", |p| Ok(p.exited().is_none()))? {
-            self.wait_ready(Duration::from_secs(60)).await?;
+            self.wait_ready(START_TIMEOUT).await?;
         }
         Ok(())
     }

@@ -4,39 +4,17 @@
 use std::path::PathBuf;
 use std::process::Command;
 
+use proxy_core::testing::{cache_dir, python_venv};
+
 use crate::harness::{Env, Proxier, backend};
 
 const SCHEMATHESIS_VERSION: &str = "4.32.5";
 
 fn schemathesis() -> PathBuf {
-    let home = std::env::var_os("HOME")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from("/root"));
-    let venv = home.join(".cache/kube-netkit/python/schemathesis");
-    let st = venv.join("bin/st");
-    let installed = Command::new(&st)
-        .arg("--version")
-        .output()
-        .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).contains(SCHEMATHESIS_VERSION));
-    if !installed {
-        let status = Command::new("python3")
-            .arg("-m")
-            .arg("venv")
-            .arg(&venv)
-            .status()
-            .unwrap();
-        assert!(status.success(), "python3 -m venv failed");
-        let status = Command::new(venv.join("bin/pip"))
-            .args([
-                "install",
-                "--quiet",
-                &format!("schemathesis=={SCHEMATHESIS_VERSION}"),
-            ])
-            .status()
-            .unwrap();
-        assert!(status.success(), "installing schemathesis failed");
-    }
-    st
+    let venv = cache_dir("python/schemathesis");
+    python_venv(&venv, &[("schemathesis", SCHEMATHESIS_VERSION)])
+        .unwrap_or_else(|e| panic!("installing schemathesis into {}: {e}", venv.display()))
+        .with_file_name("st")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -97,7 +97,9 @@ impl Shared {
             self.hard_close.cancel();
         }
         self.closed.cancel();
-        let _ = self.done.send(true);
+        // `send_replace`, not `send`: with no receiver subscribed yet, `send` would drop the value
+        // and a later `close()` would wait for a reply that has already come.
+        self.done.send_replace(true);
     }
 
     pub(super) fn close_error(&self) -> Error {
@@ -290,11 +292,11 @@ impl ControlChannel {
             self.shared.tracker.wait().await;
             return Ok(());
         }
+        let mut rx = self.shared.done.subscribe();
         let sent = self
             .shared
             .send(Payload::CloseControlChannelReq(proto::CloseControlChannelReq {}).into())
             .await;
-        let mut rx = self.shared.done.subscribe();
         let waited = if sent.is_ok() {
             timeout(
                 self.shared.client.inner.cfg.operation_timeout,

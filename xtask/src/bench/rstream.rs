@@ -17,6 +17,7 @@ use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail, ensure};
+use proxy_core::testing;
 use rstream_client::Client;
 use rstream_client::engine::LocalEngine;
 use rstream_client::tunnel::TunnelOptions;
@@ -480,54 +481,20 @@ async fn open_tunnel(
     })
 }
 
-fn venv_dir() -> PathBuf {
-    if let Some(dir) = std::env::var_os("NETKIT_PYTHON_VENV") {
-        return PathBuf::from(dir);
-    }
-    let home = std::env::var_os("HOME")
-        .map(PathBuf::from)
-        .unwrap_or_else(std::env::temp_dir);
-    home.join(".cache/kube-netkit/python")
-        .join(format!("rstream-{SDK_VERSION}"))
-}
-
-/// The venv's python with the pinned SDK and uvloop, created and installed like the interop
-/// test does when missing (needs PyPI once).
+/// The venv's python with the pinned SDK and uvloop: the interop test's venv (the same
+/// `NETKIT_PYTHON_VENV` override), with uvloop added.
 fn ensure_sdk() -> anyhow::Result<PathBuf> {
-    let dir = venv_dir();
-    let python = dir.join("bin/python");
-    let run = |cmd: &mut std::process::Command| -> anyhow::Result<String> {
-        let out = cmd.output().with_context(|| format!("running {cmd:?}"))?;
-        if !out.status.success() {
-            bail!(
-                "{cmd:?} failed: {}",
-                String::from_utf8_lossy(&out.stderr).trim()
-            );
-        }
-        Ok(String::from_utf8_lossy(&out.stdout).trim().to_owned())
-    };
-    if !python.exists() {
-        std::fs::create_dir_all(dir.parent().context("venv path")?)?;
-        run(std::process::Command::new("python3")
-            .args(["-m", "venv"])
-            .arg(&dir))?;
-    }
-    let versions = run(std::process::Command::new(&python).args([
-        "-c",
-        "import importlib.metadata as m\nfor p in ('rstreamlabs-rstream', 'uvloop'):\n  try: print(m.version(p))\n  except Exception: print('-')",
-    ]))?;
-    if versions.lines().collect::<Vec<_>>() != [SDK_VERSION, UVLOOP_VERSION] {
-        run(std::process::Command::new(&python).args([
-            "-m",
-            "pip",
-            "install",
-            "--quiet",
-            "--disable-pip-version-check",
-            &format!("rstreamlabs-rstream=={SDK_VERSION}"),
-            &format!("uvloop=={UVLOOP_VERSION}"),
-        ]))?;
-    }
-    Ok(python)
+    let dir = std::env::var_os("NETKIT_PYTHON_VENV")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| testing::cache_dir("python").join(format!("rstream-{SDK_VERSION}")));
+    testing::python_venv(
+        &dir,
+        &[
+            ("rstreamlabs-rstream", SDK_VERSION),
+            ("uvloop", UVLOOP_VERSION),
+        ],
+    )
+    .with_context(|| format!("preparing the Python SDK in {}", dir.display()))
 }
 
 /// The Python SDK owning a published TCP tunnel and forwarding it to the sink.
