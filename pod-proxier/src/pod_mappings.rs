@@ -297,18 +297,43 @@ impl V1 {
                 .wait_applied(&name, version.as_deref(), APPLY_WAIT)
                 .await;
         }
-        match self.api.delete(&name, &delete_unchanged(version)).await {
-            Ok(_) => {}
-            Err(kube::Error::Api(status)) if status.code == 409 => {
-                return Err(ApiError::Conflict(format!(
-                    "the mapping of {qualified} changed meanwhile; read it again"
-                )));
+        // The precondition keeps an unmap from deleting a mapping that another caller has just
+        // pointed at another pod. A conflict only from a write that kept the target (a status
+        // update, a new deadline) is retried with the fresh version.
+        let mut attempts = 0;
+        loop {
+            match self.api.delete(&name, &delete_unchanged(version)).await {
+                Ok(_) => break,
+                Err(kube::Error::Api(status)) if status.code == 404 => break,
+                Err(kube::Error::Api(status)) if status.code == 409 && attempts < 3 => {
+                    attempts += 1;
+                    let fresh = self.api.get_opt(&name).await?;
+                    match fresh {
+                        None => break,
+                        Some(fresh)
+                            if fresh.spec.target.namespace == namespace
+                                && fresh.spec.target.name == pod_name =>
+                        {
+                            version = fresh.resource_version();
+                        }
+                        Some(_) => return Err(conflict(&qualified)),
+                    }
+                }
+                Err(kube::Error::Api(status)) if status.code == 409 => {
+                    return Err(conflict(&qualified));
+                }
+                Err(err) => return Err(err.into()),
             }
-            Err(kube::Error::Api(status)) if status.code == 404 => {}
-            Err(err) => return Err(err.into()),
         }
         self.mappings.wait_applied(&name, None, APPLY_WAIT).await;
         tracing::info!(pod = %qualified, "pod unmapped");
         Ok(json!({"pod_name": qualified, "entry_port": self.settings.entry_port, "mapped": false}))
     }
+}
+
+/// The answer to an unmap whose mapping now targets another pod.
+fn conflict(qualified: &str) -> ApiError {
+    ApiError::Conflict(format!(
+        "the mapping of {qualified} changed meanwhile; read it again"
+    ))
 }

@@ -161,6 +161,7 @@ pub fn run(settings: &Settings) -> anyhow::Result<Outcome> {
             "CPU: the engine, the tunnel client and the generator + sink each run on their own thread (their own tokio runtime); the engine and the generator share CPU {GENERATOR_CPU}, the peer (the Rust client or the SDK process) has CPU {RELAY_CPU}. The busy figures are each thread's (or the SDK process's) CPU time during the transfers over their wall time, one sample per transfer, from /proc (10 ms ticks)."
         ),
     ];
+    notes.push(BOUND.to_owned());
     match sdk_info {
         Some(info) => notes.push(format!("Python SDK processes: {info}.")),
         None => notes.push(
@@ -660,12 +661,19 @@ async fn measure_contenders(
     Ok(recorder)
 }
 
+/// What bounds one stream through the tunnel, from a profile of this bench on a quiet machine
+/// (`perf record -F 1999 -- target/release/xtask bench rstream --rounds 2`, then `perf report
+/// --sort pid,dso,sym`; the threads are named). Issue 13.
+const BOUND: &str = "Bound, 1 stream against the AES-GCM ceiling (goal 0.5x): crypto is not the limit, CPU 0 is. This 2-core machine gives CPU 0 to both the engine and the load generator: during the tunnel's transfers the engine thread is about 61% busy and the generator + sink about 37%, together about 98% of CPU 0, while the client has CPU 1 and uses about 65% of it. In the profile, AES-GCM seal and open are 13% of the engine thread's cycles and 15% of the client's; the kernel's loopback TCP takes 56% of the engine's and 65% of the client's (the tunnel crosses three loopback hops: generator to the engine's ingress, the engine to the client over TLS, the client to the sink), and memcpy 14% of the engine's (rustls copies plaintext into and out of its record buffers). In the profiled run the tunnel moved 6.1 Gbit/s against a 46 Gbit/s one-core seal rate, so its crypto cost about an eighth of a core; 0.5x the seal rate (23 Gbit/s) would need three loopback hops' worth of kernel work at more than half of what one direct hop reached there (36-43 Gbit/s, the generator's CPU fully busy). The engine's share includes its part in the SDK runs.";
+
 /// Seals `RECORD`-byte TLS 1.3 records with rustls's ring AES-256-GCM for `length` on one thread
 /// pinned to the peer's CPU; returns Gbit/s of plaintext.
 fn cipher_ceiling(length: Duration) -> anyhow::Result<f64> {
     std::thread::scope(|scope| {
-        scope
-            .spawn(|| {
+        // Named, so a profile of the bench tells its cycles from the engine's.
+        std::thread::Builder::new()
+            .name("bench-aes-ceiling".to_owned())
+            .spawn_scoped(scope, || {
                 use rustls::crypto::cipher::{AeadKey, Iv, OutboundChunks, OutboundPlainMessage};
                 if system::can_pin() {
                     let _ = system::pin_current_thread(RELAY_CPU);
@@ -697,6 +705,7 @@ fn cipher_ceiling(length: Duration) -> anyhow::Result<f64> {
                 }
                 Ok(sealed as f64 * 8.0 / started.elapsed().as_secs_f64() / 1e9)
             })
+            .context("starting the cipher thread")?
             .join()
             .unwrap_or_else(|_| Err(anyhow::anyhow!("the cipher thread panicked")))
     })
