@@ -11,11 +11,10 @@ mod common;
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
-
-use proxy_core::testing::{cache_dir, python_venv};
 use std::time::Duration;
 
 use common::*;
+use proxy_core::testing::{cache_dir, python_venv};
 use rstream_client::forward;
 use rstream_client::tunnel::{HttpVersion, TunnelOptions};
 use serde_json::{Value, json};
