@@ -16,6 +16,7 @@ use proxy_core::copy::CopyMode;
 use proxy_core::metrics::PrometheusObserver;
 use proxy_core::relay::{RelayConfig, Route};
 use proxy_core::server::{ListenerConfig, ProxyServer, ServerConfig};
+use proxy_core::socket::{Keepalive, SocketOptions};
 use proxy_core::upstream::Upstream;
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -55,6 +56,9 @@ struct Args {
     /// Pipe size of the splice path, in bytes.
     #[arg(long, default_value_t = proxy_core::relay::DEFAULT_PIPE_SIZE)]
     pipe_size: usize,
+    /// Turn TCP keepalive off on both legs (it is on by default: 60 s idle, 10 s interval).
+    #[arg(long)]
+    no_keepalive: bool,
     /// Bytes of pipe buffer the process may hold (default: a quarter of the user's
     /// pipe-user-pages-soft).
     #[arg(long)]
@@ -77,6 +81,9 @@ async fn main() -> anyhow::Result<()> {
     let relay = RelayConfig::default()
         .with_copy_mode(copy_mode)
         .with_pipe_size(args.pipe_size)
+        .with_socket_options(
+            SocketOptions::default().with_keepalive((!args.no_keepalive).then(Keepalive::default)),
+        )
         .with_connect_timeout(Duration::from_millis(args.connect_timeout_ms))
         .with_idle_timeout(
             (args.idle_timeout_secs > 0).then(|| Duration::from_secs(args.idle_timeout_secs)),
