@@ -9,7 +9,9 @@
 //! * every field of the desired object has the same value in the live object (so an edit by anyone
 //!   else is repaired).
 //!
-//! A steady state therefore costs reads only. Desired objects should use the server's canonical
+//! A steady state therefore costs reads only, and none at all when the applier reads from the
+//! [`Caches`] of the controller's watches ([`Applier::with_caches`]; a controller's own applier
+//! does, for every kind it owns). Desired objects should use the server's canonical
 //! forms (e.g. `100m`, not `0.1`, for quantities); a value the server rewrites would otherwise be
 //! re-applied on every pass.
 
@@ -27,6 +29,7 @@ use serde_json::Value;
 use sha2::{Digest as _, Sha256};
 
 use crate::Error;
+use crate::cache::Caches;
 
 /// Annotation holding the hash of the last applied desired object.
 pub const APPLIED_HASH_ANNOTATION: &str = "kube-netkit.io/applied-hash";
@@ -82,6 +85,7 @@ impl<K> Applied<K> {
 pub struct Applier {
     client: Client,
     field_manager: String,
+    caches: Caches,
 }
 
 impl Debug for Applier {
@@ -98,7 +102,14 @@ impl Applier {
         Self {
             client,
             field_manager: field_manager.into(),
+            caches: Caches::new(),
         }
+    }
+
+    /// Reads live objects of the kinds `caches` holds from there instead of the API server.
+    pub fn with_caches(mut self, caches: Caches) -> Self {
+        self.caches = caches;
+        self
     }
 
     /// The field manager name.
@@ -116,7 +127,14 @@ impl Applier {
     /// `desired` must be a namespaced object with a name and a namespace.
     pub async fn apply<K>(&self, desired: &K) -> Result<Applied<K>, Error>
     where
-        K: Resource<DynamicType = ()> + Clone + Serialize + DeserializeOwned + Debug,
+        K: Resource<DynamicType = ()>
+            + Clone
+            + Serialize
+            + DeserializeOwned
+            + Debug
+            + Send
+            + Sync
+            + 'static,
         K::Scope: NamespaceScope,
     {
         let name =
@@ -131,8 +149,13 @@ impl Applier {
         let hash = content_hash(&value);
         set_annotation(&mut value, APPLIED_HASH_ANNOTATION, &hash)?;
 
+        let live = self
+            .caches
+            .get_or_read(&api, &namespace, &name)
+            .await
+            .map_err(Error::Kube)?;
         let mut drifted_by = None;
-        if let Some(live) = api.get_opt(&name).await.map_err(Error::Kube)? {
+        if let Some(live) = live {
             let ours = live.annotations().get(APPLIED_HASH_ANNOTATION) == Some(&hash);
             let live_value = serde_json::to_value(&live).map_err(Error::Serialize)?;
             if is_subset(&value, &live_value) {
@@ -232,28 +255,78 @@ where
         let Some(live) = api.get_opt(name).await? else {
             return Ok(false);
         };
-        let current = live.status().cloned().unwrap_or_default();
-        let mut desired = current.clone();
-        mutate(&live, &mut desired);
-        if desired == current {
-            return Ok(false);
-        }
-        let patch = serde_json::json!({
-            "metadata": {"resourceVersion": live.resource_version()},
-            "status": desired,
-        });
-        match api
-            .patch_status(name, &PatchParams::default(), &Patch::Merge(&patch))
-            .await
-        {
-            Ok(_) => return Ok(true),
-            Err(kube::Error::Api(s)) if s.code == 409 => last_conflict = Some(kube::Error::Api(s)),
-            Err(kube::Error::Api(s)) if s.code == 404 => return Ok(false),
-            Err(e) => return Err(e),
+        match write_status(api, name, &live, &mut mutate).await? {
+            StatusWrite::Conflict(conflict) => last_conflict = Some(conflict),
+            StatusWrite::Unchanged | StatusWrite::Gone => return Ok(false),
+            StatusWrite::Written => return Ok(true),
         }
     }
     Err(last_conflict
         .unwrap_or_else(|| kube::Error::Service("status update kept conflicting".into())))
+}
+
+/// As [`update_status`], starting from `current` (the object being reconciled, as the
+/// controller's cache has it) instead of a read: no request at all when its status already
+/// matches, and a write guarded by its `resourceVersion`. Only a conflict (the cache lagged the
+/// server) falls back to [`update_status`]'s read and retry.
+pub async fn update_status_from<K, S, F>(
+    api: &Api<K>,
+    current: &K,
+    mut mutate: F,
+) -> Result<bool, kube::Error>
+where
+    K: Resource + HasStatus<Status = S> + Clone + DeserializeOwned + Debug,
+    S: Default + Clone + PartialEq + Serialize,
+    F: FnMut(&K, &mut S),
+{
+    let name = current.name_any();
+    match write_status(api, &name, current, &mut mutate).await? {
+        StatusWrite::Conflict(_) => update_status(api, &name, mutate).await,
+        StatusWrite::Unchanged | StatusWrite::Gone => Ok(false),
+        StatusWrite::Written => Ok(true),
+    }
+}
+
+/// What one guarded status write did.
+enum StatusWrite {
+    Unchanged,
+    Written,
+    /// The object changed since `live` was read.
+    Conflict(kube::Error),
+    /// The object is gone.
+    Gone,
+}
+
+async fn write_status<K, S, F>(
+    api: &Api<K>,
+    name: &str,
+    live: &K,
+    mutate: &mut F,
+) -> Result<StatusWrite, kube::Error>
+where
+    K: Resource + HasStatus<Status = S> + Clone + DeserializeOwned + Debug,
+    S: Default + Clone + PartialEq + Serialize,
+    F: FnMut(&K, &mut S),
+{
+    let current = live.status().cloned().unwrap_or_default();
+    let mut desired = current.clone();
+    mutate(live, &mut desired);
+    if desired == current {
+        return Ok(StatusWrite::Unchanged);
+    }
+    let patch = serde_json::json!({
+        "metadata": {"resourceVersion": live.resource_version()},
+        "status": desired,
+    });
+    match api
+        .patch_status(name, &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+    {
+        Ok(_) => Ok(StatusWrite::Written),
+        Err(kube::Error::Api(s)) if s.code == 409 => Ok(StatusWrite::Conflict(kube::Error::Api(s))),
+        Err(kube::Error::Api(s)) if s.code == 404 => Ok(StatusWrite::Gone),
+        Err(e) => Err(e),
+    }
 }
 
 /// Delete parameters that delete only `resource_version` of the object (the version that was

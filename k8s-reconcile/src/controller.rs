@@ -4,7 +4,8 @@
 //! describe what else to watch and how to run:
 //!
 //! * owned kinds ([`ControllerBuilder::owns`]) and related kinds with a mapper
-//!   ([`ControllerBuilder::watches`]) trigger reconciles of their owner;
+//!   ([`ControllerBuilder::watches`]) trigger reconciles of their owner; owned kinds are also
+//!   cached ([`Context::caches`]), and the context's applier reads them there;
 //! * errors are retried with per-object exponential backoff (with jitter), reset by the next
 //!   success; successes are requeued at the resync period, or sooner if the reconciler asks;
 //! * at most [`ControllerBuilder::concurrency`] reconciles run at once, never two for one object;
@@ -29,8 +30,8 @@ use kube::api::Api;
 use kube::runtime::controller::{Action as KubeAction, Config as ControllerConfig, Controller};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::finalizer::{Event as FinalizerEvent, finalizer};
-use kube::runtime::reflector::ObjectRef;
-use kube::runtime::watcher;
+use kube::runtime::reflector::{self, ObjectRef};
+use kube::runtime::{WatchStreamExt as _, watcher};
 use kube::{Client, Resource, ResourceExt as _};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -38,6 +39,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::Error;
 use crate::apply::Applier;
+use crate::cache::Caches;
 use crate::leader::LeaseConfig;
 use crate::leading::{self, Leadership};
 use crate::metrics::ControllerMetrics;
@@ -95,6 +97,7 @@ pub trait Reconciler: Send + Sync + 'static {
 pub struct Context {
     client: Client,
     applier: Applier,
+    caches: Caches,
     recorder: Recorder,
     name: String,
 }
@@ -119,6 +122,7 @@ impl Context {
         );
         Self {
             applier: Applier::new(client.clone(), field_manager),
+            caches: Caches::new(),
             client,
             recorder,
             name: name.to_owned(),
@@ -130,9 +134,23 @@ impl Context {
         &self.client
     }
 
-    /// The server-side-apply helper of this controller's field manager.
+    /// The server-side-apply helper of this controller's field manager; it reads the live
+    /// objects of cached kinds from [`Self::caches`].
     pub fn applier(&self) -> &Applier {
         &self.applier
+    }
+
+    /// The stores of the kinds the controller owns, filled by its watches (empty for a context
+    /// made with [`Self::new`]).
+    pub fn caches(&self) -> &Caches {
+        &self.caches
+    }
+
+    /// Reads from `caches` (and has the applier do so).
+    fn with_caches(mut self, caches: Caches) -> Self {
+        self.applier = self.applier.with_caches(caches.clone());
+        self.caches = caches;
+        self
     }
 
     /// The controller's name.
@@ -164,8 +182,9 @@ impl Context {
     }
 }
 
-/// Adds one watched kind to a controller; kept so that every leadership term builds fresh watches.
-type Setup<K> = Arc<dyn Fn(Controller<K>) -> Controller<K> + Send + Sync>;
+/// Adds one watched kind to a controller (and its store to the caches, for an owned kind); kept
+/// so that every leadership term builds fresh watches.
+type Setup<K> = Arc<dyn Fn(Controller<K>, &mut Caches) -> Controller<K> + Send + Sync>;
 
 /// How long a controller's reconciles may run on after a stop (shutdown or a lost Lease)
 /// before they are cancelled; [`ControllerBuilder::run`] gives the Lease release as long again.
@@ -232,13 +251,22 @@ impl<R: Reconciler> ControllerBuilder<R> {
         self
     }
 
-    /// Reconcile the owner (by controller ownerReference) when an object of `api` changes.
+    /// Reconcile the owner (by controller ownerReference) when an object of `api` changes. The
+    /// watched objects are kept in [`Context::caches`]: the applier reads them there.
     pub fn owns<C>(mut self, api: Api<C>, config: watcher::Config) -> Self
     where
         C: Resource<DynamicType = ()> + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
     {
-        self.setup
-            .push(Arc::new(move |c| c.owns(api.clone(), config.clone())));
+        self.setup.push(Arc::new(move |c, caches| {
+            let (store, writer) = reflector::store();
+            caches.insert(store);
+            let events = reflector::reflector(
+                writer,
+                watcher::watcher(api.clone(), config.clone())
+                    .backoff(crate::watch_set::WatchBackoff::default()),
+            );
+            c.owns_stream(events.touched_objects())
+        }));
         self
     }
 
@@ -249,7 +277,7 @@ impl<R: Reconciler> ControllerBuilder<R> {
         F: Fn(C) -> Vec<ObjectRef<R::Resource>> + Send + Sync + 'static,
     {
         let mapper = Arc::new(mapper);
-        self.setup.push(Arc::new(move |c| {
+        self.setup.push(Arc::new(move |c, _caches| {
             let mapper = Arc::clone(&mapper);
             c.watches(api.clone(), config.clone(), move |obj| mapper(obj))
         }));
@@ -356,9 +384,10 @@ impl<R: Reconciler> ControllerBuilder<R> {
         let mut controller = Controller::new(self.api.clone(), self.watcher_config.clone())
             .with_config(ControllerConfig::default().concurrency(self.concurrency))
             .trigger_backoff(crate::watch_set::WatchBackoff::default());
-        // A fresh set of watches per term: rebuild from the recorded setup steps.
+        // A fresh set of watches (and caches) per term: rebuild from the recorded setup steps.
+        let mut caches = Caches::new();
         for step in &self.setup {
-            controller = step(controller);
+            controller = step(controller, &mut caches);
         }
         let store = controller.store();
         let health = self.health.clone();
@@ -398,7 +427,8 @@ impl<R: Reconciler> ControllerBuilder<R> {
         });
         let state = Arc::new(RunState {
             reconciler: Arc::clone(&self.reconciler),
-            ctx: Context::new(self.client.clone(), &self.name, &self.field_manager),
+            ctx: Context::new(self.client.clone(), &self.name, &self.field_manager)
+                .with_caches(caches),
             api: self.api.clone(),
             failures: Mutex::new(HashMap::new()),
             resync: self.resync,

@@ -3,7 +3,8 @@
 //! Each controller of this project is only its own logic: it implements [`Reconciler`], and this
 //! crate wires it to `kube::runtime` with owned and watched kinds, per-object backoff, resync,
 //! concurrency limits, leader election, finalizers, metrics, health and Events. Children are
-//! written by server-side apply with a fixed field manager and no write at all in a steady state.
+//! written by server-side apply with a fixed field manager; in a steady state that costs no write
+//! and, for the kinds a controller owns, no read either (they come from its watches' caches).
 //!
 //! # Layout
 //!
@@ -15,7 +16,8 @@
 //! * [`auth`]: who sent a request and what they may do, asked of the API server (TokenReview,
 //!   SubjectAccessReview), as kube-rbac-proxy does.
 //! * [`apply`]: [`Applier`], server-side apply that skips unchanged objects; owner references;
-//!   pruning by label.
+//!   pruning by label; status writes guarded by `resourceVersion`.
+//! * [`cache`]: reflector stores by kind, which the applier reads instead of the API server.
 //! * [`conditions`]: status conditions whose `lastTransitionTime` moves only on a flip.
 //! * [`endpointslice`]: EndpointSlices (one per IP family) and skip-mirror Endpoints for a Service.
 //! * [`leader`]: Lease-based leader election with client-go's semantics.
@@ -78,6 +80,7 @@
 pub mod app;
 pub mod apply;
 pub mod auth;
+pub mod cache;
 pub mod conditions;
 pub mod controller;
 pub mod endpointslice;

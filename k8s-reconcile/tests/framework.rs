@@ -441,8 +441,10 @@ async fn controller_reconciles_children_without_steady_writes_and_cleans_up() {
     assert_eq!(owner.controller, Some(true));
     eventually("ready", Duration::from_secs(5), || async { health.ready() }).await;
 
-    // Steady state over several resyncs: reconciles happen, writes do not.
+    // Steady state over several resyncs: reconciles happen, writes do not, and the child is
+    // read from the controller's cache, not from the API server.
     let writes = plane.writes_by(user).await.unwrap();
+    let requests = plane.requests_by(user).await.unwrap().len();
     let reconciles = metrics.reconcile_count("child-maker", true);
     tokio::time::sleep(Duration::from_millis(3500)).await;
     assert!(
@@ -457,6 +459,16 @@ async fn controller_reconciles_children_without_steady_writes_and_cleans_up() {
         .skip(writes.len())
         .collect();
     assert!(new_writes.is_empty(), "steady state wrote: {new_writes:?}");
+    let reads: Vec<_> = plane
+        .requests_by(user)
+        .await
+        .unwrap()
+        .into_iter()
+        .skip(requests)
+        .filter(|event| event.verb == "get")
+        .map(|event| event.request_uri)
+        .collect();
+    assert!(reads.is_empty(), "steady state read: {reads:?}");
 
     // An edit of the owned child triggers a reconcile that repairs it, at once.
     let mut tampered = child.clone();

@@ -78,4 +78,4 @@ pub mod messages {
 }
 
 /// Status writes with conflict retries, from the framework.
-pub use k8s_reconcile::apply::update_status;
+pub use k8s_reconcile::apply::{update_status, update_status_from};

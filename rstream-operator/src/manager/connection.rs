@@ -30,7 +30,6 @@ impl Reconciler for ConnectionReconciler {
         ctx: &Context,
     ) -> Result<Action, ManagerError> {
         let namespace = connection.namespace().unwrap_or_default();
-        let name = connection.name_any();
         let generation = connection.metadata.generation;
         let api: Api<RstreamConnection> = Api::namespaced(ctx.client().clone(), &namespace);
         let outcome = resolve(ctx.client(), connection.as_ref().clone()).await;
@@ -49,7 +48,7 @@ impl Reconciler for ConnectionReconciler {
                 Err((reasons::INVALID_SPEC, e.to_string())),
             ),
         };
-        status::update_status(&api, &name, |_, s: &mut RstreamConnectionStatus| {
+        status::update_status_from(&api, &connection, |_, s: &mut RstreamConnectionStatus| {
             s.observed_generation = generation;
             let mut conditions = Conditions::of(&mut s.conditions, generation);
             match &result {

@@ -12,6 +12,7 @@ use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{ConfigMap, Secret, Service, ServiceAccount};
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
 use k8s_reconcile::ControllerBuilder;
+use k8s_reconcile::cache::Caches;
 use k8s_reconcile::leader::LeaseConfig;
 use k8s_reconcile::metrics::ControllerMetrics;
 use k8s_reconcile::ops::Health;
@@ -177,6 +178,11 @@ pub async fn run(
         TUNNEL_CONTROLLER,
         TunnelReconciler {
             agent_image: options.agent_image.clone(),
+            connections: {
+                let mut cached = Caches::new();
+                cached.insert(connections.clone());
+                cached
+            },
         },
     )
     .field_manager(FIELD_MANAGER)

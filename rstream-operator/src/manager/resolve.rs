@@ -4,6 +4,7 @@
 use std::collections::BTreeSet;
 
 use k8s_openapi::api::core::v1::Secret;
+use k8s_reconcile::cache::Caches;
 use kube::api::Api;
 use kube::{Client, ResourceExt as _};
 use rstream_client::resolve::{
@@ -97,15 +98,16 @@ async fn read_key(
     Ok(value)
 }
 
-/// Loads connection `name` in `namespace` and resolves it.
+/// Loads connection `name` in `namespace` (from `cached` once synced) and resolves it.
 pub async fn resolve_by_name(
     client: &Client,
+    cached: &Caches,
     namespace: &str,
     name: &str,
 ) -> Result<Resolved, ResolveError> {
     let api: Api<RstreamConnection> = Api::namespaced(client.clone(), namespace);
-    let connection = api
-        .get_opt(name)
+    let connection = cached
+        .get_or_read(&api, namespace, name)
         .await?
         .ok_or_else(|| ResolveError::ConnectionNotFound(name.to_owned()))?;
     resolve(client, connection).await

@@ -8,6 +8,7 @@ use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{ConfigMap, Service, ServiceAccount};
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+use k8s_reconcile::cache::Caches;
 use k8s_reconcile::conditions::Conditions;
 use k8s_reconcile::{Action, Context, Reconciler};
 use kube::ResourceExt as _;
@@ -33,6 +34,8 @@ const RETRY_BLOCKED: Duration = Duration::from_secs(60);
 pub struct TunnelReconciler {
     /// Default agent image.
     pub agent_image: String,
+    /// The RstreamConnections the manager watches, read instead of the API server once synced.
+    pub connections: Caches,
 }
 
 /// A state that stops the reconcile before the children are applied.
@@ -329,7 +332,7 @@ impl TunnelReconciler {
         blocked: &Blocked,
     ) -> Result<(), ManagerError> {
         let generation = tunnel.metadata.generation;
-        status::update_status(api, &tunnel.name_any(), |_, s: &mut RstreamTunnelStatus| {
+        status::update_status_from(api, tunnel, |_, s: &mut RstreamTunnelStatus| {
             s.observed_generation = generation;
             s.last_error = Some(blocked.message.clone());
             let mut c = Conditions::of(&mut s.conditions, generation);
@@ -384,38 +387,44 @@ impl Reconciler for TunnelReconciler {
         }
 
         // 2. The connection and its Secrets; the engine.
-        let resolved =
-            match resolve_by_name(ctx.client(), &namespace, tunnel.spec.connection_name()).await {
-                Ok(r) => r,
-                Err(ResolveError::Kube(e)) => return Err(e.into()),
-                Err(e) => {
-                    let message = format!("connection {}: {e}", tunnel.spec.connection_name());
-                    // Resolved also names what is missing (Secret, connection); resolution errors of
-                    // an existing connection leave it as it was.
-                    let resolved = match &e {
-                        ResolveError::SecretMissing(_) => {
-                            Some((reasons::SECRET_MISSING, message.clone()))
-                        }
-                        ResolveError::ConnectionNotFound(_) => {
-                            Some((reasons::CONNECTION_MISSING, message.clone()))
-                        }
-                        _ => None,
-                    };
-                    // A connection asking for what no agent can do makes the tunnel's spec unusable.
-                    let reason = match &e {
-                        ResolveError::InvalidSpec(_) => reasons::INVALID_SPEC,
-                        _ => reasons::CONNECTION_MISSING,
-                    };
-                    let blocked = Blocked {
-                        accepted: Some((reason, message.clone())),
-                        resolved,
-                        reason,
-                        message,
-                    };
-                    self.write_blocked(&api, &tunnel, &blocked).await?;
-                    return Ok(Action::RequeueAfter(RETRY_BLOCKED));
-                }
-            };
+        let resolved = match resolve_by_name(
+            ctx.client(),
+            &self.connections,
+            &namespace,
+            tunnel.spec.connection_name(),
+        )
+        .await
+        {
+            Ok(r) => r,
+            Err(ResolveError::Kube(e)) => return Err(e.into()),
+            Err(e) => {
+                let message = format!("connection {}: {e}", tunnel.spec.connection_name());
+                // Resolved also names what is missing (Secret, connection); resolution errors of
+                // an existing connection leave it as it was.
+                let resolved = match &e {
+                    ResolveError::SecretMissing(_) => {
+                        Some((reasons::SECRET_MISSING, message.clone()))
+                    }
+                    ResolveError::ConnectionNotFound(_) => {
+                        Some((reasons::CONNECTION_MISSING, message.clone()))
+                    }
+                    _ => None,
+                };
+                // A connection asking for what no agent can do makes the tunnel's spec unusable.
+                let reason = match &e {
+                    ResolveError::InvalidSpec(_) => reasons::INVALID_SPEC,
+                    _ => reasons::CONNECTION_MISSING,
+                };
+                let blocked = Blocked {
+                    accepted: Some((reason, message.clone())),
+                    resolved,
+                    reason,
+                    message,
+                };
+                self.write_blocked(&api, &tunnel, &blocked).await?;
+                return Ok(Action::RequeueAfter(RETRY_BLOCKED));
+            }
+        };
 
         // 3. The target Service and port.
         let target = match resolve_target(ctx, &tunnel).await? {
@@ -485,7 +494,9 @@ impl Reconciler for TunnelReconciler {
         let agent_ready = dstatus.available_replicas.unwrap_or(0) >= 1
             && dstatus.ready_replicas.unwrap_or(0) >= 1;
         let target_text = target.display();
-        status::update_status(&api, &name, |_, s: &mut RstreamTunnelStatus| {
+        // From the reconciled object: a steady state reads nothing; a hostname written above
+        // makes its resourceVersion stale, and the conflict falls back to a read.
+        status::update_status_from(&api, &tunnel, |_, s: &mut RstreamTunnelStatus| {
             s.observed_generation = generation;
             s.agent_deployment = Some(cx.base.clone());
             s.target = Some(target_text.clone());
