@@ -9,11 +9,11 @@
 //! * every field of the desired object has the same value in the live object (so an edit by anyone
 //!   else is repaired).
 //!
-//! A steady state therefore costs reads only, and none at all when the applier reads from the
-//! [`Caches`] of the controller's watches ([`Applier::with_caches`]; a controller's own applier
-//! does, for every kind it owns). Desired objects should use the server's canonical
-//! forms (e.g. `100m`, not `0.1`, for quantities); a value the server rewrites would otherwise be
-//! re-applied on every pass.
+//! A steady state therefore costs reads only, and none at all when a cached copy already matches
+//! ([`Applier::with_caches`]; a controller's own applier has the caches of the kinds it owns). A
+//! cached copy that does not match may only lag the server, so it is read before any write.
+//! Desired objects should use the server's canonical forms (e.g. `100m`, not `0.1`, for
+//! quantities); a value the server rewrites would otherwise be re-applied on every pass.
 
 use std::collections::BTreeSet;
 use std::fmt::Debug;
@@ -80,6 +80,16 @@ impl<K> Applied<K> {
     }
 }
 
+/// A live object against the desired one.
+enum Live {
+    /// Ours, and every desired field holds: nothing to write.
+    Matches,
+    /// Ours, but someone changed fields we set; the other field managers.
+    Drifted(Vec<String>),
+    /// Not (yet) what we applied.
+    Differs,
+}
+
 /// Applies objects with one field manager; see the [module docs](self).
 #[derive(Clone)]
 pub struct Applier {
@@ -106,7 +116,7 @@ impl Applier {
         }
     }
 
-    /// Reads live objects of the kinds `caches` holds from there instead of the API server.
+    /// Skips the read of a live object when `caches` holds a copy that already matches.
     pub fn with_caches(mut self, caches: Caches) -> Self {
         self.caches = caches;
         self
@@ -149,34 +159,22 @@ impl Applier {
         let hash = content_hash(&value);
         set_annotation(&mut value, APPLIED_HASH_ANNOTATION, &hash)?;
 
-        let live = self
-            .caches
-            .get_or_read(&api, &namespace, &name)
-            .await
-            .map_err(Error::Kube)?;
-        let mut drifted_by = None;
-        if let Some(live) = live {
-            let ours = live.annotations().get(APPLIED_HASH_ANNOTATION) == Some(&hash);
-            let live_value = serde_json::to_value(&live).map_err(Error::Serialize)?;
-            if is_subset(&value, &live_value) {
-                if ours {
-                    return Ok(Applied::Unchanged(live));
-                }
-            } else if ours {
-                // We applied exactly this before, yet it no longer holds: someone changed it.
-                let mut others: Vec<String> = live
-                    .meta()
-                    .managed_fields
-                    .iter()
-                    .flatten()
-                    .filter_map(|entry| entry.manager.clone())
-                    .filter(|manager| *manager != self.field_manager)
-                    .collect();
-                others.sort();
-                others.dedup();
-                drifted_by = Some(others);
-            }
+        // A cached copy that matches is enough to skip the write; one that does not may only lag
+        // the server (our last write not seen yet), so the server has the final say.
+        if let Some(Some(cached)) = self.caches.get::<K>(&namespace, &name)
+            && matches!(self.compare(&value, &hash, cached.as_ref())?, Live::Matches)
+        {
+            return Ok(Applied::Unchanged(K::clone(&cached)));
         }
+        let live = api.get_opt(&name).await.map_err(Error::Kube)?;
+        let drifted_by = match live {
+            Some(live) => match self.compare(&value, &hash, &live)? {
+                Live::Matches => return Ok(Applied::Unchanged(live)),
+                Live::Drifted(others) => Some(others),
+                Live::Differs => None,
+            },
+            None => None,
+        };
         let params = PatchParams::apply(&self.field_manager).force();
         let written = api
             .patch(&name, &params, &Patch::Apply(&value))
@@ -188,6 +186,38 @@ impl Applier {
                 drifted_by,
             },
             None => Applied::Written(written),
+        })
+    }
+
+    /// How `live` stands against the desired `value` (whose hash is `hash`).
+    fn compare<K: Resource + Serialize>(
+        &self,
+        value: &Value,
+        hash: &str,
+        live: &K,
+    ) -> Result<Live, Error> {
+        let ours = live
+            .annotations()
+            .get(APPLIED_HASH_ANNOTATION)
+            .is_some_and(|h| h == hash);
+        let live_value = serde_json::to_value(live).map_err(Error::Serialize)?;
+        Ok(match (is_subset(value, &live_value), ours) {
+            (true, true) => Live::Matches,
+            // We applied exactly this before, yet it no longer holds: someone changed it.
+            (false, true) => {
+                let mut others: Vec<String> = live
+                    .meta()
+                    .managed_fields
+                    .iter()
+                    .flatten()
+                    .filter_map(|entry| entry.manager.clone())
+                    .filter(|manager| *manager != self.field_manager)
+                    .collect();
+                others.sort();
+                others.dedup();
+                Live::Drifted(others)
+            }
+            (_, false) => Live::Differs,
         })
     }
 
@@ -255,20 +285,33 @@ where
         let Some(live) = api.get_opt(name).await? else {
             return Ok(false);
         };
-        match write_status(api, name, &live, &mut mutate).await? {
-            StatusWrite::Conflict(conflict) => last_conflict = Some(conflict),
-            StatusWrite::Unchanged | StatusWrite::Gone => return Ok(false),
-            StatusWrite::Written => return Ok(true),
+        let current = live.status().cloned().unwrap_or_default();
+        let mut desired = current.clone();
+        mutate(&live, &mut desired);
+        if desired == current {
+            return Ok(false);
+        }
+        let patch = serde_json::json!({
+            "metadata": {"resourceVersion": live.resource_version()},
+            "status": desired,
+        });
+        match api
+            .patch_status(name, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+        {
+            Ok(_) => return Ok(true),
+            Err(kube::Error::Api(s)) if s.code == 409 => last_conflict = Some(kube::Error::Api(s)),
+            Err(kube::Error::Api(s)) if s.code == 404 => return Ok(false),
+            Err(e) => return Err(e),
         }
     }
     Err(last_conflict
         .unwrap_or_else(|| kube::Error::Service("status update kept conflicting".into())))
 }
 
-/// As [`update_status`], starting from `current` (the object being reconciled, as the
-/// controller's cache has it) instead of a read: no request at all when its status already
-/// matches, and a write guarded by its `resourceVersion`. Only a conflict (the cache lagged the
-/// server) falls back to [`update_status`]'s read and retry.
+/// As [`update_status`], first against `current` (the object being reconciled, as the
+/// controller's cache has it): no request at all when its status already matches. Otherwise the
+/// cache may lag the server, so the write goes through [`update_status`]'s read.
 pub async fn update_status_from<K, S, F>(
     api: &Api<K>,
     current: &K,
@@ -279,54 +322,13 @@ where
     S: Default + Clone + PartialEq + Serialize,
     F: FnMut(&K, &mut S),
 {
-    let name = current.name_any();
-    match write_status(api, &name, current, &mut mutate).await? {
-        StatusWrite::Conflict(_) => update_status(api, &name, mutate).await,
-        StatusWrite::Unchanged | StatusWrite::Gone => Ok(false),
-        StatusWrite::Written => Ok(true),
+    let status = current.status().cloned().unwrap_or_default();
+    let mut desired = status.clone();
+    mutate(current, &mut desired);
+    if desired == status {
+        return Ok(false);
     }
-}
-
-/// What one guarded status write did.
-enum StatusWrite {
-    Unchanged,
-    Written,
-    /// The object changed since `live` was read.
-    Conflict(kube::Error),
-    /// The object is gone.
-    Gone,
-}
-
-async fn write_status<K, S, F>(
-    api: &Api<K>,
-    name: &str,
-    live: &K,
-    mutate: &mut F,
-) -> Result<StatusWrite, kube::Error>
-where
-    K: Resource + HasStatus<Status = S> + Clone + DeserializeOwned + Debug,
-    S: Default + Clone + PartialEq + Serialize,
-    F: FnMut(&K, &mut S),
-{
-    let current = live.status().cloned().unwrap_or_default();
-    let mut desired = current.clone();
-    mutate(live, &mut desired);
-    if desired == current {
-        return Ok(StatusWrite::Unchanged);
-    }
-    let patch = serde_json::json!({
-        "metadata": {"resourceVersion": live.resource_version()},
-        "status": desired,
-    });
-    match api
-        .patch_status(name, &PatchParams::default(), &Patch::Merge(&patch))
-        .await
-    {
-        Ok(_) => Ok(StatusWrite::Written),
-        Err(kube::Error::Api(s)) if s.code == 409 => Ok(StatusWrite::Conflict(kube::Error::Api(s))),
-        Err(kube::Error::Api(s)) if s.code == 404 => Ok(StatusWrite::Gone),
-        Err(e) => Err(e),
-    }
+    update_status(api, &current.name_any(), mutate).await
 }
 
 /// Delete parameters that delete only `resource_version` of the object (the version that was

@@ -2,13 +2,13 @@
 //!
 //! A controller watches the kinds it owns anyway; [`Caches`] keeps those watches' stores, one per
 //! kind, and [`Caches::get`] answers from a store once its first list has completed. The
-//! [`Applier`](crate::Applier) of a controller reads the live object there before deciding
-//! whether to write, so a steady state costs the API server no reads either.
+//! [`Applier`](crate::Applier) of a controller compares the cached copy before anything else, so
+//! a steady state costs the API server no reads either.
 //!
-//! An answer may lag the server by the watch's latency. That is safe for the readers here: a
-//! write based on a stale object is a server-side apply (idempotent) or is guarded by the
-//! `resourceVersion` it read (and retried on conflict), and the change that made it stale
-//! triggers another reconcile when it arrives.
+//! An answer may lag the server by the watch's latency. The applier therefore trusts a cached
+//! copy only to skip a write, and reads the server before it writes. A reconcile that used a
+//! stale copy in any other way is followed by the one its change triggers once the watch
+//! delivers it.
 
 use std::any::{Any, TypeId};
 use std::collections::HashMap;

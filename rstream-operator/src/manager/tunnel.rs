@@ -494,8 +494,7 @@ impl Reconciler for TunnelReconciler {
         let agent_ready = dstatus.available_replicas.unwrap_or(0) >= 1
             && dstatus.ready_replicas.unwrap_or(0) >= 1;
         let target_text = target.display();
-        // From the reconciled object: a steady state reads nothing; a hostname written above
-        // makes its resourceVersion stale, and the conflict falls back to a read.
+        // Compared with the reconciled object first: a steady state costs no request.
         status::update_status_from(&api, &tunnel, |_, s: &mut RstreamTunnelStatus| {
             s.observed_generation = generation;
             s.agent_deployment = Some(cx.base.clone());

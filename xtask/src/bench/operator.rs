@@ -35,6 +35,10 @@ const CONVERGE_WRITES: Metric =
     Metric::lower("manager write calls to converge, per tunnel", "calls");
 const STEADY_WRITES: Metric =
     Metric::lower("manager write calls in the steady-state window", "calls");
+const STEADY_READS: Metric = Metric::lower(
+    "manager reads (get, list) per tunnel and resync in the steady-state window",
+    "calls",
+);
 
 /// ConfigMap, ServiceAccount, Role, RoleBinding and Deployment.
 const CHILD_KINDS: usize = 5;
@@ -88,6 +92,7 @@ struct Run {
 /// One steady-state window.
 struct Window {
     manager_writes: Vec<AuditEvent>,
+    manager_reads: Vec<AuditEvent>,
     writes_per_user: BTreeMap<String, usize>,
     manager_requests: usize,
 }
@@ -183,12 +188,18 @@ async fn steady_window(
         .iter()
         .filter(|e| e.user.username == MANAGER_USER)
         .count();
+    let manager_reads = events
+        .iter()
+        .filter(|e| e.user.username == MANAGER_USER && matches!(e.verb.as_str(), "get" | "list"))
+        .cloned()
+        .collect();
     let manager_writes = events
         .into_iter()
         .filter(|e| e.user.username == MANAGER_USER && e.is_write())
         .collect();
     Ok(Window {
         manager_writes,
+        manager_reads,
         writes_per_user,
         manager_requests,
     })
@@ -204,9 +215,20 @@ fn outcome(sizes: &Sizes, rounds: usize, run: &Run) -> Outcome {
         MANAGER,
         run.converge_writes as f64 / sizes.tunnels as f64,
     );
+    let resyncs = sizes.steady.as_secs_f64() / sizes.resync.as_secs_f64();
     for window in &run.windows {
         recorder.record(STEADY_WRITES, MANAGER, window.manager_writes.len() as f64);
+        recorder.record(
+            STEADY_READS,
+            MANAGER,
+            window.manager_reads.len() as f64 / sizes.tunnels as f64 / resyncs,
+        );
     }
+    let all_reads: Vec<AuditEvent> = run
+        .windows
+        .iter()
+        .flat_map(|w| w.manager_reads.iter().cloned())
+        .collect();
     let steady: usize = run.windows.iter().map(|w| w.manager_writes.len()).sum();
     let all_writes: Vec<AuditEvent> = run
         .windows
@@ -256,12 +278,13 @@ fn outcome(sizes: &Sizes, rounds: usize, run: &Run) -> Outcome {
                 mib(run.peak_rss_kib)
             ),
             format!(
-                "Steady state: starts once the manager's write count (audit log, user {MANAGER_USER}) has not moved for {QUIET:?} ({:.1?} after the children were complete; {} writes until then), then {rounds} window(s) of {:?}, one per round, each spanning at least three resyncs (--resync-period={}s). The manager's writes in the windows: {}. Write calls per user in each window, from the audit log: {}.",
+                "Steady state: starts once the manager's write count (audit log, user {MANAGER_USER}) has not moved for {QUIET:?} ({:.1?} after the children were complete; {} writes until then), then {rounds} window(s) of {:?}, one per round, each spanning at least three resyncs (--resync-period={}s). The manager's writes in the windows: {}. Its reads in the windows: {} (owned children and the connection come from its watch caches; status is compared with the reconciled object first). Write calls per user in each window, from the audit log: {}.",
                 run.settle,
                 run.converge_writes,
                 sizes.steady,
                 sizes.resync.as_secs(),
-                describe_writes(&all_writes),
+                describe(&all_writes),
+                describe(&all_reads),
                 per_user.join("; ")
             ),
             "No agent runs and no controller-manager: Deployments never become available, so tunnels stay at Ready=False/WaitingForDeployment, which is a stable state. The manager is not pinned; it shares both CPUs with etcd and kube-apiserver.".to_owned(),
@@ -282,8 +305,8 @@ pub fn contenders(settings: &Settings) -> Vec<(&'static str, String)> {
     )]
 }
 
-/// `verb resource[/subresource]: count` for each kind of write, or "none".
-fn describe_writes(writes: &[AuditEvent]) -> String {
+/// `verb resource[/subresource]: count` for each kind of request, or "none".
+fn describe(writes: &[AuditEvent]) -> String {
     let mut counts: BTreeMap<String, usize> = BTreeMap::new();
     for write in writes {
         let object = write.object_ref.as_ref();
