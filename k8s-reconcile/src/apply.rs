@@ -285,12 +285,9 @@ where
         let Some(live) = api.get_opt(name).await? else {
             return Ok(false);
         };
-        let current = live.status().cloned().unwrap_or_default();
-        let mut desired = current.clone();
-        mutate(&live, &mut desired);
-        if desired == current {
+        let Some(desired) = mutated_status(&live, &mut mutate) else {
             return Ok(false);
-        }
+        };
         let patch = serde_json::json!({
             "metadata": {"resourceVersion": live.resource_version()},
             "status": desired,
@@ -322,13 +319,23 @@ where
     S: Default + Clone + PartialEq + Serialize,
     F: FnMut(&K, &mut S),
 {
-    let status = current.status().cloned().unwrap_or_default();
-    let mut desired = status.clone();
-    mutate(current, &mut desired);
-    if desired == status {
+    if mutated_status(current, &mut mutate).is_none() {
         return Ok(false);
     }
     update_status(api, &current.name_any(), mutate).await
+}
+
+/// `object`'s status as `mutate` leaves it, or `None` when it did not change.
+fn mutated_status<K, S, F>(object: &K, mutate: &mut F) -> Option<S>
+where
+    K: HasStatus<Status = S>,
+    S: Default + Clone + PartialEq,
+    F: FnMut(&K, &mut S),
+{
+    let current = object.status().cloned().unwrap_or_default();
+    let mut desired = current.clone();
+    mutate(object, &mut desired);
+    (desired != current).then_some(desired)
 }
 
 /// Delete parameters that delete only `resource_version` of the object (the version that was
