@@ -6,6 +6,7 @@
 //! ```
 
 use std::net::SocketAddr;
+use std::num::NonZeroUsize;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -63,15 +64,31 @@ struct Args {
     /// pipe-user-pages-soft).
     #[arg(long)]
     pipe_budget: Option<usize>,
+    /// Runtime threads: 1 runs one event loop on the main thread (tokio's current-thread
+    /// runtime), more a multi-thread runtime with that many workers [default: one per CPU].
+    #[arg(long)]
+    threads: Option<NonZeroUsize>,
 }
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
+fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
         .init();
     let args = Args::parse();
+    let mut runtime = match args.threads.map(NonZeroUsize::get) {
+        Some(1) => tokio::runtime::Builder::new_current_thread(),
+        threads => {
+            let mut builder = tokio::runtime::Builder::new_multi_thread();
+            if let Some(workers) = threads {
+                builder.worker_threads(workers);
+            }
+            builder
+        }
+    };
+    runtime.enable_all().build()?.block_on(relay(args))
+}
 
+async fn relay(args: Args) -> anyhow::Result<()> {
     let upstream: Upstream = args.upstream.parse().context("--upstream")?;
     let copy_mode = match args.copy_mode {
         Mode::Auto => CopyMode::Auto,

@@ -1,6 +1,7 @@
 //! Command-line flags (the original's names and defaults, plus ours) and their validation.
 
 use std::net::SocketAddr;
+use std::num::NonZeroUsize;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -110,6 +111,11 @@ pub struct Args {
     /// Most concurrent relayed connections (0 = unlimited).
     #[arg(long, env = "STEWARD_MAX_CONNECTIONS", default_value_t = 10_000)]
     pub max_connections: usize,
+
+    /// Threads that relay and reconcile: 1 is one event loop (the lowest per-connection cost
+    /// when one CPU suffices), more a pool of that many workers [default: one per CPU].
+    #[arg(long, env = "STEWARD_THREADS")]
+    pub threads: Option<NonZeroUsize>,
 
     /// Log format.
     #[arg(long, env = "STEWARD_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
@@ -228,7 +234,10 @@ mod tests {
         assert_eq!(args.service_port, 6443);
         assert_eq!(args.reconcile_interval, Duration::from_secs(30));
         assert_eq!(args.service_namespace, "kube-system");
+        assert_eq!(args.threads, None);
         assert!(args.validate().is_ok());
+        let args = parse(&["--upstream-addr", "h:1", "--threads", "1"]).unwrap();
+        assert_eq!(args.threads.map(NonZeroUsize::get), Some(1));
     }
 
     #[test]
@@ -243,6 +252,8 @@ mod tests {
             &["--upstream-addr", "h:1", "--reconcile-interval", "0s"],
             &["--upstream-addr", "h:1", "--service-port", "0"],
             &["--upstream-addr", "h:1", "--endpoint-mode", "node-ip"],
+            &["--upstream-addr", "h:1", "--threads", "0"],
+            &["--upstream-addr", "h:1", "--threads", "-1"],
             &["--upstream-addr", "h:1", "--tls-cert-file", "c.pem"], // key missing
             &["--upstream-addr", "h:1", "--leader-elect=maybe"],
             &["--upstream-addr", "h:1", "--leader-elect=yes"],

@@ -56,7 +56,7 @@ fn main() -> ExitCode {
         return app::usage_error(&problem);
     }
     app::init_logging(args.log_format, None);
-    app::block_on("steward-tcp-proxy", run(args))
+    app::block_on_threads("steward-tcp-proxy", args.threads, run(args))
 }
 
 async fn run(args: Args) -> anyhow::Result<()> {

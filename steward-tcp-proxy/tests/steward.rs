@@ -238,6 +238,8 @@ async fn api_calls_and_watches_pass_through_the_relay() {
         &[
             &format!("--service-namespace={ns}"),
             "--service-name=absent",
+            // One event loop relays, reconciles and serves metrics here.
+            "--threads=1",
         ],
     );
     eventually("listening", Duration::from_secs(10), || async {
@@ -480,7 +482,7 @@ async fn sigterm_drops_readiness_and_drains_a_long_watch() {
     let (mut proxy, ns, mut events, signalled) = watch_then_terminate(
         plane,
         "steward-drain",
-        &["--drain-timeout=3s", "--drain-idle=0"],
+        &["--drain-timeout=3s", "--drain-idle=0", "--threads=1"],
     )
     .await;
     // The running watch keeps delivering during the drain window...

@@ -37,12 +37,13 @@ const CASES: &[Case] = &[
     Case {
         chart: "steward-tcp-proxy",
         namespace: "kube-system",
-        what: "cluster-ip mode, no leader election",
+        what: "cluster-ip mode, no leader election, one event loop",
         sets: &[
             STEWARD_UPSTREAM,
             "endpointMode=cluster-ip",
             "leaderElection.enabled=false",
             "replicaCount=1",
+            "threads=1",
         ],
     },
     Case {
@@ -166,6 +167,11 @@ const WRONG: &[(&str, &[&str], &str)] = &[
         "steward-tcp-proxy",
         &[STEWARD_UPSTREAM, "tls.enabled=true"],
         "tls.secretName",
+    ),
+    (
+        "steward-tcp-proxy",
+        &[STEWARD_UPSTREAM, "threads=0"],
+        "threads",
     ),
     ("rstream-operator", &["logFormat=xml"], "logFormat"),
 ];

@@ -38,8 +38,8 @@ pub mod values;
 pub use flags::{go_bool_flags, parse_args, try_parse_args_from};
 pub use logging::{LogFormat, init_logging};
 pub use process::{
-    EXIT_FAILURE, EXIT_USAGE, block_on, error_chain, exit_with, kube_client, leader_identity,
-    own_namespace, serve_ops, usage_error,
+    EXIT_FAILURE, EXIT_USAGE, block_on, block_on_threads, error_chain, exit_with, kube_client,
+    leader_identity, own_namespace, serve_ops, usage_error,
 };
 pub use values::{
     ValueError, parse_duration, parse_go_bool, parse_listen_addr, parse_optional_listen_addr,

@@ -3,6 +3,7 @@
 use std::error::Error as StdError;
 use std::future::Future;
 use std::net::SocketAddr;
+use std::num::NonZeroUsize;
 use std::path::Path;
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -97,16 +98,34 @@ pub fn usage_error(message: &dyn std::fmt::Display) -> ExitCode {
     ExitCode::from(EXIT_USAGE)
 }
 
-/// Runs `work` on a multi-threaded runtime and turns its result into the exit code.
+/// Runs `work` on a multi-threaded runtime (one worker per CPU, or `TOKIO_WORKER_THREADS`) and
+/// turns its result into the exit code.
 pub fn block_on<F, E>(binary: &str, work: F) -> ExitCode
 where
     F: Future<Output = Result<(), E>>,
     E: Into<Box<dyn StdError + Send + Sync + 'static>>,
 {
-    match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
+    block_on_threads(binary, None, work)
+}
+
+/// As [`block_on`] with a thread count: `1` is one event loop on the calling thread (tokio's
+/// current-thread runtime, like HAProxy's `nbthread 1`: no hand-offs between workers), more is a
+/// multi-threaded runtime with that many workers, `None` is [`block_on`]'s default.
+pub fn block_on_threads<F, E>(binary: &str, threads: Option<NonZeroUsize>, work: F) -> ExitCode
+where
+    F: Future<Output = Result<(), E>>,
+    E: Into<Box<dyn StdError + Send + Sync + 'static>>,
+{
+    let mut builder = match threads.map(NonZeroUsize::get) {
+        Some(1) => tokio::runtime::Builder::new_current_thread(),
+        Some(workers) => {
+            let mut builder = tokio::runtime::Builder::new_multi_thread();
+            builder.worker_threads(workers);
+            builder
+        }
+        None => tokio::runtime::Builder::new_multi_thread(),
+    };
+    match builder.enable_all().build() {
         Ok(runtime) => exit_with(binary, runtime.block_on(work)),
         Err(error) => fail(binary, &error),
     }

@@ -2,8 +2,9 @@
 //! Prometheus observer the binaries use) and through HAProxy (`mode tcp`) twice: with
 //! `option splice-auto` and with forced splicing (`option splice-request` +
 //! `option splice-response`), both with proxy-core's pipe size. The better HAProxy of each figure
-//! is the peer. Relays run one worker thread on the relay CPU; a scaling phase gives proxy-core
-//! two worker threads and HAProxy `nbthread 2`, unpinned. Rounds run the contenders in a random
+//! is the peer. Relays run one thread on the relay CPU (proxy-core tokio's current-thread runtime,
+//! one event loop as HAProxy's `nbthread 1`); a scaling phase gives proxy-core two worker threads
+//! and HAProxy `nbthread 2`, unpinned. Rounds run the contenders in a random
 //! order.
 
 use std::collections::BTreeMap;
@@ -260,8 +261,10 @@ impl Relays {
             .arg(PIPE_SIZE.to_string())
             // HAProxy runs without `option tcpka`: the same work per connection.
             .arg("--no-keepalive")
-            // Worker threads like HAProxy's nbthread (tokio's default would be one per CPU).
-            .env("TOKIO_WORKER_THREADS", threads.to_string())
+            // Threads like HAProxy's nbthread: 1 is one event loop (tokio's current-thread
+            // runtime), as `nbthread 1` is; tokio's default would be a worker per CPU.
+            .arg("--threads")
+            .arg(threads.to_string())
             .env("RUST_LOG", "warn");
         Service::spawn("tcp_relay", cmd, &self.dir)
     }
@@ -359,7 +362,7 @@ pub fn contenders(_settings: &Settings) -> Vec<(&'static str, String)> {
         (
             PROXY_CORE,
             format!(
-                "examples/tcp_relay, 1 worker thread pinned to CPU {RELAY_CPU}, automatic copy mode, {PIPE_SIZE}-byte pipes, no TCP keepalive (as HAProxy), the binaries' Prometheus observer"
+                "examples/tcp_relay, --threads 1 (current-thread runtime: one event loop, as nbthread 1) pinned to CPU {RELAY_CPU}, automatic copy mode, {PIPE_SIZE}-byte pipes, no TCP keepalive (as HAProxy), the binaries' Prometheus observer"
             ),
         ),
         (
@@ -383,7 +386,7 @@ pub fn contenders(_settings: &Settings) -> Vec<(&'static str, String)> {
         ),
         (
             PROXY_CORE_2T,
-            "examples/tcp_relay, 2 worker threads, unpinned, otherwise as proxy-core".to_owned(),
+            "examples/tcp_relay, --threads 2 (multi-thread runtime, 2 workers), unpinned, otherwise as proxy-core".to_owned(),
         ),
         (
             HAPROXY_AUTO_2T,
@@ -634,7 +637,7 @@ fn configuration(relays: &Relays) -> Vec<String> {
         format!("Machine: {cpu}; kernel {kernel}; {haproxy_version}."),
         format!("Pinning: {pinning}."),
         format!(
-            "{PROXY_CORE}: examples/tcp_relay, copy mode auto (buffered first bytes, then splice through a pooled {} KiB pipe once a read fills 16 KiB), pipe budget {} MiB (the default: a quarter of pipe-user-pages-soft), PrometheusObserver registered as in the binaries (registry not scraped), --no-keepalive (TCP keepalive off, as HAProxy without option tcpka; on by default it costs 4 setsockopt per upstream connection), TOKIO_WORKER_THREADS=1, RUST_LOG=warn; {PROXY_CORE_2T}: the same with 2 worker threads.",
+            "{PROXY_CORE}: examples/tcp_relay, copy mode auto (buffered first bytes, then splice through a pooled {} KiB pipe once a read fills 16 KiB), pipe budget {} MiB (the default: a quarter of pipe-user-pages-soft), PrometheusObserver registered as in the binaries (registry not scraped), --no-keepalive (TCP keepalive off, as HAProxy without option tcpka; on by default it costs 4 setsockopt per upstream connection), --threads 1 (tokio's current-thread runtime: one event loop, no hand-offs between workers, as HAProxy nbthread 1; steward-tcp-proxy --threads 1 runs the same), RUST_LOG=warn; {PROXY_CORE_2T}: the same with --threads 2 (a multi-thread runtime with 2 workers).",
             PIPE_SIZE >> 10,
             pipe_budget >> 20
         ),
@@ -909,11 +912,11 @@ fn explanations(settings: &Settings) -> Vec<String> {
 
 /// What bounds the figures proxy-core does not reach, from profiles of the relay taken during
 /// this bench (`perf record -g -p <relay>`, cpu-clock sampling, Debian linux-perf) and syscall
-/// counts (`strace -c -f -p <relay>` over 2000 sequential pings, one worker thread). Issue 13.
+/// counts (`strace -c -f -p <relay>` over 2000 sequential pings, one thread). Issue 13.
 fn bounds() -> Vec<String> {
     vec![
         "Bound, bulk one stream (goal 0.5x direct): the relay is not CPU-bound. Over the bulk runs it spends 96% of its cycles in the kernel (splice pipe -> socket 68%, which includes the loopback delivery into the receiving socket run in softirq on the relay's CPU, about 26%; splice socket -> pipe 16%) and 3% in user space; at 0.27 CPU s/GiB and 12-15 Gbit/s its CPU is busy 40-50% of the time (HAProxy forced splice: 0.25 CPU s/GiB; the difference is kernel time, the relay's own code being 3%). A single stream through any relay crosses one more loopback TCP hop, with a cross-CPU wake-up (an IPI, costly in this VM) at each hand-off, while the generator's CPU still does every copy in and out; HAProxy with forced splice stops lower still (0.22x direct up, 0.23x down in the quiet run of 2026-12-02, where proxy-core reached 0.29x and 0.30x), so the ceiling is the kernel's loopback path, not the relay's code.".to_owned(),
-        "Bound, connection rate (goal 1.0x HAProxy; 0.85-0.95x in seven quiet runs on 2026-12-02): neither CPU is saturated. At about 6 300 connections/s the relay uses about half a CPU and the generator and sink about half of theirs (see the CPU-busy note), so the closed loop of 16 connections is bound by the hand-offs between the two CPUs (each a cross-CPU wake-up, an IPI and a vCPU wake from halt in this VM), and every microsecond either side spends per connection lengthens each hand-off. Per connection the relay pays 1.1-1.2x HAProxy's CPU time and costs the generator 1.0-1.1x (the two CPU-per-1000-connections figures). A system-wide profile (perf record -a -g over 4 rounds of this phase) put the relay's samples per connection within 1% of HAProxy's: 83% kernel (connect, close and sendto, each with the loopback delivery in softirq), about 7% user space. strace -f -p over 20 s: proxy-core issues 23 syscalls per connection with keepalive off (accept4 1.14 including EAGAIN, socket, connect, getsockopt SO_ERROR, setsockopt TCP_NODELAY, epoll_ctl 4 = 2 ADD + 2 DEL before close, recvfrom 4, sendto 2, shutdown, close 2, and an eventfd write on 35% of connections when arming the connect timer wakes the driver); HAProxy 2.6 issues 21 (+0.5 clock_gettime): level-triggered epoll with one MOD, close removes the socket, no SO_ERROR read, timers in user space. Two changes measured here made no difference beyond the noise: keepalive off (4 setsockopt fewer; kept, for equal work) and reading the client's first bytes before connecting upstream as HAProxy does (0.85-0.94x; not kept). What remains is tokio's epoll registration and timer model, which the relay cannot change without an event loop of its own.".to_owned(),
+        "Bound, connection rate (goal 1.0x HAProxy; 0.95x and 0.98x in two quick runs of 2026-12-02 with the current-thread runtime proxy-core now runs here, 0.85-0.95x in seven earlier runs with a multi-thread runtime of one worker): neither CPU is saturated. At about 6 300 connections/s the relay uses about half a CPU and the generator and sink about half of theirs (see the CPU-busy note), so the closed loop of 16 connections is bound by the hand-offs between the two CPUs (each a cross-CPU wake-up, an IPI and a vCPU wake from halt in this VM), and every microsecond either side spends per connection lengthens each hand-off. Per connection the relay pays 1.1-1.2x HAProxy's CPU time and costs the generator 1.0-1.1x (the two CPU-per-1000-connections figures). A system-wide profile (perf record -a -g over 4 rounds of this phase) put the relay's samples per connection within 1% of HAProxy's: 83% kernel (connect, close and sendto, each with the loopback delivery in softirq), about 7% user space. strace -f -p over 20 s: proxy-core issues 23 syscalls per connection with keepalive off (accept4 1.14 including EAGAIN, socket, connect, getsockopt SO_ERROR, setsockopt TCP_NODELAY, epoll_ctl 4 = 2 ADD + 2 DEL before close, recvfrom 4, sendto 2, shutdown, close 2, and an eventfd write on 35% of connections when arming the connect timer wakes the driver); HAProxy 2.6 issues 21 (+0.5 clock_gettime): level-triggered epoll with one MOD, close removes the socket, no SO_ERROR read, timers in user space. Two changes measured here made no difference beyond the noise: keepalive off (4 setsockopt fewer; kept, for equal work) and reading the client's first bytes before connecting upstream as HAProxy does (0.85-0.94x; not kept). Running one event loop on the main thread (tokio's current-thread runtime, as HAProxy nbthread 1) instead of a worker beside the main thread raised the ratio to the top of that range without changing the syscalls (strace -c -f over 2000 sequential connections: 25 per connection in both, 5 of them epoll_wait); the hand-off between the two runtime threads is gone. What remains is tokio's epoll registration and timer model, which the relay cannot change without an event loop of its own.".to_owned(),
         "Bound, 8 streams (goal 1.0x HAProxy, one relay thread and two): the generator and sink copy every byte in and out through the socket API and saturate their CPU. With one relay thread the relay's CPU is busy about a third of the time (relay CPU per GiB x throughput). With two threads everything is unpinned and the generator and sink take about 1.3 of the 2 CPUs (perf record -a -g over 3 rounds of the scaling phase: 64% of all samples in this process, nearly all kernel copy and loopback); the relays share the rest (proxy-core 2 threads about 0.55 CPU, HAProxy forced splice nbthread 2 about 0.49 CPU during their runs) and both splice. Within that ceiling the two are at parity: 0.96-1.03x in three quiet runs, each median inside the other's min-max.".to_owned(),
         "Idle connections: 10 000 do not fit this machine's hard open-file limit of 20 000 (setrlimit above it is refused even as root here): a relay needs 2 descriptors per connection plus its own, the generator 2 more (client and sink side), and HAProxy 2.5 per maxconn, so every contender holds the count shown in the note above.".to_owned(),
     ]
