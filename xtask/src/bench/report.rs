@@ -320,6 +320,12 @@ pub fn markdown(report: &Report) -> String {
             let _ = writeln!(out, "| {contender} | {configuration} |");
         }
     }
+    goals_and_notes(report, &mut out);
+    out
+}
+
+/// The goals table (met or not) and the notes: method, machine, and what bounds a missed goal.
+fn goals_and_notes(report: &Report, out: &mut String) {
     if !report.goals.is_empty() {
         let _ = writeln!(out, "\n| goal | measured | met |\n|---|---|---|");
         for goal in &report.goals {
@@ -337,7 +343,6 @@ pub fn markdown(report: &Report) -> String {
             let _ = writeln!(out, "- {note}");
         }
     }
-    out
 }
 
 /// The median as shown in tables: a derived number says "model" next to it.
@@ -406,10 +411,12 @@ pub fn summary_markdown(reports: &[Report], failures: &[(String, String)]) -> St
             }
         }
     }
+    // Per bench: how it ran, its goals, and the notes that say how each figure was taken and,
+    // for a missed goal, what bounds it.
     for report in reports {
         let _ = writeln!(
             out,
-            "\n{}{}: {} round(s); {}; {} → {}",
+            "\n## {}{}\n\n{} round(s); {}; {} → {}",
             report.bench,
             if report.quick { " (quick)" } else { "" },
             report.rounds,
@@ -417,6 +424,7 @@ pub fn summary_markdown(reports: &[Report], failures: &[(String, String)]) -> St
             report.machine.load_at_start,
             report.machine.load_at_end
         );
+        goals_and_notes(report, &mut out);
     }
     for (bench, error) in failures {
         let _ = writeln!(out, "\n**{bench} failed:** {error}");
@@ -511,10 +519,19 @@ mod tests {
             },
             contenders: BTreeMap::from([("relay".to_owned(), "one thread".to_owned())]),
             figures: recorder.finish(&["direct"]),
-            goals: Vec::new(),
-            notes: Vec::new(),
+            goals: vec![Goal {
+                goal: "relay >= 1.00x direct".to_owned(),
+                measured: "0.50x".to_owned(),
+                met: Some(false),
+            }],
+            notes: vec!["Bound: the loopback path.".to_owned()],
         };
         let text = summary_markdown(&[report], &[]);
+        assert!(
+            text.contains("| relay >= 1.00x direct | 0.50x | NO |"),
+            "{text}"
+        );
+        assert!(text.contains("\n- Bound: the loopback path.\n"), "{text}");
         assert!(
             text.contains("| demo | speed (Gbit/s) | relay | one thread | 1.00 (1.00–1.00) | direct 2.00 | 0.50x |"),
             "{text}"
