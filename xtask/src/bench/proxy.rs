@@ -452,7 +452,7 @@ pub fn run(settings: &Settings) -> anyhow::Result<Outcome> {
     }
     let goals = goals(&figures);
     notes.extend(explanations(settings));
-    notes.extend(bounds());
+    notes.extend(bounds(&figures));
     notes.extend(configuration(&relays));
     Ok(Outcome {
         figures,
@@ -912,19 +912,91 @@ fn explanations(settings: &Settings) -> Vec<String> {
 
 /// What bounds the figures proxy-core does not reach, from profiles of the relay taken during
 /// this bench (`perf record -g -p <relay>`, cpu-clock sampling, Debian linux-perf) and syscall
-/// counts (`strace -c -f -p <relay>` over 2000 sequential pings, one thread). Issue 13.
-fn bounds() -> Vec<String> {
+/// counts (`strace -c -f -p <relay>` over 2000 sequential pings, one thread), with this run's
+/// figures in the text so that every statement can be checked against the tables. Issue 13.
+fn bounds(figures: &[Figure]) -> Vec<String> {
+    let [up, down, eight_up, eight_down] = BULK.map(|(_, _, metric)| metric);
+    let [scaled_up, scaled_down] = SCALING.map(|(_, metric)| metric);
+    let vs = |metric: Metric, ours: &str, reference: &str| versus(figures, metric, ours, reference);
     vec![
-        "Bound, bulk one stream (goal 0.5x direct): the relay is not CPU-bound. Over the bulk runs it spends 96% of its cycles in the kernel (splice pipe -> socket 68%, which includes the loopback delivery into the receiving socket run in softirq on the relay's CPU, about 26%; splice socket -> pipe 16%) and 3% in user space; at 0.27 CPU s/GiB and 12-15 Gbit/s its CPU is busy 40-50% of the time (HAProxy forced splice: 0.25 CPU s/GiB; the difference is kernel time, the relay's own code being 3%). A single stream through any relay crosses one more loopback TCP hop, with a cross-CPU wake-up (an IPI, costly in this VM) at each hand-off, while the generator's CPU still does every copy in and out. HAProxy with forced splice, which makes the same two splice calls per chunk through a pipe of the same size, lands in the same band (0.22-0.37x direct across the quiet runs of 2026-12-02, proxy-core 0.22-0.34x), so the ceiling is the kernel's loopback path, not the relay's code. Bound, bulk one stream (goal 1.2x HAProxy): proxy-core is 1.5-1.9x HAProxy splice-auto, but against forced splice with proxy-core's pipe size it is at parity (0.93-1.32x over those runs): when 96% of both relays' cycles are the same kernel calls, no change in the relay's 3% of user space can make it 1.2x faster.".to_owned(),
-        "Bound, connection rate (goal 1.0x HAProxy; 0.92-0.98x in three runs of 2026-12-02 with the current-thread runtime proxy-core now runs here, 0.85-0.95x in seven earlier runs with a multi-thread runtime of one worker): neither CPU is saturated. At about 6 300 connections/s the relay uses about half a CPU and the generator and sink about half of theirs (see the CPU-busy note), so the closed loop of 16 connections is bound by the hand-offs between the two CPUs (each a cross-CPU wake-up, an IPI and a vCPU wake from halt in this VM), and every microsecond either side spends per connection lengthens each hand-off. Per connection the relay pays 1.1-1.2x HAProxy's CPU time and costs the generator 1.0-1.1x (the two CPU-per-1000-connections figures). A system-wide profile (perf record -a -g over 4 rounds of this phase) put the relay's samples per connection within 1% of HAProxy's: 83% kernel (connect, close and sendto, each with the loopback delivery in softirq), about 7% user space. strace -f -p over 20 s: proxy-core issues 23 syscalls per connection with keepalive off (accept4 1.14 including EAGAIN, socket, connect, getsockopt SO_ERROR, setsockopt TCP_NODELAY, epoll_ctl 4 = 2 ADD + 2 DEL before close, recvfrom 4, sendto 2, shutdown, close 2, and an eventfd write on 35% of connections when arming the connect timer wakes the driver); HAProxy 2.6 issues 21 (+0.5 clock_gettime): level-triggered epoll with one MOD, close removes the socket, no SO_ERROR read, timers in user space. Two changes measured here made no difference beyond the noise: keepalive off (4 setsockopt fewer; kept, for equal work) and reading the client's first bytes before connecting upstream as HAProxy does (0.85-0.94x; not kept). Running one event loop on the main thread (tokio's current-thread runtime, as HAProxy nbthread 1) instead of a worker beside the main thread moved the ratio up by a few hundredths, about the noise between runs, without changing the syscalls (strace -c -f over 2000 sequential connections: 25 per connection in both, 5 of them epoll_wait); the hand-off between the two runtime threads is gone. What remains is tokio's epoll registration and timer model, which the relay cannot change without an event loop of its own.".to_owned(),
-        "Bound, 8 streams (goal 1.0x HAProxy, one relay thread and two): the generator and sink copy every byte in and out through the socket API and saturate their CPU. With one relay thread the relay's CPU is busy about a third of the time (relay CPU per GiB x throughput). With two threads everything is unpinned and the generator and sink take about 1.3 of the 2 CPUs (perf record -a -g over 3 rounds of the scaling phase: 64% of all samples in this process, nearly all kernel copy and loopback); the relays share the rest (proxy-core 2 threads about 0.55 CPU, HAProxy forced splice nbthread 2 about 0.49 CPU during their runs) and both splice. Within that ceiling the two are at parity: 0.96-1.03x in three quiet runs, each median inside the other's min-max.".to_owned(),
+        format!(
+            "Bound, bulk one stream (goal 0.5x direct; this run: proxy-core {} up, {} down; HAProxy forced splice {} and {}): the relay is not CPU-bound. Over the bulk runs it spends 96% of its cycles in the kernel (splice pipe -> socket 68%, which includes the loopback delivery into the receiving socket run in softirq on the relay's CPU, about 26%; splice socket -> pipe 16%) and 3% in user space; at 0.27-0.30 CPU s/GiB and 12-15 Gbit/s its CPU is busy 40-50% of the time (HAProxy forced splice: 0.25-0.29 CPU s/GiB; the difference is kernel time, the relay's own code being 3%). A single stream through any relay crosses one more loopback TCP hop, with a cross-CPU wake-up (an IPI, costly in this VM) at each hand-off, while the generator's CPU still does every copy in and out. HAProxy with forced splice, which makes the same two splice calls per chunk through a pipe of the same size, lands in the same band, so the ceiling is the kernel's loopback path, not the relay's code. Bound, bulk one stream (goal 1.2x HAProxy; this run: {} up, {} down): proxy-core is 1.5-1.9x HAProxy splice-auto, but against forced splice with proxy-core's pipe size it is at parity (0.93-1.38x in three earlier full runs of 2026-12-02): when 96% of both relays' cycles are the same kernel calls, no change in the relay's 3% of user space can make it 1.2x faster.",
+            vs(up, PROXY_CORE, DIRECT),
+            vs(down, PROXY_CORE, DIRECT),
+            vs(up, HAPROXY_FORCED, DIRECT),
+            vs(down, HAPROXY_FORCED, DIRECT),
+            vs(up, PROXY_CORE, HAPROXY_FORCED),
+            vs(down, PROXY_CORE, HAPROXY_FORCED),
+        ),
+        format!(
+            "Bound, connection rate (goal 1.0x HAProxy; this run: {}; 0.92-0.98x in four earlier runs of 2026-12-02 with the current-thread runtime proxy-core runs here, 0.85-0.95x in seven with a multi-thread runtime of one worker): neither CPU is saturated.{CONNECTION_RATE_PROFILE}",
+            vs(CONNECTION_RATE, PROXY_CORE, HAPROXY),
+        ),
+        format!(
+            "Bound, 8 streams (goal 1.0x HAProxy, one relay thread and two; this run, one thread: {} up, {} down; two threads: {} up, {} down): the generator and sink copy every byte in and out through the socket API and saturate their CPU. With one relay thread the relay's CPU is busy about a third of the time (relay CPU per GiB x throughput). With two threads everything is unpinned and the generator and sink take about 1.3 of the 2 CPUs (perf record -a -g over 3 rounds of the scaling phase: 64% of all samples in this process, nearly all kernel copy and loopback); the relays share the rest (proxy-core 2 threads about 0.55 CPU, HAProxy forced splice nbthread 2 about 0.49 CPU during their runs) and both splice. Within that ceiling the two are at parity: 0.84-1.11x over five earlier runs, the lowest with each median inside the other's min-max.",
+            vs(eight_up, PROXY_CORE, HAPROXY),
+            vs(eight_down, PROXY_CORE, HAPROXY),
+            vs(scaled_up, PROXY_CORE_2T, HAPROXY_2T),
+            vs(scaled_down, PROXY_CORE_2T, HAPROXY_2T),
+        ),
         "Idle connections: 10 000 do not fit this machine's hard open-file limit of 20 000 (setrlimit above it is refused even as root here): a relay needs 2 descriptors per connection plus its own, the generator 2 more (client and sink side), and HAProxy 2.5 per maxconn, so every contender holds the count shown in the note above.".to_owned(),
     ]
+}
+
+/// The profile behind the connection-rate bound (perf and strace on this machine, 2026-12-02).
+const CONNECTION_RATE_PROFILE: &str = " At about 6 300 connections/s the relay uses about half a CPU and the generator and sink about half of theirs (see the CPU-busy note), so the closed loop of 16 connections is bound by the hand-offs between the two CPUs (each a cross-CPU wake-up, an IPI and a vCPU wake from halt in this VM), and every microsecond either side spends per connection lengthens each hand-off. Per connection the relay pays 1.1-1.2x HAProxy's CPU time and costs the generator 1.0-1.1x (the two CPU-per-1000-connections figures). A system-wide profile (perf record -a -g over 4 rounds of this phase) put the relay's samples per connection within 1% of HAProxy's: 83% kernel (connect, close and sendto, each with the loopback delivery in softirq), about 7% user space. strace -f -p over 20 s: proxy-core issues 23 syscalls per connection with keepalive off (accept4 1.14 including EAGAIN, socket, connect, getsockopt SO_ERROR, setsockopt TCP_NODELAY, epoll_ctl 4 = 2 ADD + 2 DEL before close, recvfrom 4, sendto 2, shutdown, close 2, and an eventfd write on 35% of connections when arming the connect timer wakes the driver); HAProxy 2.6 issues 21 (+0.5 clock_gettime): level-triggered epoll with one MOD, close removes the socket, no SO_ERROR read, timers in user space. Two changes measured here made no difference beyond the noise: keepalive off (4 setsockopt fewer; kept, for equal work) and reading the client's first bytes before connecting upstream as HAProxy does (0.85-0.94x; not kept). Running one event loop on the main thread (tokio's current-thread runtime, as HAProxy nbthread 1) instead of a worker beside the main thread moved the ratio up by a few hundredths, about the noise between runs, without changing the syscalls (strace -c -f over 2000 sequential connections: 25 per connection in both, 5 of them epoll_wait); the hand-off between the two runtime threads is gone. What remains is tokio's epoll registration and timer model, which the relay cannot change without an event loop of its own.";
+
+/// `ours` against `reference` in one figure of this run: the ratio of medians, and whether each
+/// median falls inside the other's min-max (then the run cannot tell the two apart).
+fn versus(figures: &[Figure], metric: Metric, ours: &str, reference: &str) -> String {
+    let Some(figure) = figures.iter().find(|f| f.name == metric.name) else {
+        return "not measured".to_owned();
+    };
+    let series = |name: &str| figure.series.iter().find(|s| s.contender == name);
+    let (Some(a), Some(b)) = (series(ours), series(reference)) else {
+        return "not measured".to_owned();
+    };
+    let (Some(a_median), Some(b_median)) = (a.median, b.median) else {
+        return "not measured".to_owned();
+    };
+    let inside = |median: f64, other: &report::Series| {
+        other.min.is_some_and(|min| min <= median) && other.max.is_some_and(|max| median <= max)
+    };
+    let overlap = if inside(a_median, b) && inside(b_median, a) {
+        ", each median inside the other's min-max"
+    } else {
+        ""
+    };
+    format!("{:.2}x{overlap}", a_median / b_median)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn versus_gives_the_ratio_and_says_when_the_ranges_overlap() {
+        let [up, down, ..] = BULK.map(|(_, _, metric)| metric);
+        let mut recorder = Recorder::default();
+        for (ours, theirs) in [(10.0, 9.0), (12.0, 11.0), (11.0, 12.5)] {
+            recorder.record(up, PROXY_CORE, ours);
+            recorder.record(up, HAPROXY_FORCED, theirs);
+        }
+        for (ours, theirs) in [(10.0, 20.0), (11.0, 21.0)] {
+            recorder.record(down, PROXY_CORE, ours);
+            recorder.record(down, HAPROXY_FORCED, theirs);
+        }
+        let figures = recorder.finish(&[DIRECT]);
+        assert_eq!(
+            versus(&figures, up, PROXY_CORE, HAPROXY_FORCED),
+            "1.00x, each median inside the other's min-max"
+        );
+        assert_eq!(versus(&figures, down, PROXY_CORE, HAPROXY_FORCED), "0.51x");
+        assert_eq!(
+            versus(&figures, CONNECTION_RATE, PROXY_CORE, HAPROXY),
+            "not measured"
+        );
+    }
 
     #[test]
     fn haproxy_config_names_both_addresses() {
