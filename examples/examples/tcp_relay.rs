@@ -6,7 +6,6 @@
 //! ```
 
 use std::net::SocketAddr;
-use std::num::NonZeroUsize;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -65,9 +64,10 @@ struct Args {
     #[arg(long)]
     pipe_budget: Option<usize>,
     /// Runtime threads: 1 runs one event loop on the main thread (tokio's current-thread
-    /// runtime), more a multi-thread runtime with that many workers [default: one per CPU].
-    #[arg(long)]
-    threads: Option<NonZeroUsize>,
+    /// runtime), more a multi-thread runtime with that many workers (at most 1024) [default: one
+    /// per CPU].
+    #[arg(long, value_parser = clap::value_parser!(u16).range(1..=1024))]
+    threads: Option<u16>,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -75,12 +75,12 @@ fn main() -> anyhow::Result<()> {
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
         .init();
     let args = Args::parse();
-    let mut runtime = match args.threads.map(NonZeroUsize::get) {
+    let mut runtime = match args.threads {
         Some(1) => tokio::runtime::Builder::new_current_thread(),
         threads => {
             let mut builder = tokio::runtime::Builder::new_multi_thread();
             if let Some(workers) = threads {
-                builder.worker_threads(workers);
+                builder.worker_threads(usize::from(workers));
             }
             builder
         }

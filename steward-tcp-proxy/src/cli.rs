@@ -11,6 +11,9 @@ use k8s_reconcile::app::{
 };
 use proxy_core::http_connect::HttpProxy;
 
+/// Most runtime threads `--threads` accepts.
+const MAX_THREADS: usize = 1024;
+
 /// Flags. The first five are the original's, with its defaults and `UPSTREAM_ADDR`. Boolean flags
 /// take Go's forms (`--flag`, `--flag=true`, `--flag=false`): parse with
 /// [`k8s_reconcile::app::parse_args`].
@@ -113,7 +116,8 @@ pub struct Args {
     pub max_connections: usize,
 
     /// Threads that relay and reconcile: 1 is one event loop (the lowest per-connection cost
-    /// when one CPU suffices), more a pool of that many workers [default: one per CPU].
+    /// when one CPU suffices), more a pool of that many workers, at most 1024 [default: one per
+    /// CPU].
     #[arg(long, env = "STEWARD_THREADS")]
     pub threads: Option<NonZeroUsize>,
 
@@ -181,6 +185,12 @@ impl Args {
                 self.service_namespace
             )
         })?;
+        // The runtime starts every worker up front; a typo must not try to spawn a million.
+        if let Some(threads) = self.threads
+            && threads.get() > MAX_THREADS
+        {
+            return Err(format!("--threads {threads} is more than {MAX_THREADS}"));
+        }
         for (flag, addr) in [
             ("--health-addr", self.health_addr),
             ("--metrics-addr", self.metrics_addr),
@@ -286,6 +296,13 @@ mod tests {
         assert!(args.validate().is_err());
         let args = parse(&["--upstream-addr", "h:1", "--health-addr", ":6443"]).unwrap();
         assert!(args.validate().is_err());
+        let args = parse(&["--upstream-addr", "h:1", "--threads", "1025"]).unwrap();
+        assert_eq!(
+            args.validate().unwrap_err(),
+            "--threads 1025 is more than 1024"
+        );
+        let args = parse(&["--upstream-addr", "h:1", "--threads", "1024"]).unwrap();
+        assert!(args.validate().is_ok());
     }
 
     #[test]

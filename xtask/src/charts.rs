@@ -173,6 +173,11 @@ const WRONG: &[(&str, &[&str], &str)] = &[
         &[STEWARD_UPSTREAM, "threads=0"],
         "threads",
     ),
+    (
+        "steward-tcp-proxy",
+        &[STEWARD_UPSTREAM, "threads=1025"],
+        "threads",
+    ),
     ("rstream-operator", &["logFormat=xml"], "logFormat"),
 ];
 
