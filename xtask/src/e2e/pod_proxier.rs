@@ -36,8 +36,13 @@ pub async fn run(env: &Env<'_>) -> ChartReport {
         .split(", ")
         .filter(|n| !n.is_empty())
     {
-        if let Ok(r) = super::restarts(env.plane, ns).await {
-            report.restarts.extend(r);
+        match super::restarts(env.plane, ns).await {
+            Ok(r) => report.restarts.extend(r),
+            // Unread restart counts are not zero restarts: the chart fails.
+            Err(err) => report
+                .error
+                .get_or_insert_with(String::new)
+                .push_str(&format!(" restart counts in {ns}: {err:#}")),
         }
     }
     report
@@ -114,6 +119,7 @@ async fn scenarios(env: &Env<'_>, report: &mut ChartReport) -> anyhow::Result<()
     let (status, answer) =
         http(api, "POST", "/api/v1/mapping", Some(&allowed), Some(&body)).await?;
     let entry_port = answer["data"]["entry_port"].as_i64().unwrap_or(0);
+    let v1_name = answer["data"]["name"].as_str().map(str::to_owned);
     let echoed = tcp_echo(entry, 64 * 1024).await;
     let (denied_status, denied_answer) =
         http(api, "POST", "/api/v1/mapping", Some(&denied), Some(&body)).await?;
@@ -150,7 +156,7 @@ async fn scenarios(env: &Env<'_>, report: &mut ChartReport) -> anyhow::Result<()
 
     // V2: the Service's port named debug gets a stable entry port that reaches every Pod.
     let started = Instant::now();
-    let v2_entry = v2_port(api, &allowed, &work).await?;
+    let (v2_name, v2_entry) = v2_port(api, &allowed, &work).await?;
     let v2: SocketAddr = format!("{cluster_ip}:{v2_entry}").parse()?;
     let want: BTreeSet<String> = web_pods.iter().map(|(n, _)| n.clone()).collect();
     let seen = check::reach_all(v2, &want).await;
@@ -230,8 +236,16 @@ async fn scenarios(env: &Env<'_>, report: &mut ChartReport) -> anyhow::Result<()
         format!("after {victim} left the slice: {answered}/60 answered, {to_victim} by it"),
     );
 
-    // A restart restores every mapping with its port and remaining TTL.
+    // A restart restores every mapping with its port and remaining TTL: the V1 mapping and the
+    // V2 mapping made above, by name and port, must be there before and after.
     let started = Instant::now();
+    let expected = [
+        (
+            v1_name.context("the V1 POST answered no mapping name")?,
+            i64::from(ENTRY_PORT),
+        ),
+        (v2_name, v2_entry),
+    ];
     let before = mappings(api, &allowed).await?;
     let old_pods = Api::<Pod>::namespaced(client.clone(), &ns)
         .list(&ListParams::default().labels(SELECTOR))
@@ -261,61 +275,28 @@ async fn scenarios(env: &Env<'_>, report: &mut ChartReport) -> anyhow::Result<()
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     let after = mappings(api, &allowed).await?;
-    let v2_after = v2_port(api, &allowed, &work).await?;
+    let (_, v2_after) = v2_port(api, &allowed, &work).await?;
     let echoed = tcp_echo(entry, 4096).await;
-    let same_ports = before
-        .iter()
-        .all(|(name, port, _)| after.iter().any(|(n, p, _)| n == name && p == port));
-    let ttl_kept = before.iter().all(|(name, _, ttl)| {
-        after.iter().any(|(n, _, t)| {
-            n == name
-                && *t <= *ttl
-                && *t + i64::try_from(started.elapsed().as_secs()).unwrap_or(0) + 2 >= *ttl
-        })
-    });
+    let restored = judge_restore(&expected, &before, &after, started.elapsed());
     report.record(
         "pod-proxier Pod deleted: the replacement restores every mapping with the same ports and remaining TTL",
-        same_ports && ttl_kept && v2_after == v2_entry && echoed.is_ok(),
+        restored.is_ok() && v2_after == v2_entry && echoed.is_ok(),
         started,
         format!(
-            "before {before:?}; after {after:?}; V2 port {v2_entry} -> {v2_after}; V1 echo after: {}",
+            "{}; before {before:?}; after {after:?}; V2 port {v2_entry} -> {v2_after}; V1 echo after: {}",
+            restored.unwrap_or_else(|e| e),
             echoed.as_ref().map(|_| "ok".to_owned()).unwrap_or_else(|e| format!("{e:#}"))
         ),
     );
 
-    // Expiry closes the entry port within 1 s.
+    // Expiry: the entry port answers until the mapping's deadline, then refuses within 1 s.
     let started = Instant::now();
-    let body = json!({ "pod_name": format!("{work}/{}", profiled_pod.0), "time": 3 }).to_string();
-    let (status, answer) =
-        http(api, "POST", "/api/v1/mapping", Some(&allowed), Some(&body)).await?;
-    let remaining = answer["data"]["remaining_seconds"].as_f64().unwrap_or(3.0);
-    let posted = Instant::now();
-    let mut closed_at = None;
-    while posted.elapsed() < Duration::from_secs(10) {
-        let open = tokio::time::timeout(Duration::from_millis(500), tcp_echo(entry, 16))
-            .await
-            .is_ok_and(|r| r.is_ok());
-        if !open {
-            closed_at = Some(posted.elapsed());
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    let late = closed_at.map(|c| c.as_secs_f64() - remaining);
+    let outcome = expiry(api, entry, &allowed, &format!("{work}/{}", profiled_pod.0)).await;
     report.record(
-        "expiry closes the entry port within 1 s",
-        status == 200 && late.is_some_and(|l| l <= 1.0),
+        "expiry: the entry port answers until the deadline, then refuses connections within 1 s",
+        outcome.is_ok(),
         started,
-        format!(
-            "mapping of {remaining:.1} s; entry port refused after {}",
-            closed_at
-                .map(|c| format!(
-                    "{:.2}s ({:+.2}s after the deadline)",
-                    c.as_secs_f64(),
-                    late.unwrap_or(0.0)
-                ))
-                .unwrap_or_else(|| "never (10 s)".to_owned())
-        ),
+        outcome.unwrap_or_else(|e| format!("{e:#}")),
     );
 
     // The chart as users meet it: NOTES.txt says what to check next; `helm test` passes.
@@ -406,8 +387,8 @@ pub async fn token(env: &Env<'_>, ns: &str, account: &str) -> anyhow::Result<Str
     answer.status.and_then(|s| s.token).context("no token")
 }
 
-/// A V2 entry port of `ns/web`, waited for (bounded).
-async fn v2_port(api: SocketAddr, token: &str, ns: &str) -> anyhow::Result<i64> {
+/// The V2 mapping of `ns/web`, (name, entry port), waited for (bounded).
+async fn v2_port(api: SocketAddr, token: &str, ns: &str) -> anyhow::Result<(String, i64)> {
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         let (status, answer) = http(
@@ -421,7 +402,10 @@ async fn v2_port(api: SocketAddr, token: &str, ns: &str) -> anyhow::Result<i64> 
         if status == 200
             && let Some(port) = answer["data"]["entry_port"].as_i64()
         {
-            return Ok(port);
+            let name = answer["data"]["name"]
+                .as_str()
+                .with_context(|| format!("the V2 mapping of {ns}/web has no name: {answer}"))?;
+            return Ok((name.to_owned(), port));
         }
         if Instant::now() > deadline {
             bail!("no V2 port for {ns}/web: {status} {answer}");
@@ -430,32 +414,282 @@ async fn v2_port(api: SocketAddr, token: &str, ns: &str) -> anyhow::Result<i64> 
     }
 }
 
-/// (name, entry port, remaining seconds) of every mapping the caller sees, V1 and V2.
-async fn mappings(api: SocketAddr, token: &str) -> anyhow::Result<Vec<(String, i64, i64)>> {
+/// One mapping as the API lists it: (name, entry port, remaining seconds; V2 has none).
+type Listed = (String, i64, Option<i64>);
+
+/// Every mapping the caller sees, V1 and V2; an answer without a list, or a mapping without a
+/// name or entry port, is an error (never an empty list).
+async fn mappings(api: SocketAddr, token: &str) -> anyhow::Result<Vec<Listed>> {
     let mut out = Vec::new();
     let deadline = Instant::now() + Duration::from_secs(60);
     for path in ["/api/v1/mappings", "/api/v2/mappings"] {
-        let (status, answer) = loop {
+        let answer = loop {
             let got = http(api, "GET", path, Some(token), None).await;
             if let Ok((200, answer)) = got {
-                break (200, answer);
+                break answer;
             }
             if Instant::now() > deadline {
                 bail!("GET {path}: {got:?}");
             }
             tokio::time::sleep(Duration::from_millis(200)).await;
         };
-        let _ = status;
-        for m in answer["data"].as_array().cloned().unwrap_or_default() {
+        let list = answer["data"]
+            .as_array()
+            .with_context(|| format!("GET {path}: no list in {answer}"))?;
+        for m in list {
             out.push((
-                m["name"].as_str().unwrap_or_default().to_owned(),
-                m["entry_port"].as_i64().unwrap_or(0),
-                m["remaining_seconds"].as_i64().unwrap_or(-1),
+                m["name"]
+                    .as_str()
+                    .with_context(|| format!("GET {path}: a mapping without a name: {m}"))?
+                    .to_owned(),
+                m["entry_port"]
+                    .as_i64()
+                    .with_context(|| format!("GET {path}: a mapping without an entry port: {m}"))?,
+                m["remaining_seconds"].as_i64(),
             ));
         }
     }
     out.sort();
     Ok(out)
+}
+
+/// Whether `after` (listed `elapsed` after `before`) restored every `expected` (name, entry
+/// port): each is in both lists with that port, and a V1 mapping's remaining time did not grow
+/// nor drop by more than the time that passed (2 s of rounding allowed); a V2 mapping has none.
+fn judge_restore(
+    expected: &[(String, i64)],
+    before: &[Listed],
+    after: &[Listed],
+    elapsed: Duration,
+) -> Result<String, String> {
+    if expected.is_empty() {
+        return Err("nothing expected: the scenario made no mapping".to_owned());
+    }
+    let passed = i64::try_from(elapsed.as_secs()).unwrap_or(i64::MAX);
+    let mut kept = Vec::new();
+    for (name, port) in expected {
+        let find = |list: &[Listed]| list.iter().find(|(n, _, _)| n == name).cloned();
+        let Some((_, port_before, ttl_before)) = find(before) else {
+            return Err(format!("{name} was not listed before the restart"));
+        };
+        let Some((_, port_after, ttl_after)) = find(after) else {
+            return Err(format!("{name} is missing after the restart"));
+        };
+        if port_before != *port || port_after != *port {
+            return Err(format!(
+                "{name}: entry port {port} expected, {port_before} before and {port_after} after"
+            ));
+        }
+        match (ttl_before, ttl_after) {
+            (None, None) => kept.push(format!("{name} on {port}")),
+            (Some(b), Some(a)) if a <= b && a + passed + 2 >= b => {
+                kept.push(format!(
+                    "{name} on {port}, {b} s left -> {a} s after {passed} s"
+                ));
+            }
+            (b, a) => {
+                return Err(format!(
+                    "{name}: remaining time {b:?} s before, {a:?} s after, {passed} s later"
+                ));
+            }
+        }
+    }
+    Ok(format!("restored: {}", kept.join("; ")))
+}
+
+/// How the entry port met one probe.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Probe {
+    /// A short echo went through intact.
+    Answered,
+    /// The connection was refused: nothing forwards the port.
+    Refused,
+    /// Anything else (a timeout, a reset, bytes lost): proves neither.
+    Other(String),
+}
+
+/// One probe, its start and end measured from the moment the mapping was requested.
+#[derive(Debug, Clone)]
+struct Probed {
+    started: Duration,
+    ended: Duration,
+    outcome: Probe,
+}
+
+/// A mapping's TTL in the expiry scenario.
+const EXPIRY_TTL: Duration = Duration::from_secs(3);
+/// How long after its deadline the entry port must refuse connections.
+const EXPIRY_BOUND: Duration = Duration::from_secs(1);
+/// Refusals in a row, and for how long, that prove the port closed (not a blip).
+const REFUSALS: usize = 3;
+const REFUSED_FOR: Duration = Duration::from_millis(500);
+
+/// Maps `pod` for [`EXPIRY_TTL`] and probes the entry port until it has refused for a while
+/// (bounded); returns what [`judge_expiry`] says.
+async fn expiry(
+    api: SocketAddr,
+    entry: SocketAddr,
+    token: &str,
+    pod: &str,
+) -> anyhow::Result<String> {
+    let body = json!({ "pod_name": pod, "time": EXPIRY_TTL.as_secs() }).to_string();
+    let sent = Instant::now();
+    let (status, answer) = http(api, "POST", "/api/v1/mapping", Some(token), Some(&body)).await?;
+    let received = sent.elapsed();
+    if status != 200 {
+        bail!("POST {status}: {answer}");
+    }
+    let data = &answer["data"];
+    let ttl = data["ttl_seconds"].as_u64();
+    let remaining = data["remaining_seconds"].as_i64();
+    if ttl != Some(EXPIRY_TTL.as_secs())
+        || remaining.is_none_or(|r| r < 1 || r > ttl.map_or(0, |t| t.cast_signed()))
+        || data["expires_at"].as_str().is_none()
+    {
+        bail!(
+            "the answer does not confirm a {EXPIRY_TTL:?} mapping (ttl_seconds, remaining_seconds, expires_at): {answer}"
+        );
+    }
+    // The server set the deadline to its clock plus the TTL while handling the request.
+    let window = (EXPIRY_TTL, received + EXPIRY_TTL);
+    let stop_by = window.1 + EXPIRY_BOUND + Duration::from_secs(5);
+    let mut probes: Vec<Probed> = Vec::new();
+    while sent.elapsed() < stop_by {
+        let started = sent.elapsed();
+        let outcome = probe(entry).await;
+        probes.push(Probed {
+            started,
+            ended: sent.elapsed(),
+            outcome,
+        });
+        let refused: Vec<&Probed> = probes
+            .iter()
+            .rev()
+            .take_while(|p| p.outcome == Probe::Refused)
+            .collect();
+        if refused.len() >= REFUSALS
+            && refused[0]
+                .started
+                .saturating_sub(refused[refused.len() - 1].started)
+                >= REFUSED_FOR
+        {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    judge_expiry(window, &probes).map_err(|e| anyhow::anyhow!("{e}"))
+}
+
+/// One connection to `addr`: a 16-byte echo, a refusal, or something else.
+async fn probe(addr: SocketAddr) -> Probe {
+    match tokio::time::timeout(Duration::from_secs(2), tokio::net::TcpStream::connect(addr)).await {
+        Err(_) => Probe::Other("connect timed out after 2 s".to_owned()),
+        Ok(Err(e)) if e.kind() == std::io::ErrorKind::ConnectionRefused => Probe::Refused,
+        Ok(Err(e)) => Probe::Other(format!("connect: {e}")),
+        Ok(Ok(stream)) => match echo_on(stream, 16).await {
+            Ok(()) => Probe::Answered,
+            Err(e) => Probe::Other(format!("{e:#}")),
+        },
+    }
+}
+
+/// Whether `probes` prove the expiry: the port answered within the last [`EXPIRY_BOUND`] before
+/// the earliest possible deadline (`window.0`) and nothing refused before it; then it refused,
+/// the first refusal no later than [`EXPIRY_BOUND`] after the latest possible deadline
+/// (`window.1`), and every later probe was refused ([`REFUSALS`] at least, over
+/// [`REFUSED_FOR`]). A timeout or a lost byte counts as neither answer nor refusal.
+fn judge_expiry(window: (Duration, Duration), probes: &[Probed]) -> Result<String, String> {
+    let secs = |d: Duration| format!("{:.2}s", d.as_secs_f64());
+    let others: Vec<&Probed> = probes
+        .iter()
+        .filter(|p| matches!(p.outcome, Probe::Other(_)))
+        .collect();
+    let others_note = match others.first() {
+        Some(Probed {
+            started,
+            outcome: Probe::Other(why),
+            ..
+        }) => format!(
+            "; {} probes neither answered nor refused (first at {}: {why})",
+            others.len(),
+            secs(*started)
+        ),
+        _ => String::new(),
+    };
+    let last_answer = probes
+        .iter()
+        .filter(|p| p.outcome == Probe::Answered && p.ended <= window.0)
+        .map(|p| p.started)
+        .max();
+    let Some(last_answer) = last_answer else {
+        return Err(format!(
+            "the entry port never answered before the deadline ({} to {}){others_note}",
+            secs(window.0),
+            secs(window.1)
+        ));
+    };
+    if last_answer + EXPIRY_BOUND < window.0 {
+        return Err(format!(
+            "the entry port last answered at {}, more than {EXPIRY_BOUND:?} before the deadline {}{others_note}",
+            secs(last_answer),
+            secs(window.0)
+        ));
+    }
+    let Some(first) = probes.iter().position(|p| p.outcome == Probe::Refused) else {
+        return Err(format!(
+            "the entry port was never refused (deadline {} to {}, probed until {}){others_note}",
+            secs(window.0),
+            secs(window.1),
+            secs(probes.last().map_or(Duration::ZERO, |p| p.ended))
+        ));
+    };
+    let refused_at = probes[first].started;
+    if refused_at < window.0 {
+        return Err(format!(
+            "the entry port refused at {}, before the deadline {}{others_note}",
+            secs(refused_at),
+            secs(window.0)
+        ));
+    }
+    if probes[first].ended > window.1 + EXPIRY_BOUND {
+        return Err(format!(
+            "the entry port first refused at {}, {} after the latest deadline {} (bound {EXPIRY_BOUND:?}){others_note}",
+            secs(probes[first].ended),
+            secs(probes[first].ended - window.1),
+            secs(window.1)
+        ));
+    }
+    let rest = &probes[first..];
+    if let Some(p) = rest.iter().find(|p| p.outcome != Probe::Refused) {
+        return Err(format!(
+            "refused at {}, then {:?} at {}{others_note}",
+            secs(refused_at),
+            p.outcome,
+            secs(p.started)
+        ));
+    }
+    let span = rest.last().map_or(Duration::ZERO, |p| p.started) - refused_at;
+    if rest.len() < REFUSALS || span < REFUSED_FOR {
+        return Err(format!(
+            "only {} refusals over {} after {} (want {REFUSALS} over {REFUSED_FOR:?}){others_note}",
+            rest.len(),
+            secs(span),
+            secs(refused_at)
+        ));
+    }
+    Ok(format!(
+        "deadline {} to {} after the POST; {} answers, the last at {}; refused from {} ({} refusals over {}){others_note}",
+        secs(window.0),
+        secs(window.1),
+        probes
+            .iter()
+            .filter(|p| p.outcome == Probe::Answered)
+            .count(),
+        secs(last_answer),
+        secs(refused_at),
+        rest.len(),
+        secs(span)
+    ))
 }
 
 /// One HTTP/1.0 request; returns the status and the JSON body. Retries connection errors for a
@@ -502,8 +736,19 @@ pub async fn http(
 async fn tcp_echo(addr: SocketAddr, len: usize) -> anyhow::Result<Duration> {
     let started = Instant::now();
     let exchange = async {
-        let data: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
         let stream = tokio::net::TcpStream::connect(addr).await?;
+        echo_on(stream, len).await
+    };
+    tokio::time::timeout(Duration::from_secs(10), exchange)
+        .await
+        .context("timed out")??;
+    Ok(started.elapsed())
+}
+
+/// Sends `len` bytes on `stream` (an echo) and checks they come back intact (within 10 s).
+async fn echo_on(stream: tokio::net::TcpStream, len: usize) -> anyhow::Result<()> {
+    let exchange = async {
+        let data: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
         let (mut read, mut write) = stream.into_split();
         let writer = tokio::spawn(async move {
             write.write_all(&data).await?;
@@ -520,6 +765,133 @@ async fn tcp_echo(addr: SocketAddr, len: usize) -> anyhow::Result<Duration> {
     };
     tokio::time::timeout(Duration::from_secs(10), exchange)
         .await
-        .context("timed out")??;
-    Ok(started.elapsed())
+        .context("timed out")?
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ms(n: u64) -> Duration {
+        Duration::from_millis(n)
+    }
+
+    /// Probes every 100 ms from 0 to `until_ms`: answered before `closes_ms`, refused after.
+    fn probes(closes_ms: u64, until_ms: u64) -> Vec<Probed> {
+        (0..until_ms / 100)
+            .map(|i| Probed {
+                started: ms(i * 100),
+                ended: ms(i * 100 + 20),
+                outcome: if i * 100 < closes_ms {
+                    Probe::Answered
+                } else {
+                    Probe::Refused
+                },
+            })
+            .collect()
+    }
+
+    const WINDOW: (Duration, Duration) = (Duration::from_secs(3), Duration::from_millis(3050));
+
+    #[test]
+    fn expiry_on_time_passes() {
+        let verdict = judge_expiry(WINDOW, &probes(3_200, 4_000));
+        assert!(verdict.is_ok(), "{verdict:?}");
+    }
+
+    #[test]
+    fn no_expiry_fails() {
+        let verdict = judge_expiry(WINDOW, &probes(u64::MAX, 9_000));
+        assert!(
+            verdict.as_ref().is_err_and(|e| e.contains("never refused")),
+            "{verdict:?}"
+        );
+    }
+
+    #[test]
+    fn a_failed_echo_is_not_a_refusal() {
+        // The old check took any failed echo for "closed": here a timeout at 0.5 s, and no
+        // expiry at all.
+        let mut p = probes(u64::MAX, 9_000);
+        p[5].outcome = Probe::Other("connect timed out after 2 s".to_owned());
+        let verdict = judge_expiry(WINDOW, &p);
+        assert!(
+            verdict
+                .as_ref()
+                .is_err_and(|e| e.contains("never refused") && e.contains("timed out")),
+            "{verdict:?}"
+        );
+    }
+
+    #[test]
+    fn refusing_before_the_deadline_fails() {
+        let verdict = judge_expiry(WINDOW, &probes(1_000, 4_000));
+        assert!(verdict.is_err(), "{verdict:?}");
+        // The port that never answered proves nothing either (a wrong port).
+        let verdict = judge_expiry(WINDOW, &probes(0, 4_000));
+        assert!(
+            verdict
+                .as_ref()
+                .is_err_and(|e| e.contains("never answered")),
+            "{verdict:?}"
+        );
+    }
+
+    #[test]
+    fn refusing_late_or_flapping_fails() {
+        let verdict = judge_expiry(WINDOW, &probes(4_300, 6_000));
+        assert!(
+            verdict
+                .as_ref()
+                .is_err_and(|e| e.contains("after the latest deadline")),
+            "{verdict:?}"
+        );
+        let mut p = probes(3_200, 4_000);
+        p[35].outcome = Probe::Answered;
+        assert!(judge_expiry(WINDOW, &p).is_err());
+        // One refusal and nothing after it does not prove the port closed.
+        assert!(judge_expiry(WINDOW, &probes(3_200, 3_400)).is_err());
+    }
+
+    fn listed(name: &str, port: i64, ttl: Option<i64>) -> Listed {
+        (name.to_owned(), port, ttl)
+    }
+
+    #[test]
+    fn restore_requires_each_mapping_by_name_and_port() {
+        let expected = [
+            ("v1-entry-8849".to_owned(), 8849),
+            ("v2-web".to_owned(), 9000),
+        ];
+        let before = [
+            listed("v1-entry-8849", 8849, Some(100)),
+            listed("v2-web", 9000, None),
+        ];
+        let after = [
+            listed("v1-entry-8849", 8849, Some(95)),
+            listed("v2-web", 9000, None),
+        ];
+        let verdict = judge_restore(&expected, &before, &after, Duration::from_secs(5));
+        assert!(verdict.is_ok(), "{verdict:?}");
+        // Nothing restored: the old `all` over an empty list passed here.
+        assert!(judge_restore(&expected, &before, &[], Duration::from_secs(5)).is_err());
+        assert!(judge_restore(&expected, &[], &[], Duration::from_secs(5)).is_err());
+        assert!(judge_restore(&[], &before, &after, Duration::from_secs(5)).is_err());
+        // Another port, a TTL started afresh, or one that lost more than the time passed.
+        let moved = [
+            listed("v1-entry-8849", 8849, Some(95)),
+            listed("v2-web", 9001, None),
+        ];
+        assert!(judge_restore(&expected, &before, &moved, Duration::from_secs(5)).is_err());
+        let reset = [
+            listed("v1-entry-8849", 8849, Some(120)),
+            listed("v2-web", 9000, None),
+        ];
+        assert!(judge_restore(&expected, &before, &reset, Duration::from_secs(5)).is_err());
+        let lost = [
+            listed("v1-entry-8849", 8849, Some(50)),
+            listed("v2-web", 9000, None),
+        ];
+        assert!(judge_restore(&expected, &before, &lost, Duration::from_secs(5)).is_err());
+    }
 }
