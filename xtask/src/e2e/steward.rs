@@ -387,18 +387,30 @@ async fn scenarios(env: &Env<'_>, report: &mut ChartReport) -> anyhow::Result<()
         .wait_published("cluster-ip", Duration::from_secs(30))
         .await;
     let published = cluster.published().await?;
+    // Any connection that reaches steward while its ClusterIP is the endpoint shows here.
+    let conns_before = cluster.metric_sum("proxy_connections_total").await?;
     let outcome =
         in_cluster_client(env, &ns, "lister-cluster-ip", 0, Duration::from_secs(20)).await;
     let host_tcp = tcp_connect(SocketAddr::new(KUBERNETES_SERVICE_IP.into(), 443)).await;
+    let conns_after = cluster.metric_sum("proxy_connections_total").await?;
+    let verdict = cluster_ip_verdict(&ClusterIpRun {
+        published: took.as_ref().map(|_| ()).map_err(|e| format!("{e:#}")),
+        client: outcome
+            .as_ref()
+            .map(String::clone)
+            .map_err(|e| format!("{e:#}")),
+        host_tcp: host_tcp.clone(),
+        conns: (conns_before, conns_after),
+    });
     report.record(
-        "endpointMode=cluster-ip: steward publishes its ClusterIP; a Pod's client through kubernetes.default",
-        took.is_ok(),
+        "endpointMode=cluster-ip: steward publishes its ClusterIP, and kube-proxy does not route a ClusterIP used as an endpoint (as steward's README says): no client through kubernetes.default reaches steward",
+        verdict.is_ok(),
         started,
         format!(
-            "{}; in-cluster client: {}; TCP connect from the host to {KUBERNETES_SERVICE_IP}:443: {host_tcp} => kube-proxy {} a ClusterIP used as an endpoint",
+            "{}; {}; in-cluster client: {}; TCP connect from the host to {KUBERNETES_SERVICE_IP}:443: {host_tcp}; steward proxy_connections_total {conns_before} -> {conns_after}",
+            verdict.unwrap_or_else(|e| e),
             published.describe(),
             summary(&outcome),
-            if outcome.as_ref().is_ok_and(|l| l.contains("kube result=ok")) { "ROUTES" } else { "does NOT route" }
         ),
     );
     let started = Instant::now();
@@ -591,11 +603,88 @@ async fn in_cluster_client(
     let jobs: Api<Job> = Api::namespaced(env.plane.client().await?, ns);
     jobs.create(&PostParams::default(), &serde_json::from_value(job)?)
         .await?;
-    let logs = check::wait_job_logs(env.plane, ns, name)
-        .await
-        .map_err(|e| anyhow::anyhow!("{e}"));
+    let logs = check::wait_job_logs(env.plane, ns, name).await;
+    let logs = match logs {
+        Ok(logs) => Ok(logs),
+        Err(err) => {
+            // Why the Job failed (its Failed condition's reason, e.g. DeadlineExceeded: the
+            // client was still waiting when the Job's deadline ended it).
+            let reason = jobs
+                .get(name)
+                .await
+                .ok()
+                .and_then(|j| j.status?.conditions)
+                .unwrap_or_default()
+                .into_iter()
+                .find(|c| c.type_ == "Failed" && c.status == "True")
+                .and_then(|c| c.reason)
+                .unwrap_or_else(|| "no Failed reason".to_owned());
+            Err(anyhow::anyhow!("Job {name} failed ({reason}): {err}"))
+        }
+    };
     let _ = jobs.delete(name, &DeleteParams::background()).await;
     logs
+}
+
+/// What the `endpointMode=cluster-ip` scenario saw.
+#[derive(Debug)]
+struct ClusterIpRun {
+    /// `default/kubernetes` held steward's ClusterIP (or why not).
+    published: Result<(), String>,
+    /// The in-cluster client's log, or how its Job failed.
+    client: Result<String, String>,
+    /// A TCP connect from the host to `10.96.0.1:443` ([`tcp_connect`]).
+    host_tcp: String,
+    /// steward's `proxy_connections_total` before and after both clients.
+    conns: (f64, f64),
+}
+
+/// The expected outcome of `endpointMode=cluster-ip`, today: steward publishes its ClusterIP and
+/// kube-proxy does not route a ClusterIP used as an endpoint, so the in-cluster client is still
+/// waiting when its Job's deadline ends it, the host's connect does not connect, and no
+/// connection reaches steward. Any other outcome fails, naming what changed (kube-proxy now
+/// routing it is news: steward's README and this expectation must change with it).
+fn cluster_ip_verdict(run: &ClusterIpRun) -> Result<String, String> {
+    if let Err(e) = &run.published {
+        return Err(format!("steward did not publish its ClusterIP: {e}"));
+    }
+    let routed = |what: &str| {
+        format!(
+            "kube-proxy ROUTES a ClusterIP used as an endpoint ({what}): not what steward's README says"
+        )
+    };
+    if run.host_tcp == "connected" {
+        return Err(routed("the host's TCP connect to 10.96.0.1:443 connected"));
+    }
+    if run.conns.1 > run.conns.0 {
+        return Err(routed(&format!(
+            "steward counted {} new connections",
+            run.conns.1 - run.conns.0
+        )));
+    }
+    match &run.client {
+        Ok(log) if log.contains("kube result=ok") => {
+            Err(routed("the in-cluster client listed namespaces"))
+        }
+        Ok(log) => Err(format!(
+            "the in-cluster client's Job completed without a result: {log}"
+        )),
+        // Still waiting for its connection when the Job's deadline ended it: not routed.
+        Err(e) if e.contains("(DeadlineExceeded)") => Ok(format!(
+            "as expected: not routed (the in-cluster client was still connecting at its Job's deadline, the host's connect: {}, no connection reached steward)",
+            run.host_tcp
+        )),
+        // Failed on its own: only a connection error of its own proves the same.
+        Err(e) if e.contains("kube: API server") && e.contains("listing namespaces") => {
+            Ok(format!(
+                "as expected: not routed (the in-cluster client failed to connect, the host's connect: {}, no connection reached steward)",
+                run.host_tcp
+            ))
+        }
+        Err(e) => Err(format!(
+            "the in-cluster client failed, but not by waiting for a connection: {e}"
+        )),
+    }
 }
 
 /// kube-proxy's NAT rules for `default/kubernetes` in the node's network namespace, for a
@@ -893,5 +982,56 @@ impl Stop {
     async fn wait(&self) {
         let mut rx = self.0.subscribe();
         let _ = rx.wait_for(|v| *v).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn not_routed() -> ClusterIpRun {
+        ClusterIpRun {
+            published: Ok(()),
+            client: Err(
+                "Job lister-cluster-ip failed (DeadlineExceeded): Job lister-cluster-ip has no Pod"
+                    .to_owned(),
+            ),
+            host_tcp: "timed out after 2 s".to_owned(),
+            conns: (0.0, 0.0),
+        }
+    }
+
+    #[test]
+    fn cluster_ip_passes_only_on_the_expected_outcome() {
+        let verdict = cluster_ip_verdict(&not_routed());
+        assert!(verdict.is_ok(), "{verdict:?}");
+        // The client failing by itself while trying to connect proves the same.
+        let mut run = not_routed();
+        run.client = Err("Job x failed (BackoffLimitExceeded): its log: kube: API server https://10.96.0.1:443\nError: listing namespaces: ... connect timed out".to_owned());
+        assert!(cluster_ip_verdict(&run).is_ok());
+    }
+
+    #[test]
+    fn cluster_ip_fails_when_anything_routes_or_proves_nothing() {
+        // Publishing alone passed the old check.
+        let mut run = not_routed();
+        run.published = Err("default/kubernetes not as cluster-ip says".to_owned());
+        assert!(cluster_ip_verdict(&run).is_err());
+        // kube-proxy routing it, seen by any of the three.
+        let mut run = not_routed();
+        run.host_tcp = "connected".to_owned();
+        assert!(cluster_ip_verdict(&run).is_err_and(|e| e.contains("ROUTES")));
+        let mut run = not_routed();
+        run.conns = (4.0, 5.0);
+        assert!(cluster_ip_verdict(&run).is_err_and(|e| e.contains("ROUTES")));
+        let mut run = not_routed();
+        run.client = Ok("namespace default\nkube result=ok namespaces=9 events=0".to_owned());
+        assert!(cluster_ip_verdict(&run).is_err_and(|e| e.contains("ROUTES")));
+        // A client that failed for another reason (no image, RBAC) proves nothing about routing.
+        let mut run = not_routed();
+        run.client = Err(
+            "Job x failed (BackoffLimitExceeded): its log: Error: in-cluster config".to_owned(),
+        );
+        assert!(cluster_ip_verdict(&run).is_err());
     }
 }
