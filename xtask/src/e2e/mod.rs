@@ -384,9 +384,67 @@ pub async fn helm_test_scenario(
     );
 }
 
+/// Samples every container's restart count in some namespaces once a second from its start
+/// until [`RestartWatch::finish`], keeping each container's highest count: a Pod that crash-looped
+/// during an outage and was deleted later still counts. A failed sample is an error, never
+/// zero restarts.
+pub struct RestartWatch {
+    stop: tokio::sync::watch::Sender<bool>,
+    task: tokio::task::JoinHandle<anyhow::Result<Vec<Restarts>>>,
+}
+
+impl RestartWatch {
+    pub async fn start(plane: &ControlPlane, namespaces: &[&str]) -> anyhow::Result<Self> {
+        let (stop, mut stopped) = tokio::sync::watch::channel(false);
+        let client = plane.client().await?;
+        let namespaces: Vec<String> = namespaces.iter().map(|n| (*n).to_owned()).collect();
+        let task = tokio::spawn(async move {
+            let mut highest: std::collections::BTreeMap<(String, String), i32> =
+                std::collections::BTreeMap::new();
+            loop {
+                // One last sample after the stop, so the end state counts too.
+                let last = *stopped.borrow();
+                for ns in &namespaces {
+                    let sample = restarts(&client, ns)
+                        .await
+                        .with_context(|| format!("sampling restart counts in {ns}"))?;
+                    for r in sample {
+                        let count = highest.entry((r.pod, r.container)).or_insert(0);
+                        *count = (*count).max(r.restarts);
+                    }
+                }
+                if last {
+                    break;
+                }
+                // A dropped watch (its chart stopped by an error) stops sampling too.
+                if let Ok(Err(_)) =
+                    tokio::time::timeout(Duration::from_secs(1), stopped.changed()).await
+                {
+                    break;
+                }
+            }
+            Ok(highest
+                .into_iter()
+                .map(|((pod, container), restarts)| Restarts {
+                    pod,
+                    container,
+                    restarts,
+                })
+                .collect())
+        });
+        Ok(Self { stop, task })
+    }
+
+    /// Every container seen since the start, each with its highest restart count.
+    pub async fn finish(self) -> anyhow::Result<Vec<Restarts>> {
+        self.stop.send_replace(true);
+        self.task.await.context("the restart sampler")?
+    }
+}
+
 /// Every container's restart count in `ns`.
-pub async fn restarts(plane: &ControlPlane, ns: &str) -> anyhow::Result<Vec<Restarts>> {
-    let pods: Api<Pod> = Api::namespaced(plane.client().await?, ns);
+async fn restarts(client: &kube::Client, ns: &str) -> anyhow::Result<Vec<Restarts>> {
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
     let mut out = Vec::new();
     for pod in pods.list(&ListParams::default()).await? {
         let name = pod.metadata.name.clone().unwrap_or_default();

@@ -14,7 +14,7 @@ use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 
-use super::{ChartReport, Env};
+use super::{ChartReport, Env, RestartWatch};
 use k8s_reconcile::testing::node::{NODE_IP, check};
 
 pub const RELEASE: &str = "pod-proxier";
@@ -26,32 +26,33 @@ const V2_END: u16 = 9004;
 
 pub async fn run(env: &Env<'_>) -> ChartReport {
     let mut report = ChartReport::new("pod-proxier");
-    if let Err(err) = scenarios(env, &mut report).await {
+    let mut watch = None;
+    if let Err(err) = scenarios(env, &mut report, &mut watch).await {
         println!("  error: {err:#}");
         report.error = Some(format!("{err:#}"));
     }
-    for ns in report
-        .namespace
-        .clone()
-        .split(", ")
-        .filter(|n| !n.is_empty())
-    {
-        match super::restarts(env.plane, ns).await {
-            Ok(r) => report.restarts.extend(r),
+    if let Some(watch) = watch {
+        match watch.finish().await {
+            Ok(r) => report.restarts = r,
             // Unread restart counts are not zero restarts: the chart fails.
             Err(err) => report
                 .error
                 .get_or_insert_with(String::new)
-                .push_str(&format!(" restart counts in {ns}: {err:#}")),
+                .push_str(&format!(" restart counts: {err:#}")),
         }
     }
     report
 }
 
-async fn scenarios(env: &Env<'_>, report: &mut ChartReport) -> anyhow::Result<()> {
+async fn scenarios(
+    env: &Env<'_>,
+    report: &mut ChartReport,
+    watch: &mut Option<RestartWatch>,
+) -> anyhow::Result<()> {
     let ns = env.restricted_namespace("pod-proxier").await?;
     let work = env.restricted_namespace("debuggee").await?;
     report.namespace = format!("{ns}, {work}");
+    *watch = Some(RestartWatch::start(env.plane, &[&ns, &work]).await?);
     let client = env.plane.client().await?;
 
     // The workloads first: the allowed namespace must exist before the chart binds in it.

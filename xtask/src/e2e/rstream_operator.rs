@@ -18,7 +18,7 @@ use rstream_operator::api::{RstreamConnection, RstreamTunnel};
 use rstream_operator::names;
 use serde_json::json;
 
-use super::{ChartReport, Env};
+use super::{ChartReport, Env, RestartWatch};
 use k8s_reconcile::testing::node::{self, check};
 
 pub const RELEASE: &str = "rstream-operator";
@@ -40,6 +40,8 @@ pub async fn run(env: &Env<'_>) -> ChartReport {
 async fn scenarios(env: &Env<'_>, report: &mut ChartReport) -> anyhow::Result<()> {
     let ns = env.restricted_namespace("rstream").await?;
     report.namespace = ns.clone();
+    // Restart counts across the whole run: the agents are deleted before the end.
+    let watch = RestartWatch::start(env.plane, &[&ns]).await?;
     let client = env.plane.client().await?;
 
     let started = Instant::now();
@@ -114,7 +116,7 @@ async fn scenarios(env: &Env<'_>, report: &mut ChartReport) -> anyhow::Result<()
 
     super::helm_test_scenario(env, report, RELEASE, &ns, &installed, "/readyz").await;
 
-    report.restarts = super::restarts(env.plane, &ns).await?;
+    report.restarts = watch.finish().await?;
     let started = Instant::now();
     env.helm(&[
         "uninstall",
@@ -293,11 +295,17 @@ async fn tunnel_scenarios(env: &Env<'_>, report: &mut ChartReport, ns: &str) -> 
         },
     );
 
-    // 3. Token rotation: the agent restarts (config hash) and the tunnel is Ready again.
+    // 3. Token rotation: the agent restarts (config hash), the tunnel is Ready again and bytes
+    //    go through both tunnels.
     let started = Instant::now();
-    let outcome = rotate_token(&tunnels, &deployments, &secrets).await;
+    let outcome = match rotate_token(&tunnels, &deployments, &secrets).await {
+        Ok(rotated) => traffic(&tunnels, &engine)
+            .await
+            .map(|sent| format!("{rotated}; then {sent}")),
+        Err(err) => Err(err),
+    };
     report.record(
-        "token rotated in the Secret: the agent Deployment rolls (config hash) and the tunnel is Ready again",
+        "token rotated in the Secret: the agent Deployment rolls (config hash), the tunnel is Ready again and both tunnels carry traffic",
         outcome.is_ok(),
         started,
         outcome.unwrap_or_else(|e| format!("{e:#}")),
@@ -321,20 +329,26 @@ async fn tunnel_scenarios(env: &Env<'_>, report: &mut ChartReport, ns: &str) -> 
         .start()
         .await?;
     let back = wait_condition(&tunnels, "web", "Ready", "True", Duration::from_secs(90)).await;
+    let ready_after = started.elapsed();
+    let sent = match &back {
+        Ok(_) => traffic(&tunnels, &engine).await,
+        Err(_) => Err(anyhow::anyhow!("not tried: the tunnel is not Ready")),
+    };
     report.record(
-        "engine stopped: TunnelReady=False with the reason; engine back: Ready again",
-        down.is_ok() && back.is_ok(),
+        "engine stopped: TunnelReady=False with the reason; engine back: Ready again and both tunnels carry traffic",
+        down.is_ok() && back.is_ok() && sent.is_ok(),
         started,
         format!(
-            "while down: {}; after restart: {}",
+            "while down: {}; after restart: {}; {}",
             match &down {
                 Ok(t) => format!("{:?}", condition(t, "TunnelReady")),
                 Err(e) => format!("{e:#}"),
             },
             match &back {
-                Ok(_) => format!("Ready after {:.1?}", started.elapsed()),
+                Ok(_) => format!("Ready after {ready_after:.1?}"),
                 Err(e) => format!("{e:#}"),
-            }
+            },
+            sent.unwrap_or_else(|e| format!("{e:#}"))
         ),
     );
 
@@ -558,6 +572,68 @@ async fn echo_bulk(addr: SocketAddr, len: usize) -> anyhow::Result<Duration> {
         bail!("byte {at} differs");
     }
     Ok(started.elapsed())
+}
+
+/// How long traffic may take to flow again after a step (the agent reconnecting, kube-proxy).
+const TRAFFIC_LIMIT: Duration = Duration::from_secs(60);
+
+/// Bytes through both tunnels of [`tunnel_scenarios`] after a step: `GET /` through `web` until
+/// the workload Pod answers, then 1 MiB through `echo` and back intact, each within
+/// [`TRAFFIC_LIMIT`]; the ingress is looked up from the tunnel's status each try (an engine
+/// restart makes new tunnels).
+async fn traffic(tunnels: &Api<RstreamTunnel>, engine: &LocalEngine) -> anyhow::Result<String> {
+    let started = Instant::now();
+    let ingress = |t: RstreamTunnel| {
+        let id = t.status.and_then(|s| s.tunnel_id).unwrap_or_default();
+        engine
+            .ingress_addr(&id)
+            .ok_or_else(|| format!("the engine has no ingress for tunnel {id:?}"))
+    };
+    let mut tries = 0u32;
+    let answer = loop {
+        tries += 1;
+        let last = match ingress(tunnels.get("web").await?) {
+            Ok(addr) => match check::http_get(addr, "/").await {
+                Ok(body) if body.contains("\"pod\":\"web-") => {
+                    break body.lines().last().unwrap_or_default().to_owned();
+                }
+                Ok(body) => format!(
+                    "an answer without the workload Pod: {}",
+                    body.chars().take(200).collect::<String>()
+                ),
+                Err(e) => e,
+            },
+            Err(e) => e,
+        };
+        if started.elapsed() > TRAFFIC_LIMIT {
+            bail!(
+                "no answer from the workload through tunnel web within {TRAFFIC_LIMIT:?} ({tries} tries): {last}"
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let http_after = started.elapsed();
+    let echo_started = Instant::now();
+    let mut echo_tries = 0u32;
+    let echoed = loop {
+        echo_tries += 1;
+        let last = match ingress(tunnels.get("echo").await?) {
+            Ok(addr) => match echo_bulk(addr, 1 << 20).await {
+                Ok(took) => break took,
+                Err(e) => format!("{e:#}"),
+            },
+            Err(e) => e,
+        };
+        if echo_started.elapsed() > TRAFFIC_LIMIT {
+            bail!(
+                "1 MiB did not come back through tunnel echo within {TRAFFIC_LIMIT:?} ({echo_tries} tries): {last}"
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    Ok(format!(
+        "GET / through web answered by the workload after {http_after:.1?} (try {tries}: {answer}); 1 MiB through echo intact in {echoed:.2?} (try {echo_tries})"
+    ))
 }
 
 async fn rotate_token(

@@ -17,7 +17,7 @@ use kube::api::WatchParams;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams, WatchEvent};
 use serde_json::json;
 
-use super::{ChartReport, Env};
+use super::{ChartReport, Env, RestartWatch};
 use k8s_reconcile::testing::node::{self, KUBERNETES_SERVICE_IP, TESTBOX_IMAGE, check};
 
 pub const RELEASE: &str = "steward-tcp-proxy";
@@ -26,17 +26,18 @@ const LISTEN_PORT: u16 = 6443;
 
 pub async fn run(env: &Env<'_>) -> ChartReport {
     let mut report = ChartReport::new("steward-tcp-proxy");
-    if let Err(err) = scenarios(env, &mut report).await {
+    let mut watch = None;
+    if let Err(err) = scenarios(env, &mut report, &mut watch).await {
         println!("  error: {err:#}");
         report.error = Some(format!("{err:#}"));
     }
-    if !report.namespace.is_empty() {
-        match super::restarts(env.plane, &report.namespace).await {
+    if let Some(watch) = watch {
+        match watch.finish().await {
             Ok(r) => report.restarts = r,
             Err(err) => report
                 .error
-                .get_or_insert(format!("restart counts: {err:#}"))
-                .push(' '),
+                .get_or_insert_with(String::new)
+                .push_str(&format!(" restart counts: {err:#}")),
         }
     }
     report
@@ -267,9 +268,14 @@ impl Release {
     }
 }
 
-async fn scenarios(env: &Env<'_>, report: &mut ChartReport) -> anyhow::Result<()> {
+async fn scenarios(
+    env: &Env<'_>,
+    report: &mut ChartReport,
+    watch: &mut Option<RestartWatch>,
+) -> anyhow::Result<()> {
     let ns = env.restricted_namespace("steward").await?;
     report.namespace = ns.clone();
+    *watch = Some(RestartWatch::start(env.plane, &[&ns]).await?);
     let client = env.plane.client().await?;
     let cluster = Release {
         client: client.clone(),
