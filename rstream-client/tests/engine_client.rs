@@ -558,16 +558,69 @@ async fn malformed_and_oversized_frames_are_protocol_errors() {
     let err = within(5, control.wait_closed()).await.unwrap_err();
     assert!(matches!(err, Error::Protocol(_)), "{err}");
 
-    // Unknown and empty messages are ignored; a server message is logged.
+    // Unknown and empty messages are ignored; a server message is logged. The engine writes
+    // them before its answer to the tunnel request that follows, so once that answer has come
+    // back the client has read both: the channel still works and the message is in the log.
+    let log = LogCapture::default();
+    let _guard = tracing::subscriber::set_default(log.clone());
     let control = c.connect().await.unwrap();
     engine.send_raw(bytes::Bytes::from_static(&[
         0, 0, 0, 0, 0, 0, 0, 3, 0x9a, 0x06, 0x00,
     ]));
     engine.send_server_message("maintenance soon");
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    let tunnel = within(
+        5,
+        control.create_tunnel(TunnelOptions::private("after-unknown")),
+    )
+    .await
+    .unwrap();
     assert!(!control.is_closed());
+    let lines = log.lines();
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.contains("engine message") && l.contains("maintenance soon")),
+        "the server message is not in the log: {lines:?}"
+    );
+    tunnel.close().await.unwrap();
     control.close().await.unwrap();
     engine.shutdown().await;
+}
+
+/// A `tracing` subscriber that keeps every event's fields as one line, for tests that check
+/// what the client logs (set with `tracing::subscriber::set_default` on a current-thread test,
+/// where the client's tasks run too).
+#[derive(Clone, Default)]
+struct LogCapture(std::sync::Arc<std::sync::Mutex<Vec<String>>>);
+
+impl LogCapture {
+    fn lines(&self) -> Vec<String> {
+        self.0.lock().unwrap().clone()
+    }
+}
+
+impl tracing::Subscriber for LogCapture {
+    fn enabled(&self, _: &tracing::Metadata<'_>) -> bool {
+        true
+    }
+    fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
+        tracing::span::Id::from_u64(1)
+    }
+    fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
+    fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
+    fn event(&self, event: &tracing::Event<'_>) {
+        struct Line(String);
+        impl tracing::field::Visit for Line {
+            fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+                self.0.push_str(&format!("{}={value:?} ", field.name()));
+            }
+        }
+        let mut line = Line(format!("{} ", event.metadata().level()));
+        event.record(&mut line);
+        self.0.lock().unwrap().push(line.0);
+    }
+    fn enter(&self, _: &tracing::span::Id) {}
+    fn exit(&self, _: &tracing::span::Id) {}
 }
 
 #[tokio::test]
