@@ -105,8 +105,11 @@ async fn edit_slice(client: &kube::Client) {
         .unwrap();
 }
 
-/// The audit events of `USER` from index `from` on.
-fn steward_events(plane: &ControlPlane, from: usize) -> Vec<AuditEvent> {
+/// The audit events of `USER` from index `from` on. The API server logs a request after
+/// answering it, so this first waits (the barrier of `ControlPlane::requests_by`, as the other
+/// crates' chaos tests use) until every request answered before the call is in the log.
+async fn steward_events(plane: &ControlPlane, from: usize) -> Vec<AuditEvent> {
+    plane.requests_by(USER).await.unwrap();
     plane
         .audit_events()
         .unwrap()
@@ -114,6 +117,13 @@ fn steward_events(plane: &ControlPlane, from: usize) -> Vec<AuditEvent> {
         .skip(from)
         .filter(|e| e.user.username == USER)
         .collect()
+}
+
+/// The audit log's length once every request answered so far is in it (same barrier): a mark
+/// that no earlier request can land after.
+async fn audit_mark(plane: &ControlPlane) -> usize {
+    plane.requests_by(USER).await.unwrap();
+    plane.audit_events().unwrap().len()
 }
 
 fn resource(e: &AuditEvent) -> &str {
@@ -188,7 +198,7 @@ async fn api_server_restart_keeps_relaying_and_repairs_within_a_second() {
 async fn etcd_restart_after_compaction_deletes_and_recreates_nothing() {
     let s = setup("chaos-etcd").await;
     tokio::time::sleep(Duration::from_secs(1)).await;
-    let from = s.plane.audit_events().unwrap().len();
+    let from = audit_mark(&s.plane).await;
 
     // Writes the watches will have to skip.
     let maps: Api<ConfigMap> = Api::namespaced(s.client.clone(), &s.ns);
@@ -200,7 +210,7 @@ async fn etcd_restart_after_compaction_deletes_and_recreates_nothing() {
     // With the API server down (so no bookmark can tell a client a newer revision), etcd is
     // compacted past everything and restarted, then the API server starts with a fresh watch
     // cache: resuming any watch from before is 410 Gone.
-    let since_stop = s.plane.audit_events().unwrap().len();
+    let since_stop = audit_mark(&s.plane).await;
     s.plane.stop_apiserver().await.unwrap();
     let revision = s.plane.compact_etcd().await.unwrap();
     s.plane.restart_etcd(Duration::from_secs(2)).await.unwrap();
@@ -210,10 +220,12 @@ async fn etcd_restart_after_compaction_deletes_and_recreates_nothing() {
     // steward lists its objects again (proof the fault reached its watches) ...
     let relisted = Instant::now();
     while !steward_events(&s.plane, since_stop)
+        .await
         .iter()
         .any(|e| e.verb == "list" && resource(e) == "endpointslices")
     {
         let seen: Vec<_> = steward_events(&s.plane, since_stop)
+            .await
             .iter()
             .map(|e| format!("{} {} {:?}", e.verb, e.request_uri, e.response_status))
             .collect();
@@ -227,7 +239,7 @@ async fn etcd_restart_after_compaction_deletes_and_recreates_nothing() {
     tokio::time::sleep(Duration::from_secs(2)).await;
     s.plane.writes_by(USER).await.unwrap();
     // ... and across the whole fault it deleted and re-created nothing.
-    let events = steward_events(&s.plane, from);
+    let events = steward_events(&s.plane, from).await;
     let destructive: Vec<_> = events
         .iter()
         .filter(|e| matches!(e.verb.as_str(), "delete" | "deletecollection" | "create"))
@@ -275,13 +287,14 @@ async fn a_lost_lease_stops_the_writes_before_the_new_holder_starts() {
         )
         .await
         .unwrap();
-    let from = s.plane.audit_events().unwrap().len();
+    let from = audit_mark(&s.plane).await;
     // Wait past one renew period of steward's, then edit: the old leader must leave it alone.
     tokio::time::sleep(Duration::from_secs(3)).await;
-    let edited = s.plane.audit_events().unwrap().len();
+    let edited = audit_mark(&s.plane).await;
     edit_slice(&s.client).await;
     tokio::time::sleep(Duration::from_secs(3)).await;
     let meanwhile: Vec<_> = steward_events(&s.plane, edited)
+        .await
         .into_iter()
         .filter(|e| e.is_write() && resource(e) != "leases")
         .map(|e| format!("{} {}", e.verb, e.request_uri))
@@ -312,6 +325,7 @@ async fn a_lost_lease_stops_the_writes_before_the_new_holder_starts() {
     );
     // Every slice write after the takeover came after the Lease was back in steward's hands.
     let writes: Vec<_> = steward_events(&s.plane, from)
+        .await
         .into_iter()
         .filter(|e| e.is_write())
         .map(|e| format!("{} {}", e.verb, resource(&e)))
@@ -434,7 +448,7 @@ async fn a_verb_taken_away_is_reported_backed_off_and_recovered() {
         )
         .await
         .unwrap();
-    let from = plane.audit_events().unwrap().len();
+    let from = audit_mark(&plane).await;
     let log_from = proxy.logs().len();
     edit_slice(&client).await;
     let window = Duration::from_secs(20);
