@@ -71,7 +71,43 @@ async fn node_runs_workloads_services_dns_and_garbage_collection() {
     for step in &steps {
         println!("ok {:>8.1?}  {}", step.took, step.what);
     }
-    assert_eq!(steps.len(), 7, "every step of the check ran");
+    // What each step proved, in order (a dropped or reordered step fails here, not only a
+    // failing one inside the check).
+    let whats: Vec<&str> = steps.iter().map(|s| s.what.as_str()).collect();
+    let expected = [
+        "node ",
+        "Deployment rolled out: 2 Pods Running and Ready",
+        "Job from ",
+        "ClusterIP ",
+        "NodePort ",
+        "a Pod resolved kubernetes.default.svc.cluster.local and echo.",
+        "Deployment deleted: its ReplicaSet and Pods garbage-collected",
+    ];
+    assert_eq!(whats.len(), expected.len(), "{whats:#?}");
+    for (what, prefix) in whats.iter().zip(expected) {
+        assert!(
+            what.starts_with(prefix),
+            "{what:?} should start with {prefix:?}"
+        );
+    }
+    // The Job ran the release image of this workspace's steward, not a stale one.
+    let version = format!(
+        "Job from {reference} Complete: steward-tcp-proxy {}",
+        env!("CARGO_PKG_VERSION")
+    );
+    assert_eq!(whats[2], version);
+    // kube-proxy reached both Pods of the Deployment, by ClusterIP and by NodePort.
+    let pods: Vec<&str> = whats[1]
+        .split(['(', ')', ','])
+        .filter_map(|part| part.split_whitespace().next())
+        .filter(|name| name.starts_with("echo-"))
+        .collect();
+    assert_eq!(pods.len(), 2, "two echo Pods in {:?}", whats[1]);
+    for routed in &whats[3..5] {
+        for pod in &pods {
+            assert!(routed.contains(pod), "{routed:?} does not name {pod}");
+        }
+    }
 }
 
 #[tokio::test]
