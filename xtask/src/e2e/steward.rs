@@ -478,25 +478,38 @@ async fn scenarios(
     let edited = Instant::now();
     let limit = Duration::from_secs(u64::try_from(duration.max(1)).unwrap_or(15) + 30);
     let mut takeover: Option<(Duration, String)> = None;
-    let mut repaired: Option<Duration> = None;
+    // (when, the Lease holder then, what was published): repaired means equal to the ready
+    // steward Pods again, not merely rid of the bogus address.
+    let mut repaired: Option<(Duration, Option<String>, String)> = None;
     while started.elapsed() < limit && (takeover.is_none() || repaired.is_none()) {
+        let (holder, _) = cluster.lease().await?;
         if takeover.is_none()
-            && let (Some(holder), _) = cluster.lease().await?
-            && holder != old_leader
+            && let Some(holder) = &holder
+            && holder != &old_leader
         {
-            takeover = Some((started.elapsed(), holder));
+            takeover = Some((started.elapsed(), holder.clone()));
         }
         let published = cluster.published().await?;
+        let want = cluster.expected("pod-ip").await?;
         if repaired.is_none()
-            && !published.slices.is_empty()
+            && published.both_equal(&want)
             && !published.slices.iter().any(|(ip, _)| ip == bogus)
         {
-            repaired = Some(edited.elapsed());
+            repaired = Some((edited.elapsed(), holder, published.describe()));
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let lease_duration = Duration::from_secs(u64::try_from(duration).unwrap_or(0));
-    let ok = takeover.is_some() && repaired.is_some_and(|r| r <= lease_duration);
+    let new_leader = takeover.as_ref().map(|(_, h)| h.clone());
+    // The repair is the new leader's: it held the Lease when the repair was seen.
+    let by_new_leader = repaired
+        .as_ref()
+        .is_some_and(|(_, holder, _)| holder.is_some() && *holder == new_leader);
+    let ok = takeover.is_some()
+        && by_new_leader
+        && repaired
+            .as_ref()
+            .is_some_and(|(r, _, _)| *r <= lease_duration);
     report.record(
         "leader Pod deleted: the other replica takes over and repairs a manual EndpointSlice edit within one lease duration",
         ok,
@@ -508,7 +521,12 @@ async fn scenarios(
                 .map(|(t, h)| format!("{h} at +{:.2}s", t.as_secs_f64()))
                 .unwrap_or_else(|| "none".to_owned()),
             repaired
-                .map(|r| format!("{:.2}s", r.as_secs_f64()))
+                .as_ref()
+                .map(|(r, holder, now)| format!(
+                    "{:.2}s, the Lease then held by {}; now {now}",
+                    r.as_secs_f64(),
+                    holder.as_deref().unwrap_or("nobody")
+                ))
                 .unwrap_or_else(|| "never".to_owned()),
         ),
     );
