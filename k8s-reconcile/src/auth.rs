@@ -255,11 +255,21 @@ impl Authenticator {
         if let Some(caller) = self.cached(&key) {
             return Ok(caller);
         }
+        // `token` is optional in Kubernetes 1.35's API types and before, required from 1.36 on;
+        // the final binary's k8s-openapi version decides which, so it is set after `default()`.
+        #[allow(clippy::field_reassign_with_default)]
+        let spec = {
+            let mut spec = TokenReviewSpec::default();
+            k8s_openapi::k8s_if_le_1_35! {
+                spec.token = Some(token.to_owned());
+            }
+            k8s_openapi::k8s_if_ge_1_36! {
+                spec.token = token.to_owned();
+            }
+            spec
+        };
         let review = TokenReview {
-            spec: TokenReviewSpec {
-                token: token.to_owned(),
-                audiences: None,
-            },
+            spec,
             ..TokenReview::default()
         };
         let answer = Api::<TokenReview>::all(client.clone())

@@ -154,32 +154,62 @@ pub fn desired_slices(spec: &ServiceEndpoints) -> Vec<EndpointSlice> {
     families
         .into_iter()
         .enumerate()
-        .map(|(index, (family, endpoints))| EndpointSlice {
-            metadata: ObjectMeta {
-                name: Some(slice_name(&spec.service_name, family, index == 0)),
-                namespace: Some(spec.namespace.clone()),
-                labels: Some(BTreeMap::from([
-                    (SERVICE_NAME_LABEL.to_owned(), spec.service_name.clone()),
-                    (MANAGED_BY_LABEL.to_owned(), spec.managed_by.clone()),
-                ])),
-                owner_references: non_empty(spec.owner_references.clone()),
-                ..ObjectMeta::default()
-            },
-            address_type: family.to_owned(),
-            endpoints: Some(endpoints.into_iter().map(slice_endpoint).collect()),
-            ports: Some(
-                spec.ports
-                    .iter()
-                    .map(|p| EndpointPort {
-                        name: p.name.clone(),
-                        port: Some(p.port),
-                        protocol: Some(p.protocol.clone()),
-                        app_protocol: None,
-                    })
-                    .collect(),
-            ),
+        .map(|(index, (family, endpoints))| {
+            let endpoints = endpoints.into_iter().map(slice_endpoint).collect();
+            with_endpoints(
+                EndpointSlice {
+                    metadata: ObjectMeta {
+                        name: Some(slice_name(&spec.service_name, family, index == 0)),
+                        namespace: Some(spec.namespace.clone()),
+                        labels: Some(BTreeMap::from([
+                            (SERVICE_NAME_LABEL.to_owned(), spec.service_name.clone()),
+                            (MANAGED_BY_LABEL.to_owned(), spec.managed_by.clone()),
+                        ])),
+                        owner_references: non_empty(spec.owner_references.clone()),
+                        ..ObjectMeta::default()
+                    },
+                    address_type: family.to_owned(),
+                    ports: Some(
+                        spec.ports
+                            .iter()
+                            .map(|p| EndpointPort {
+                                name: p.name.clone(),
+                                port: Some(p.port),
+                                protocol: Some(p.protocol.clone()),
+                                app_protocol: None,
+                            })
+                            .collect(),
+                    ),
+                    ..EndpointSlice::default()
+                },
+                endpoints,
+            )
         })
         .collect()
+}
+
+/// `slice` with `endpoints`: the field is a list up to Kubernetes 1.35's API types and optional
+/// from 1.36 on; the final binary's k8s-openapi version decides which.
+fn with_endpoints(mut slice: EndpointSlice, endpoints: Vec<Endpoint>) -> EndpointSlice {
+    k8s_openapi::k8s_if_le_1_35! {
+        slice.endpoints = endpoints;
+    }
+    k8s_openapi::k8s_if_ge_1_36! {
+        slice.endpoints = Some(endpoints);
+    }
+    slice
+}
+
+/// The endpoints of `slice`, whichever shape the field has (see [`with_endpoints`]).
+// Each branch returns, since only one of them is compiled.
+#[allow(clippy::needless_return)]
+fn endpoints_of(slice: &EndpointSlice) -> &[Endpoint] {
+    k8s_openapi::k8s_if_le_1_35! {
+        return &slice.endpoints;
+    }
+    k8s_openapi::k8s_if_ge_1_36! {
+        return slice.endpoints.as_deref().unwrap_or_default();
+    }
 }
 
 /// The core/v1 Endpoints for `spec`: ready addresses in `addresses`, the others in
@@ -338,7 +368,7 @@ pub fn ready_endpoints<'a>(
         else {
             continue;
         };
-        for endpoint in slice.endpoints.iter().flatten() {
+        for endpoint in endpoints_of(slice) {
             let is_ready = endpoint
                 .conditions
                 .as_ref()

@@ -8,9 +8,9 @@
 //!
 //! # Layout
 //!
-//! * [`app`]: what every binary builds its process from: logging, flag values, exit codes and
-//!   the fatal error chain, the Kubernetes client, the operations servers, and a REST API server
-//!   bounded against slow and abusive clients.
+//! * [`app`] (feature `app`): what every binary builds its process from: logging, flag values,
+//!   exit codes and the fatal error chain, the Kubernetes client, the operations servers, and a
+//!   REST API server bounded against slow and abusive clients.
 //! * [`controller`]: the [`Reconciler`] trait, [`ControllerBuilder`] and the per-reconcile
 //!   [`Context`].
 //! * [`auth`]: who sent a request and what they may do, asked of the API server (TokenReview,
@@ -28,55 +28,52 @@
 //!   reports when a narrower role leaves something out.
 //! * [`pod`]: Pod spec pieces: `restricted` security contexts, env from Secrets and fields,
 //!   Secret files, HTTP probes.
-//! * [`ops`]: `/healthz`, `/readyz`, `/metrics` and shutdown on SIGTERM.
+//! * [`ops`]: readiness checks and shutdown on SIGTERM; with `app`, the server of `/healthz`,
+//!   `/readyz` and `/metrics`.
 //! * [`testing`] (feature `testing`): a real kube-apiserver + etcd for integration tests, with
 //!   clients for any identity and kubeconfig files for child processes.
 //!
+//! # Kubernetes versions
+//!
+//! This crate never chooses a Kubernetes version: like every library on
+//! [`k8s-openapi`](k8s_openapi), it leaves that to the final binary, which enables one version
+//! feature on its own `k8s-openapi` dependency (e.g. `features = ["v1_35"]`). Supported: 1.33 to
+//! 1.37, every version `k8s-openapi` 0.29 offers (`earliest` to `latest`). The workspace CI builds
+//! an outside crate on `earliest` (1.33) and one on `v1_35` against this crate and runs the
+//! example below in each against a real API server (`cargo xtask consumers`). Its own binaries
+//! and tests use 1.37.
+//!
+//! `kube` and `k8s-openapi` are re-exported ([`kube`], [`k8s_openapi`]), so a user can name their
+//! types without matching versions by hand; the binary still lists `k8s-openapi` itself to pick
+//! the version.
+//!
 //! # Feature flags
 //!
-//! * `testing`: the [`testing`] module; pulls in `rcgen` and `tempfile`.
+//! * `rustls-tls` (default): kube's client uses rustls with the `ring` provider, which needs no C
+//!   toolchain. Turn default features off to choose kube's TLS stack yourself.
+//! * `app`: the [`app`] module and the operations server ([`ops::router`], [`ops::serve`]): flags
+//!   (clap), logging set-up (tracing-subscriber), a bounded REST API server (axum, hyper-util).
+//!   What a binary needs; a library that only reconciles leaves it off.
+//! * `testing`: the [`testing`] module, a real kube-apiserver + etcd (and on request a node);
+//!   pulls in `rcgen` and `tempfile`, and `rustls-tls`.
+//!
+//! kube's `unstable-runtime` feature is always on: [`ControllerBuilder::owns`] uses
+//! `Controller::owns_stream`, so each owned kind is watched once and that watch fills the cache
+//! the [`Applier`] reads. The test binaries are found as envtest finds them: `KUBEBUILDER_ASSETS`
+//! (a directory from `setup-envtest use`), or `TEST_ASSET_KUBE_APISERVER` and `TEST_ASSET_ETCD`.
 //!
 //! # Example
 //!
-//! A controller that keeps a ConfigMap next to every Secret it watches:
+//! A whole controller, the crate's `secret_mirror` example: next to every Secret it keeps a
+//! ConfigMap listing the Secret's keys. In `Cargo.toml`: `k8s-reconcile`, `k8s-openapi` with the
+//! version feature of your cluster, and `tokio` with `macros` and `rt-multi-thread`.
 //!
-//! ```no_run
-//! use std::sync::Arc;
-//! use k8s_openapi::api::core::v1::{ConfigMap, Secret};
-//! use k8s_reconcile::{Action, Context, ControllerBuilder, Reconciler};
-//! use kube::ResourceExt as _;
-//!
-//! struct Mirror;
-//!
-//! impl Reconciler for Mirror {
-//!     type Resource = Secret;
-//!     type Error = k8s_reconcile::Error;
-//!
-//!     async fn reconcile(&self, secret: Arc<Secret>, ctx: &Context) -> Result<Action, Self::Error> {
-//!         let mut cm = ConfigMap::default();
-//!         cm.metadata.name = Some(format!("{}-keys", secret.name_any()));
-//!         cm.metadata.namespace = secret.namespace();
-//!         cm.metadata.owner_references = k8s_reconcile::apply::controller_owner_ref(secret.as_ref())
-//!             .map(|r| vec![r]);
-//!         let keys = secret.data.iter().flatten().map(|(k, _)| (k.clone(), String::new()));
-//!         cm.data = Some(keys.collect());
-//!         ctx.applier().apply(&cm).await?;
-//!         Ok(Action::Done)
-//!     }
-//! }
-//!
-//! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
-//! let client = kube::Client::try_default().await?;
-//! let shutdown = k8s_reconcile::ops::shutdown_on_signals()?;
-//! ControllerBuilder::new(client.clone(), "secret-mirror", Mirror)
-//!     .owns(kube::Api::<ConfigMap>::all(client), Default::default())
-//!     .run(shutdown)
-//!     .await?;
-//! # Ok(()) }
-//! ```
+#![doc = concat!("```no_run\n", include_str!("../examples/secret_mirror.rs"), "```")]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 #![cfg_attr(test, allow(clippy::unwrap_used, clippy::expect_used))]
 
+#[cfg(feature = "app")]
+#[cfg_attr(docsrs, doc(cfg(feature = "app")))]
 pub mod app;
 pub mod apply;
 pub mod auth;
@@ -97,6 +94,16 @@ pub mod watch_set;
 #[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
 pub mod testing;
 
+/// The Kubernetes API types this crate is built on (the version is the final binary's choice).
+pub use k8s_openapi;
+/// The kube-rs version this crate is built on, so users name types without matching versions.
+pub use kube;
+
 pub use apply::{Applied, Applier};
+
+// The README's code blocks are compiled as doctests, so its example stays true.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;
 pub use controller::{Action, Context, ControllerBuilder, Reconciler};
 pub use error::Error;

@@ -4,20 +4,18 @@
 //! [`Health`] is a set of named readiness checks (e.g. `informers-synced`, `leadership`,
 //! `upstream`); `/readyz` answers 200 only while all pass and lists each with its detail, so an
 //! operator sees *why* a pod is not ready. `/healthz` answers 200 while the process serves at all.
+//! The server itself ([`router`], [`serve`]) comes with the `app` feature; [`Health`] and
+//! [`shutdown_on_signals`] need nothing beyond tokio.
 
 use std::collections::BTreeMap;
-use std::net::SocketAddr;
 use std::sync::{Arc, RwLock};
 
-use axum::Router;
-use axum::extract::State;
-use axum::http::{StatusCode, header};
-use axum::response::IntoResponse;
-use axum::routing::get;
-use prometheus_client::registry::Registry;
 use tokio_util::sync::CancellationToken;
 
 use crate::Error;
+#[cfg(feature = "app")]
+#[cfg_attr(docsrs, doc(cfg(feature = "app")))]
+pub use server::{router, serve};
 
 /// One readiness check's state.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -101,77 +99,6 @@ impl Health {
     }
 }
 
-#[derive(Clone)]
-struct OpsState {
-    health: Health,
-    registry: Arc<Registry>,
-}
-
-/// A router with `/healthz`, `/readyz` and `/metrics`.
-pub fn router(health: Health, registry: Arc<Registry>) -> Router {
-    Router::new()
-        .route("/healthz", get(|| async { "ok\n" }))
-        .route("/livez", get(|| async { "ok\n" }))
-        .route("/readyz", get(readyz))
-        .route("/metrics", get(metrics))
-        .with_state(OpsState { health, registry })
-}
-
-async fn readyz(State(state): State<OpsState>) -> impl IntoResponse {
-    let checks = state.health.checks();
-    let mut body = String::new();
-    for (name, check) in &checks {
-        let mark = if check.ok { "+" } else { "-" };
-        body.push_str(&format!("[{mark}] {name}: {}\n", check.detail));
-    }
-    if checks.values().all(|c| c.ok) {
-        body.push_str("ready\n");
-        (StatusCode::OK, body)
-    } else {
-        body.push_str("not ready\n");
-        (StatusCode::SERVICE_UNAVAILABLE, body)
-    }
-}
-
-async fn metrics(State(state): State<OpsState>) -> impl IntoResponse {
-    let mut text = String::new();
-    match prometheus_client::encoding::text::encode(&mut text, &state.registry) {
-        Ok(()) => (
-            StatusCode::OK,
-            [(
-                header::CONTENT_TYPE,
-                "application/openmetrics-text; version=1.0.0; charset=utf-8",
-            )],
-            text,
-        ),
-        Err(err) => (
-            StatusCode::INTERNAL_SERVER_ERROR,
-            [(header::CONTENT_TYPE, "text/plain")],
-            err.to_string(),
-        ),
-    }
-}
-
-/// Binds `addr` now (so a taken port is reported at start) and serves `router` until `shutdown`.
-/// `[::]` (what `:port` parses to) is dual-stack, as [`proxy_core::socket::bind_listener`] says.
-pub async fn serve(
-    addr: SocketAddr,
-    router: Router,
-    shutdown: CancellationToken,
-) -> Result<tokio::task::JoinHandle<()>, Error> {
-    let listener = proxy_core::socket::bind_listener(addr, 1024)
-        .map_err(|cause| Error::Serve { addr, cause })?;
-    let handle = tokio::spawn(async move {
-        let result = axum::serve(listener, router)
-            .with_graceful_shutdown(async move { shutdown.cancelled().await })
-            .await;
-        if let Err(err) = result {
-            tracing::error!(%addr, error = %err, "operations server failed");
-        }
-    });
-    Ok(handle)
-}
-
 /// A token cancelled on the first SIGTERM or SIGINT.
 pub fn shutdown_on_signals() -> Result<CancellationToken, Error> {
     use tokio::signal::unix::{SignalKind, signal};
@@ -187,6 +114,95 @@ pub fn shutdown_on_signals() -> Result<CancellationToken, Error> {
         cancel.cancel();
     });
     Ok(token)
+}
+
+/// The operations HTTP server (feature `app`).
+#[cfg(feature = "app")]
+mod server {
+    use std::net::SocketAddr;
+    use std::sync::Arc;
+
+    use axum::Router;
+    use axum::extract::State;
+    use axum::http::{StatusCode, header};
+    use axum::response::IntoResponse;
+    use axum::routing::get;
+    use prometheus_client::registry::Registry;
+    use tokio_util::sync::CancellationToken;
+
+    use super::Health;
+    use crate::Error;
+
+    #[derive(Clone)]
+    struct OpsState {
+        health: Health,
+        registry: Arc<Registry>,
+    }
+
+    /// A router with `/healthz`, `/readyz` and `/metrics`.
+    pub fn router(health: Health, registry: Arc<Registry>) -> Router {
+        Router::new()
+            .route("/healthz", get(|| async { "ok\n" }))
+            .route("/livez", get(|| async { "ok\n" }))
+            .route("/readyz", get(readyz))
+            .route("/metrics", get(metrics))
+            .with_state(OpsState { health, registry })
+    }
+
+    async fn readyz(State(state): State<OpsState>) -> impl IntoResponse {
+        let checks = state.health.checks();
+        let mut body = String::new();
+        for (name, check) in &checks {
+            let mark = if check.ok { "+" } else { "-" };
+            body.push_str(&format!("[{mark}] {name}: {}\n", check.detail));
+        }
+        if checks.values().all(|c| c.ok) {
+            body.push_str("ready\n");
+            (StatusCode::OK, body)
+        } else {
+            body.push_str("not ready\n");
+            (StatusCode::SERVICE_UNAVAILABLE, body)
+        }
+    }
+
+    async fn metrics(State(state): State<OpsState>) -> impl IntoResponse {
+        let mut text = String::new();
+        match prometheus_client::encoding::text::encode(&mut text, &state.registry) {
+            Ok(()) => (
+                StatusCode::OK,
+                [(
+                    header::CONTENT_TYPE,
+                    "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                )],
+                text,
+            ),
+            Err(err) => (
+                StatusCode::INTERNAL_SERVER_ERROR,
+                [(header::CONTENT_TYPE, "text/plain")],
+                err.to_string(),
+            ),
+        }
+    }
+
+    /// Binds `addr` now (so a taken port is reported at start) and serves `router` until `shutdown`.
+    /// `[::]` (what `:port` parses to) is dual-stack, as [`proxy_core::socket::bind_listener`] says.
+    pub async fn serve(
+        addr: SocketAddr,
+        router: Router,
+        shutdown: CancellationToken,
+    ) -> Result<tokio::task::JoinHandle<()>, Error> {
+        let listener = proxy_core::socket::bind_listener(addr, 1024)
+            .map_err(|cause| Error::Serve { addr, cause })?;
+        let handle = tokio::spawn(async move {
+            let result = axum::serve(listener, router)
+                .with_graceful_shutdown(async move { shutdown.cancelled().await })
+                .await;
+            if let Err(err) = result {
+                tracing::error!(%addr, error = %err, "operations server failed");
+            }
+        });
+        Ok(handle)
+    }
 }
 
 #[cfg(test)]

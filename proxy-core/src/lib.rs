@@ -34,7 +34,8 @@
 //! * [`socket`]: socket options for both legs (`TCP_NODELAY`, keepalive) and half-close.
 //! * `testing` (feature `testing`): fixtures for tests: free ports, echo and HTTP servers,
 //!   kill-on-drop children.
-//! * `tls` (feature `tls`): the one certificate verifier that accepts any certificate.
+//! * `tls` (feature `tls`): the one certificate verifier that accepts any certificate, PEM
+//!   certificates and keys, and trust roots from a PEM bundle or the system.
 //! * [`error`]: typed errors: configuration, connect, server.
 //!
 //! # Copy path
@@ -52,6 +53,8 @@
 //!
 //! # Feature flags
 //!
+//! * `testing`: the `testing` module (fixtures for tests and benchmarks: free ports, echo and
+//!   HTTP servers, kill-on-drop children, pinned Python virtualenvs).
 //! * `tls`: the [`tls`](mod@tls) module (rustls helpers). The splice path is compiled on Linux
 //!   only; elsewhere every connection uses the buffered path.
 //!
@@ -80,6 +83,7 @@
 //! # }
 //! ```
 
+#![cfg_attr(docsrs, feature(doc_cfg))]
 #![cfg_attr(test, allow(clippy::unwrap_used, clippy::expect_used))]
 
 pub mod accept;
@@ -93,9 +97,16 @@ pub mod relay;
 pub mod server;
 pub mod socket;
 #[cfg(feature = "testing")]
+#[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
 pub mod testing;
 #[cfg(feature = "tls")]
+#[cfg_attr(docsrs, doc(cfg(feature = "tls")))]
 pub mod tls;
 pub mod upstream;
+
+// The README's code blocks are compiled as doctests, so its example stays true.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;
 
 pub use error::{ConfigError, ConnectError, ServerError};

@@ -40,6 +40,11 @@
 //! | [`error`] | [`Error`] with engine codes and [`Error::retryable`]. |
 //! | `engine` | (feature `engine`) `LocalEngine` and `LocalControlPlane` for tests, examples and demos. |
 //!
+//! # Feature flags
+//!
+//! * `engine`: the `engine` module, [`engine::LocalEngine`] and `LocalControlPlane`, an
+//!   in-process engine for tests, examples and demos (pulls in `rcgen`).
+//!
 //! # Behaviour notes
 //!
 //! * Tokens: a JWT whose `exp` is in the past fails [`ClientBuilder::build`] with [`Error::TokenExpired`].
@@ -74,3 +79,8 @@ pub use error::{EngineErrorCode, Error, Result};
 /// ([`ClientBuilder::proxy`]); proxy-core's connector, re-exported.
 pub use proxy_core::http_connect::{HttpConnectError, HttpProxy};
 pub use stream::RstreamStream;
+
+// The README's code blocks are compiled as doctests, so its example stays true.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;

@@ -38,17 +38,11 @@ impl std::fmt::Debug for ClientIdentity {
 impl ClientIdentity {
     /// Parses a PEM certificate chain and a PEM private key (PKCS#8, PKCS#1 or SEC1).
     pub fn from_pem(cert_chain_pem: &[u8], key_pem: &[u8]) -> Result<Self> {
-        let cert_chain = parse_certs(cert_chain_pem)?;
-        if cert_chain.is_empty() {
-            return Err(Error::InvalidConfig(
-                "no certificate found in the client certificate PEM".into(),
-            ));
-        }
-        let key = rustls_pemfile::private_key(&mut &key_pem[..])
-            .map_err(|e| Error::InvalidConfig(format!("cannot parse the client key PEM: {e}")))?
-            .ok_or_else(|| {
-                Error::InvalidConfig("no private key found in the client key PEM".into())
-            })?;
+        let cert_chain = proxy_core::tls::certificates_from_pem(cert_chain_pem).map_err(|e| {
+            Error::InvalidConfig(format!("the client certificate PEM: {}", chain(&e)))
+        })?;
+        let key = proxy_core::tls::private_key_from_pem(key_pem)
+            .map_err(|e| Error::InvalidConfig(format!("the client key PEM: {}", chain(&e))))?;
         Ok(Self { cert_chain, key })
     }
 
@@ -122,10 +116,15 @@ fn read_file(path: &Path) -> Result<Vec<u8>> {
         .map_err(|e| Error::InvalidConfig(format!("cannot read {}: {e}", path.display())))
 }
 
-fn parse_certs(pem: &[u8]) -> Result<Vec<CertificateDer<'static>>> {
-    rustls_pemfile::certs(&mut &pem[..])
-        .collect::<std::result::Result<Vec<_>, _>>()
-        .map_err(|e| Error::InvalidConfig(format!("cannot parse certificate PEM: {e}")))
+/// `error: cause: cause`, for messages that must stand alone in a `String`.
+fn chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        text.push_str(&format!(": {cause}"));
+        source = cause.source();
+    }
+    text
 }
 
 pub(crate) fn provider() -> Arc<rustls::crypto::CryptoProvider> {
@@ -146,34 +145,8 @@ pub(crate) fn client_config_with_alpn(
             .dangerous()
             .with_custom_certificate_verifier(Arc::new(AcceptAnyCert::new(provider)))
     } else {
-        let mut roots = rustls::RootCertStore::empty();
-        match &options.ca_pem {
-            Some(pem) => {
-                let certs = parse_certs(pem)?;
-                if certs.is_empty() {
-                    return Err(Error::InvalidConfig(
-                        "no certificate found in the CA bundle".into(),
-                    ));
-                }
-                for cert in certs {
-                    roots.add(cert).map_err(|e| {
-                        Error::InvalidConfig(format!("invalid CA certificate: {e}"))
-                    })?;
-                }
-            }
-            None => {
-                let native = rustls_native_certs::load_native_certs();
-                for cert in native.certs {
-                    // Skip the few system certificates rustls cannot parse.
-                    let _ = roots.add(cert);
-                }
-                if roots.is_empty() {
-                    return Err(Error::InvalidConfig(
-                        "no system trust roots found; configure a CA bundle".into(),
-                    ));
-                }
-            }
-        }
+        let roots = proxy_core::tls::trust_roots(options.ca_pem.as_deref())
+            .map_err(|e| Error::InvalidConfig(format!("the CA bundle: {}", chain(&e))))?;
         builder.with_root_certificates(roots)
     };
     let mut config = match &options.client_identity {

@@ -45,6 +45,15 @@ pub enum TlsError {
         /// What is wrong.
         problem: String,
     },
+    /// A file's PEM text holds no usable certificate, key or trust root.
+    #[error("{path}")]
+    Pem {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong with its content.
+        #[source]
+        cause: proxy_core::tls::PemError,
+    },
     /// rustls refused the configuration.
     #[error("TLS configuration: {0}")]
     Rustls(rustls::Error),
@@ -129,33 +138,19 @@ fn read(path: &Path) -> Result<Vec<u8>, TlsError> {
 }
 
 fn load_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
-    let pem = read(path)?;
-    let certs: Vec<_> = rustls_pemfile::certs(&mut pem.as_slice())
-        .collect::<Result<_, _>>()
-        .map_err(|e| TlsError::Invalid {
-            path: path.to_owned(),
-            problem: e.to_string(),
-        })?;
-    if certs.is_empty() {
-        return Err(TlsError::Invalid {
-            path: path.to_owned(),
-            problem: "no PEM certificate found".to_owned(),
-        });
-    }
-    Ok(certs)
+    proxy_core::tls::certificates_from_pem(&read(path)?).map_err(|cause| TlsError::Pem {
+        path: path.to_owned(),
+        cause,
+    })
 }
 
 fn load_certified_key(cert_path: &Path, key_path: &Path) -> Result<CertifiedKey, TlsError> {
     let certs = load_certs(cert_path)?;
     let pem = read(key_path)?;
-    let key: PrivateKeyDer<'static> = rustls_pemfile::private_key(&mut pem.as_slice())
-        .map_err(|e| TlsError::Invalid {
+    let key: PrivateKeyDer<'static> =
+        proxy_core::tls::private_key_from_pem(&pem).map_err(|cause| TlsError::Pem {
             path: key_path.to_owned(),
-            problem: e.to_string(),
-        })?
-        .ok_or_else(|| TlsError::Invalid {
-            path: key_path.to_owned(),
-            problem: "no PEM private key found".to_owned(),
+            cause,
         })?;
     let provider = rustls::crypto::ring::default_provider();
     let signing_key =
@@ -189,24 +184,14 @@ pub fn upstream_client_config(
             .with_custom_certificate_verifier(Arc::new(AcceptAnyCert::new(provider)))
             .with_no_client_auth());
     }
-    let mut roots = rustls::RootCertStore::empty();
-    match ca_file {
-        Some(path) => {
-            for cert in load_certs(path)? {
-                roots.add(cert).map_err(|e| TlsError::Invalid {
-                    path: path.to_owned(),
-                    problem: e.to_string(),
-                })?;
-            }
-        }
-        None => {
-            let native = rustls_native_certs::load_native_certs();
-            for cert in native.certs {
-                // A broken system certificate should not stop the proxy; skip it.
-                let _ = roots.add(cert);
-            }
-        }
+    let roots = match ca_file {
+        Some(path) => proxy_core::tls::trust_roots(Some(&read(path)?)),
+        None => proxy_core::tls::trust_roots(None),
     }
+    .map_err(|cause| TlsError::Pem {
+        path: ca_file.map_or_else(|| PathBuf::from("system trust roots"), Path::to_owned),
+        cause,
+    })?;
     Ok(builder.with_root_certificates(roots).with_no_client_auth())
 }
 

@@ -750,10 +750,7 @@ async fn tls_probe(
     path: Option<&str>,
 ) -> (Option<Vec<u8>>, String) {
     use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
-    let mut roots = rustls::RootCertStore::empty();
-    for cert in rustls_pemfile::certs(&mut ca.pem.as_bytes()) {
-        roots.add(cert.unwrap()).unwrap();
-    }
+    let roots = proxy_core::tls::trust_roots(Some(ca.pem.as_bytes())).unwrap();
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let mut config = rustls::ClientConfig::builder_with_provider(provider)
         .with_safe_default_protocol_versions()
