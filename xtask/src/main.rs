@@ -5,13 +5,17 @@
 //!   running on its node with traffic through each.
 //! * `crds`, `charts`, `image`, `verify-images`, `readme-flags`: generated files and release
 //!   artefacts, each with its check.
+//! * `consumers`: k8s-reconcile built and run by outside crates on other Kubernetes versions.
 //! * `bench`: benchmarks against baselines measured in the same run; `loc`: each binary's own
 //!   logic in lines.
+//! * `audit`: Cargo.lock against a local copy of the RustSec advisory database.
 //! * `test`: everything CI checks.
 
+mod audit;
 mod bench;
 mod charts;
 mod cluster;
+mod consumers;
 mod crds;
 mod demo;
 mod e2e;
@@ -66,6 +70,11 @@ enum Task {
     Bench(bench::Args),
     /// Count each binary's own logic in lines (no blanks, comments or tests) against its goal.
     Loc,
+    /// Builds outside crates on k8s-openapi `earliest` (1.33) and `v1_35` against
+    /// k8s-reconcile and runs the crate docs' controller in each against a real API server.
+    Consumers,
+    /// Check Cargo.lock against a local copy of the RustSec advisory database (cargo-audit).
+    Audit(audit::Args),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -91,6 +100,8 @@ fn main() -> anyhow::Result<()> {
         Task::Test(args) => test::run(&args),
         Task::Bench(args) => bench::run(&args),
         Task::Loc => loc::run(),
+        Task::Consumers => consumers::run(),
+        Task::Audit(args) => audit::run(&args),
     }
 }
 

@@ -1,4 +1,6 @@
-//! Each binary's README flag table must list exactly the flags its `--help` prints.
+//! Each binary's README flag table must list exactly the flags its `--help` prints, and every
+//! `cargo run -p <package> --example <name> -- <flags>` a README shows must name an example that
+//! exists in that package and flags its `--help` knows.
 
 use std::collections::BTreeSet;
 use std::process::Command;
@@ -71,10 +73,124 @@ pub fn run() -> anyhow::Result<()> {
             ));
         }
     }
+    problems.extend(check_example_commands(&root, &cargo)?);
     if !problems.is_empty() {
-        bail!("flag tables out of date:\n  {}", problems.join("\n  "));
+        bail!("READMEs out of date:\n  {}", problems.join("\n  "));
     }
     Ok(())
+}
+
+/// The READMEs whose `cargo run --example` commands are checked.
+const EXAMPLE_READMES: &[&str] = &[
+    "README.md",
+    "proxy-core/README.md",
+    "k8s-reconcile/README.md",
+    "rstream-client/README.md",
+    "examples/README.md",
+];
+
+/// Runs `--help` of every example a README's command names, and checks its flags.
+fn check_example_commands(root: &std::path::Path, cargo: &str) -> anyhow::Result<Vec<String>> {
+    let mut problems = Vec::new();
+    for readme in EXAMPLE_READMES {
+        let text = std::fs::read_to_string(root.join(readme))?;
+        for command in example_commands(&text) {
+            let dir = root.join(&command.package);
+            if !dir
+                .join("examples")
+                .join(format!("{}.rs", command.example))
+                .is_file()
+            {
+                problems.push(format!(
+                    "{readme}: `cargo run -p {} --example {}`: no such example in {}",
+                    command.package,
+                    command.example,
+                    dir.display()
+                ));
+                continue;
+            }
+            let help = Command::new(cargo)
+                .current_dir(root)
+                .args([
+                    "run",
+                    "--quiet",
+                    "-p",
+                    &command.package,
+                    "--example",
+                    &command.example,
+                ])
+                .args(["--", "--help"])
+                .output()
+                .with_context(|| format!("running the {} example", command.example))?;
+            let known = help_flags(&String::from_utf8_lossy(&help.stdout));
+            if !help.status.success() {
+                problems.push(format!(
+                    "{readme}: example {} --help failed: {}",
+                    command.example,
+                    String::from_utf8_lossy(&help.stderr).trim()
+                ));
+                continue;
+            }
+            let unknown: Vec<_> = command.flags.difference(&known).collect();
+            if unknown.is_empty() {
+                println!(
+                    "ok   {readme}: `cargo run -p {} --example {}` with {:?}",
+                    command.package, command.example, command.flags
+                );
+            } else {
+                problems.push(format!(
+                    "{readme}: example {} has no flag {unknown:?}",
+                    command.example
+                ));
+            }
+        }
+    }
+    Ok(problems)
+}
+
+/// One `cargo run -p <package> --example <name> -- <flags>` of a README.
+#[derive(Debug, PartialEq, Eq)]
+struct ExampleCommand {
+    package: String,
+    example: String,
+    flags: BTreeSet<String>,
+}
+
+/// Every example command of a text, with the long flags after its `--`.
+fn example_commands(text: &str) -> Vec<ExampleCommand> {
+    let mut found = Vec::new();
+    let mut rest = text;
+    while let Some(at) = rest.find("cargo run -p ") {
+        rest = &rest[at + "cargo run -p ".len()..];
+        // A command ends at the end of its code span or line.
+        let end = rest.find(['`', '\n']).unwrap_or(rest.len());
+        let words: Vec<&str> = rest[..end].split_whitespace().collect();
+        let (Some(package), Some(&"--example"), Some(example)) =
+            (words.first(), words.get(1), words.get(2))
+        else {
+            continue;
+        };
+        // Prose about commands (`cargo run -p … --example …`) names no package.
+        let is_name = |w: &str| {
+            w.chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+        };
+        if !is_name(package) || !is_name(example) {
+            continue;
+        }
+        let flags = words
+            .iter()
+            .skip_while(|w| **w != "--")
+            .filter(|w| w.starts_with("--") && w.len() > 2)
+            .map(|w| w.split('=').next().unwrap_or(w).to_owned())
+            .collect();
+        found.push(ExampleCommand {
+            package: (*package).to_owned(),
+            example: (*example).to_owned(),
+            flags,
+        });
+    }
+    found
 }
 
 /// Long flags at the start of clap's option lines (`  -h, --help`, `      --listen-addr <ADDR>`).
@@ -134,5 +250,22 @@ mod tests {
             .flatten()
             .collect();
         assert_eq!(table, ["--leader-elect", "--listen-addr"]);
+    }
+
+    #[test]
+    fn finds_example_commands_and_their_flags() {
+        let text = "Run `cargo run -p examples --example tcp_relay -- --listen 1 --upstream=2`\n\
+                    cargo run -p rstream-client --example rstream_expose\ncargo run -p x --bin y\n\
+                    prose: `cargo run -p … --example …`\n";
+        let found = example_commands(text);
+        assert_eq!(found.len(), 2, "{found:?}");
+        assert_eq!(found[0].package, "examples");
+        assert_eq!(found[0].example, "tcp_relay");
+        assert_eq!(
+            found[0].flags.iter().collect::<Vec<_>>(),
+            ["--listen", "--upstream"]
+        );
+        assert_eq!(found[1].package, "rstream-client");
+        assert!(found[1].flags.is_empty());
     }
 }

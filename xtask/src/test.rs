@@ -117,9 +117,18 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
             vec![("RUSTDOCFLAGS", "-D warnings")],
         ),
         (
+            "outside crates on k8s 1.33, 1.35",
+            vec!["run", "--quiet", "-p", "xtask", "--", "consumers"],
+            vec![],
+        ),
+        (
             "cargo package (libraries)",
-            // Offline: the earlier steps fetched every dependency; a registry hiccup must not
-            // fail a check about our own manifests.
+            // The publish rehearsal: each library packaged and built from its archive alone, in
+            // dependency order (cargo packages workspace dependencies first and resolves them
+            // from the archives it just made). Offline: the earlier steps fetched every
+            // dependency; a registry hiccup must not fail a check about our own manifests. The
+            // libraries name no Kubernetes version, so the verify build names one as a binary
+            // would (k8s-openapi reads this variable).
             vec![
                 "package",
                 "--offline",
@@ -131,7 +140,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
                 "-p",
                 "rstream-client",
             ],
-            vec![],
+            vec![("K8S_OPENAPI_ENABLED_VERSION", "1.37")],
         ),
         (
             "README flag tables",
