@@ -294,7 +294,7 @@ async fn scenarios(
     let started = Instant::now();
     let outcome = expiry(api, entry, &allowed, &format!("{work}/{}", profiled_pod.0)).await;
     report.record(
-        "expiry: the entry port answers until the deadline, then refuses connections within 1 s",
+        "expiry: the entry port answers until the deadline, then refuses connections (refused, or closed before any byte) within 1 s",
         outcome.is_ok(),
         started,
         outcome.unwrap_or_else(|e| format!("{e:#}")),
@@ -503,10 +503,20 @@ fn judge_restore(
 enum Probe {
     /// A short echo went through intact.
     Answered,
-    /// The connection was refused: nothing forwards the port.
+    /// The connection was refused: nothing listens on the port.
     Refused,
+    /// The connection was accepted and closed before any byte came back: how pod-proxier's
+    /// embedded data plane refuses on a port it keeps (the V1 entry port) with no route.
+    Closed,
     /// Anything else (a timeout, a reset, bytes lost): proves neither.
     Other(String),
+}
+
+impl Probe {
+    /// Refused either way: nothing forwards the port.
+    fn refusal(&self) -> bool {
+        matches!(self, Self::Refused | Self::Closed)
+    }
 }
 
 /// One probe, its start and end measured from the moment the mapping was requested.
@@ -566,7 +576,7 @@ async fn expiry(
         let refused: Vec<&Probed> = probes
             .iter()
             .rev()
-            .take_while(|p| p.outcome == Probe::Refused)
+            .take_while(|p| p.outcome.refusal())
             .collect();
         if refused.len() >= REFUSALS
             && refused[0]
@@ -581,16 +591,47 @@ async fn expiry(
     judge_expiry(window, &probes).map_err(|e| anyhow::anyhow!("{e}"))
 }
 
-/// One connection to `addr`: a 16-byte echo, a refusal, or something else.
+/// One connection to `addr`: a 16-byte echo, a refusal (refused, or closed before any byte came
+/// back), or something else.
 async fn probe(addr: SocketAddr) -> Probe {
-    match tokio::time::timeout(Duration::from_secs(2), tokio::net::TcpStream::connect(addr)).await {
-        Err(_) => Probe::Other("connect timed out after 2 s".to_owned()),
-        Ok(Err(e)) if e.kind() == std::io::ErrorKind::ConnectionRefused => Probe::Refused,
-        Ok(Err(e)) => Probe::Other(format!("connect: {e}")),
-        Ok(Ok(stream)) => match echo_on(stream, 16).await {
-            Ok(()) => Probe::Answered,
-            Err(e) => Probe::Other(format!("{e:#}")),
-        },
+    use std::io::ErrorKind;
+    let stream =
+        match tokio::time::timeout(Duration::from_secs(2), tokio::net::TcpStream::connect(addr))
+            .await
+        {
+            Err(_) => return Probe::Other("connect timed out after 2 s".to_owned()),
+            Ok(Err(e)) if e.kind() == ErrorKind::ConnectionRefused => return Probe::Refused,
+            Ok(Err(e)) => return Probe::Other(format!("connect: {e}")),
+            Ok(Ok(stream)) => stream,
+        };
+    let data: Vec<u8> = (0..16u8).collect();
+    let exchange = async {
+        let (mut read, mut write) = stream.into_split();
+        let sent = data.clone();
+        let writer = tokio::spawn(async move {
+            write.write_all(&sent).await?;
+            write.shutdown().await
+        });
+        let mut back = Vec::new();
+        let read = read.read_to_end(&mut back).await;
+        (read, back, writer.await)
+    };
+    let closed = |e: &std::io::Error| {
+        matches!(
+            e.kind(),
+            ErrorKind::ConnectionReset | ErrorKind::BrokenPipe | ErrorKind::ConnectionAborted
+        )
+    };
+    match tokio::time::timeout(Duration::from_secs(2), exchange).await {
+        Err(_) => Probe::Other("no echo within 2 s".to_owned()),
+        Ok((Ok(_), back, Ok(Ok(())))) if back == data => Probe::Answered,
+        // Closed before a single byte came back.
+        Ok((Ok(_), back, _)) if back.is_empty() => Probe::Closed,
+        Ok((Err(e), back, _)) if back.is_empty() && closed(&e) => Probe::Closed,
+        Ok((read, back, written)) => Probe::Other(format!(
+            "{} of 16 bytes back ({read:?}, write {written:?})",
+            back.len()
+        )),
     }
 }
 
@@ -598,7 +639,8 @@ async fn probe(addr: SocketAddr) -> Probe {
 /// the earliest possible deadline (`window.0`) and nothing refused before it; then it refused,
 /// the first refusal no later than [`EXPIRY_BOUND`] after the latest possible deadline
 /// (`window.1`), and every later probe was refused ([`REFUSALS`] at least, over
-/// [`REFUSED_FOR`]). A timeout or a lost byte counts as neither answer nor refusal.
+/// [`REFUSED_FOR`]); a refusal is [`Probe::Refused`] or [`Probe::Closed`]. A timeout or a lost
+/// byte counts as neither answer nor refusal.
 fn judge_expiry(window: (Duration, Duration), probes: &[Probed]) -> Result<String, String> {
     let secs = |d: Duration| format!("{:.2}s", d.as_secs_f64());
     let others: Vec<&Probed> = probes
@@ -636,7 +678,7 @@ fn judge_expiry(window: (Duration, Duration), probes: &[Probed]) -> Result<Strin
             secs(window.0)
         ));
     }
-    let Some(first) = probes.iter().position(|p| p.outcome == Probe::Refused) else {
+    let Some(first) = probes.iter().position(|p| p.outcome.refusal()) else {
         return Err(format!(
             "the entry port was never refused (deadline {} to {}, probed until {}){others_note}",
             secs(window.0),
@@ -661,7 +703,7 @@ fn judge_expiry(window: (Duration, Duration), probes: &[Probed]) -> Result<Strin
         ));
     }
     let rest = &probes[first..];
-    if let Some(p) = rest.iter().find(|p| p.outcome != Probe::Refused) {
+    if let Some(p) = rest.iter().find(|p| !p.outcome.refusal()) {
         return Err(format!(
             "refused at {}, then {:?} at {}{others_note}",
             secs(refused_at),
@@ -679,7 +721,7 @@ fn judge_expiry(window: (Duration, Duration), probes: &[Probed]) -> Result<Strin
         ));
     }
     Ok(format!(
-        "deadline {} to {} after the POST; {} answers, the last at {}; refused from {} ({} refusals over {}){others_note}",
+        "deadline {} to {} after the POST; {} answers, the last at {}; refused from {} ({} refusals over {}: {} refused, {} closed before any byte){others_note}",
         secs(window.0),
         secs(window.1),
         probes
@@ -689,7 +731,9 @@ fn judge_expiry(window: (Duration, Duration), probes: &[Probed]) -> Result<Strin
         secs(last_answer),
         secs(refused_at),
         rest.len(),
-        secs(span)
+        secs(span),
+        rest.iter().filter(|p| p.outcome == Probe::Refused).count(),
+        rest.iter().filter(|p| p.outcome == Probe::Closed).count()
     ))
 }
 
@@ -834,6 +878,24 @@ mod tests {
             verdict
                 .as_ref()
                 .is_err_and(|e| e.contains("never answered")),
+            "{verdict:?}"
+        );
+    }
+
+    #[test]
+    fn closed_before_any_byte_is_a_refusal_but_a_partial_echo_is_not() {
+        let mut p = probes(3_200, 4_000);
+        for probe in p.iter_mut().filter(|p| p.outcome == Probe::Refused) {
+            probe.outcome = Probe::Closed;
+        }
+        let verdict = judge_expiry(WINDOW, &p);
+        assert!(verdict.is_ok(), "{verdict:?}");
+        for probe in p.iter_mut().filter(|p| p.outcome == Probe::Closed) {
+            probe.outcome = Probe::Other("8 of 16 bytes back".to_owned());
+        }
+        let verdict = judge_expiry(WINDOW, &p);
+        assert!(
+            verdict.as_ref().is_err_and(|e| e.contains("never refused")),
             "{verdict:?}"
         );
     }
