@@ -209,7 +209,9 @@ fn serve_exits_zero_on_sigterm() {
 #[test]
 fn pause_waits_for_sigterm_and_exits_zero() {
     let mut process = Running(Command::new(PAUSE).spawn().expect("spawn pause"));
-    std::thread::sleep(Duration::from_millis(300));
+    wait_for_sigterm_handler(&process.0);
+    // Long enough to mean something: a pause that returned at once would be long gone.
+    std::thread::sleep(Duration::from_secs(2));
     assert!(
         process.0.try_wait().expect("try_wait").is_none(),
         "pause must keep running"
@@ -219,9 +221,34 @@ fn pause_waits_for_sigterm_and_exits_zero() {
     assert!(status.success(), "{status:?}");
 }
 
-/// SIGTERM once the process has had time to install its handler.
+/// SIGTERM once the process has installed its handler.
 fn terminate(child: &Child) {
-    std::thread::sleep(Duration::from_millis(200));
+    wait_for_sigterm_handler(child);
     let pid = rustix::process::Pid::from_raw(i32::try_from(child.id()).expect("pid")).expect("pid");
     rustix::process::kill_process(pid, rustix::process::Signal::TERM).expect("kill");
+}
+
+/// Polls (bounded) until the kernel lists SIGTERM among the signals `child` catches (`SigCgt`
+/// in /proc/PID/status), instead of sleeping and hoping it has.
+fn wait_for_sigterm_handler(child: &Child) {
+    const SIGTERM_BIT: u64 = 1 << (15 - 1);
+    let path = format!("/proc/{}/status", child.id());
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let status = std::fs::read_to_string(&path).unwrap_or_default();
+        let caught = status
+            .lines()
+            .find_map(|l| l.strip_prefix("SigCgt:"))
+            .and_then(|mask| u64::from_str_radix(mask.trim(), 16).ok())
+            .unwrap_or(0);
+        if caught & SIGTERM_BIT != 0 {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "process {} did not install a SIGTERM handler within 10 s ({path}: {status})",
+            child.id()
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
 }
