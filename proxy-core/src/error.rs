@@ -12,6 +12,9 @@
 //!   listener.
 //! * [`ServerError`]: an operation on the [`ProxyServer`](crate::server::ProxyServer) failed
 //!   (bind, unknown listener, shutting down).
+//! * [`HttpConnectError`]: tunnelling through an HTTP proxy failed (also re-exported as
+//!   `http_connect::HttpConnectError`). It lives here, with the others, so this module depends
+//!   on no other module of the crate.
 //!
 //! Errors *during* a relay (reset, broken pipe) are not errors of this crate: they are reported
 //! as an [`Ending`](crate::relay::Ending) in the relay summary.
@@ -100,7 +103,7 @@ pub enum ConnectError {
     #[error("{cause}")]
     HttpProxy {
         /// What went wrong with the proxy.
-        cause: Box<crate::http_connect::HttpConnectError>,
+        cause: Box<HttpConnectError>,
     },
     /// The PROXY protocol header could not be written to the upstream.
     #[error("writing the PROXY protocol header to {target} failed: {cause}")]
@@ -156,4 +159,95 @@ pub enum ServerError {
     /// The server is shutting down and accepts no new listener.
     #[error("the server is shutting down")]
     ShuttingDown,
+}
+
+/// Tunnelling through an HTTP proxy failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum HttpConnectError {
+    /// The proxy URL cannot be used (the password, if any, is masked in `input`).
+    #[error("invalid HTTP proxy URL {input:?}: {reason}")]
+    InvalidProxyUrl {
+        /// The URL as given, password masked.
+        input: String,
+        /// Why it was refused.
+        reason: &'static str,
+    },
+    /// An extra header cannot be sent.
+    #[error("invalid HTTP proxy header {name:?}: {reason}")]
+    InvalidHeader {
+        /// The header name as given.
+        name: String,
+        /// Why it was refused.
+        reason: &'static str,
+    },
+    /// The proxy itself could not be reached.
+    #[error("cannot reach the HTTP proxy {proxy}: {cause}")]
+    Connect {
+        /// The proxy.
+        proxy: String,
+        /// The connect failure.
+        cause: ConnectError,
+    },
+    /// The connection to the proxy broke during the exchange.
+    #[error("talking to the HTTP proxy {proxy}: {cause}")]
+    Io {
+        /// The proxy.
+        proxy: String,
+        /// The socket error.
+        cause: io::Error,
+    },
+    /// No tunnel within the timeout.
+    #[error("no tunnel to {target} through the HTTP proxy {proxy} within {after:?}")]
+    Timeout {
+        /// The proxy.
+        proxy: String,
+        /// The target asked for.
+        target: String,
+        /// The timeout that fired.
+        after: Duration,
+    },
+    /// The proxy answered 407 (or 401): it wants credentials, or refused the ones sent.
+    #[error(
+        "the HTTP proxy {proxy} requires credentials{}: it answered {status_line:?}",
+        if *credentials_sent { " and refused the ones given" } else { " (put user:password@ in the proxy URL)" }
+    )]
+    CredentialsRequired {
+        /// The proxy.
+        proxy: String,
+        /// The proxy's status line, e.g. `HTTP/1.1 407 Proxy Authentication Required`.
+        status_line: String,
+        /// Whether credentials were sent.
+        credentials_sent: bool,
+    },
+    /// The proxy answered with another non-2xx status (403: not allowed to go there, 502: the
+    /// target could not be reached, ...).
+    #[error("the HTTP proxy {proxy} refused CONNECT {target}: it answered {status_line:?}")]
+    Refused {
+        /// The proxy.
+        proxy: String,
+        /// The target asked for.
+        target: String,
+        /// The proxy's status line.
+        status_line: String,
+    },
+    /// The proxy's answer is not HTTP, or too long.
+    #[error("the HTTP proxy {proxy} gave an unusable answer: {reason}")]
+    BadResponse {
+        /// The proxy.
+        proxy: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+}
+
+impl HttpConnectError {
+    /// True when the failure is a timeout (of the tunnel or of reaching the proxy).
+    pub fn is_timeout(&self) -> bool {
+        match self {
+            HttpConnectError::Timeout { .. } => true,
+            HttpConnectError::Connect { cause, .. } => cause.is_timeout(),
+            _ => false,
+        }
+    }
 }

@@ -41,8 +41,8 @@ use base64::Engine as _;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::TcpStream;
 
-use crate::error::ConnectError;
-use crate::upstream::TargetAddr;
+pub use crate::error::HttpConnectError;
+use crate::target::TargetAddr;
 
 /// Largest response header accepted from a proxy.
 pub const MAX_RESPONSE_HEAD: usize = 16 * 1024;
@@ -482,97 +482,6 @@ fn redact(input: &str) -> String {
             format!("{scheme}{user}:***@{host}")
         }
         None => input.to_owned(),
-    }
-}
-
-/// Tunnelling through an HTTP proxy failed.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum HttpConnectError {
-    /// The proxy URL cannot be used (the password, if any, is masked in `input`).
-    #[error("invalid HTTP proxy URL {input:?}: {reason}")]
-    InvalidProxyUrl {
-        /// The URL as given, password masked.
-        input: String,
-        /// Why it was refused.
-        reason: &'static str,
-    },
-    /// An extra header cannot be sent.
-    #[error("invalid HTTP proxy header {name:?}: {reason}")]
-    InvalidHeader {
-        /// The header name as given.
-        name: String,
-        /// Why it was refused.
-        reason: &'static str,
-    },
-    /// The proxy itself could not be reached.
-    #[error("cannot reach the HTTP proxy {proxy}: {cause}")]
-    Connect {
-        /// The proxy.
-        proxy: String,
-        /// The connect failure.
-        cause: ConnectError,
-    },
-    /// The connection to the proxy broke during the exchange.
-    #[error("talking to the HTTP proxy {proxy}: {cause}")]
-    Io {
-        /// The proxy.
-        proxy: String,
-        /// The socket error.
-        cause: io::Error,
-    },
-    /// No tunnel within the timeout.
-    #[error("no tunnel to {target} through the HTTP proxy {proxy} within {after:?}")]
-    Timeout {
-        /// The proxy.
-        proxy: String,
-        /// The target asked for.
-        target: String,
-        /// The timeout that fired.
-        after: Duration,
-    },
-    /// The proxy answered 407 (or 401): it wants credentials, or refused the ones sent.
-    #[error(
-        "the HTTP proxy {proxy} requires credentials{}: it answered {status_line:?}",
-        if *credentials_sent { " and refused the ones given" } else { " (put user:password@ in the proxy URL)" }
-    )]
-    CredentialsRequired {
-        /// The proxy.
-        proxy: String,
-        /// The proxy's status line, e.g. `HTTP/1.1 407 Proxy Authentication Required`.
-        status_line: String,
-        /// Whether credentials were sent.
-        credentials_sent: bool,
-    },
-    /// The proxy answered with another non-2xx status (403: not allowed to go there, 502: the
-    /// target could not be reached, ...).
-    #[error("the HTTP proxy {proxy} refused CONNECT {target}: it answered {status_line:?}")]
-    Refused {
-        /// The proxy.
-        proxy: String,
-        /// The target asked for.
-        target: String,
-        /// The proxy's status line.
-        status_line: String,
-    },
-    /// The proxy's answer is not HTTP, or too long.
-    #[error("the HTTP proxy {proxy} gave an unusable answer: {reason}")]
-    BadResponse {
-        /// The proxy.
-        proxy: String,
-        /// What is wrong with it.
-        reason: String,
-    },
-}
-
-impl HttpConnectError {
-    /// True when the failure is a timeout (of the tunnel or of reaching the proxy).
-    pub fn is_timeout(&self) -> bool {
-        match self {
-            HttpConnectError::Timeout { .. } => true,
-            HttpConnectError::Connect { cause, .. } => cause.is_timeout(),
-            _ => false,
-        }
     }
 }
 

@@ -26,6 +26,8 @@
 //!   [`upstream::UpstreamSet`] with round-robin, failover and TCP health checks.
 //! * [`http_connect`]: reaching an upstream through an HTTP proxy's `CONNECT` tunnel, with
 //!   optional basic auth ([`http_connect::HttpProxy`]).
+//! * [`target`]: [`target::TargetAddr`], a socket address or `host:port` to connect to, used
+//!   by both modules above (and re-exported as `upstream::TargetAddr`).
 //! * [`proxy_protocol`]: PROXY protocol v2 encoder and parser.
 //! * [`pipe`]: the process-wide pool of pipes for the splice path, under a budget that keeps
 //!   the process inside the user's pipe limit.
@@ -96,6 +98,7 @@ pub mod proxy_protocol;
 pub mod relay;
 pub mod server;
 pub mod socket;
+pub mod target;
 #[cfg(feature = "testing")]
 #[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
 pub mod testing;

@@ -27,7 +27,6 @@
 
 use std::io;
 use std::net::SocketAddr;
-use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::{BufMut, Bytes, BytesMut};
@@ -41,10 +40,9 @@ use tokio_util::codec::{
 use tokio_util::sync::CancellationToken;
 use tracing::debug;
 
+pub use crate::error::DatagramError;
 use crate::error::{Error, Result};
-
-/// The largest datagram a record carries (bytes).
-pub const MAX_DATAGRAM_LEN: usize = 65_535;
+pub use crate::proto::MAX_DATAGRAM_LEN;
 
 /// Size of the record length prefix (bytes).
 pub const LENGTH_PREFIX_LEN: usize = 4;
@@ -54,41 +52,6 @@ pub const DEFAULT_UDP_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// The largest UDP payload read from a socket (the largest IPv6 payload without jumbograms).
 const UDP_RECV_BUFFER: usize = 65_535;
-
-/// Errors of datagram streams.
-#[derive(Debug, Clone, thiserror::Error)]
-#[non_exhaustive]
-pub enum DatagramError {
-    /// A datagram to send is larger than a record can carry; nothing was written.
-    #[error("a {len}-byte datagram exceeds the {MAX_DATAGRAM_LEN}-byte record limit")]
-    TooLarge {
-        /// Its size.
-        len: usize,
-    },
-    /// The peer announced a record larger than the limit (a protocol violation).
-    #[error("the peer announced a {len}-byte datagram record (limit {MAX_DATAGRAM_LEN} bytes)")]
-    RecordTooLarge {
-        /// The announced size.
-        len: u64,
-    },
-    /// The stream ended inside a record.
-    #[error("the stream ended inside a datagram record ({received} of {expected} bytes received)")]
-    Truncated {
-        /// Bytes the record (length prefix included) needed.
-        expected: usize,
-        /// Bytes received.
-        received: usize,
-    },
-    /// The underlying stream failed.
-    #[error("datagram stream I/O error: {0}")]
-    Io(Arc<io::Error>),
-}
-
-impl From<io::Error> for DatagramError {
-    fn from(error: io::Error) -> Self {
-        Self::Io(Arc::new(error))
-    }
-}
 
 /// The record codec: a 4-byte big-endian length, then the datagram (at most
 /// [`MAX_DATAGRAM_LEN`] bytes). Decodes to [`Bytes`]; encodes `&[u8]`.

@@ -1,14 +1,17 @@
 //! Typed errors of the crate, with the engine error codes and a retry classification.
 //!
+//! Every error type of the crate lives here, [`FrameError`] and [`DatagramError`] too (also
+//! re-exported by `frame` and `datagram`), so this module depends on nothing but [`proto`].
+//!
 //! A variant that wraps a lower error prints it in its message and does not also return it from
 //! `source()`, so a printed chain shows each cause once.
 
 use std::fmt;
+use std::io;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::frame::FrameError;
-use crate::proto;
+use crate::proto::{self, MAX_DATAGRAM_LEN, MAX_FRAME_LEN};
 
 /// Result alias of the crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -189,7 +192,7 @@ pub enum Error {
     InvalidTunnelOptions(String),
     /// A datagram stream failed (oversized or truncated record, I/O).
     #[error(transparent)]
-    Datagram(#[from] crate::datagram::DatagramError),
+    Datagram(#[from] DatagramError),
     /// The feature is not supported by this client (QUIC transport, `quic` tunnels, HTTP/3).
     #[error("unsupported: {0}")]
     Unsupported(String),
@@ -290,6 +293,74 @@ impl Error {
 impl From<std::io::Error> for Error {
     fn from(error: std::io::Error) -> Self {
         Error::io(error)
+    }
+}
+
+/// Frame-level errors.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum FrameError {
+    /// The header announces (or the sender tried) a payload bigger than [`MAX_FRAME_LEN`].
+    #[error("frame too large: {len} bytes (maximum {MAX_FRAME_LEN})")]
+    TooLarge {
+        /// The announced or attempted size.
+        len: usize,
+    },
+    /// The payload is not a valid protobuf `Message`.
+    #[error("malformed frame payload: {0}")]
+    Decode(String),
+    /// The connection ended in the middle of a frame.
+    #[error("connection closed in the middle of a frame ({got} of {expected} bytes)")]
+    Truncated {
+        /// Bytes needed (header + payload).
+        expected: usize,
+        /// Bytes received.
+        got: usize,
+    },
+    /// The connection ended cleanly before a frame started.
+    #[error("connection closed by peer")]
+    Closed,
+}
+
+impl FrameError {
+    /// Whether this is a transport condition (EOF) rather than a protocol violation.
+    pub fn is_transport(&self) -> bool {
+        matches!(self, FrameError::Truncated { .. } | FrameError::Closed)
+    }
+}
+
+/// Errors of datagram streams.
+#[derive(Debug, Clone, thiserror::Error)]
+#[non_exhaustive]
+pub enum DatagramError {
+    /// A datagram to send is larger than a record can carry; nothing was written.
+    #[error("a {len}-byte datagram exceeds the {MAX_DATAGRAM_LEN}-byte record limit")]
+    TooLarge {
+        /// Its size.
+        len: usize,
+    },
+    /// The peer announced a record larger than the limit (a protocol violation).
+    #[error("the peer announced a {len}-byte datagram record (limit {MAX_DATAGRAM_LEN} bytes)")]
+    RecordTooLarge {
+        /// The announced size.
+        len: u64,
+    },
+    /// The stream ended inside a record.
+    #[error("the stream ended inside a datagram record ({received} of {expected} bytes received)")]
+    Truncated {
+        /// Bytes the record (length prefix included) needed.
+        expected: usize,
+        /// Bytes received.
+        received: usize,
+    },
+    /// The underlying stream failed.
+    #[error("datagram stream I/O error: {0}")]
+    Io(Arc<io::Error>),
+}
+
+impl From<io::Error> for DatagramError {
+    fn from(error: io::Error) -> Self {
+        Self::Io(Arc::new(error))
     }
 }
 

@@ -10,43 +10,10 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 use crate::proto::Message;
 
-/// Maximum payload size of a frame.
-pub const MAX_FRAME_LEN: usize = 65_535;
+pub use crate::error::FrameError;
+pub use crate::proto::MAX_FRAME_LEN;
 /// Size of the length header.
 pub const HEADER_LEN: usize = 4;
-
-/// Frame-level errors.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[non_exhaustive]
-pub enum FrameError {
-    /// The header announces (or the sender tried) a payload bigger than [`MAX_FRAME_LEN`].
-    #[error("frame too large: {len} bytes (maximum {MAX_FRAME_LEN})")]
-    TooLarge {
-        /// The announced or attempted size.
-        len: usize,
-    },
-    /// The payload is not a valid protobuf `Message`.
-    #[error("malformed frame payload: {0}")]
-    Decode(String),
-    /// The connection ended in the middle of a frame.
-    #[error("connection closed in the middle of a frame ({got} of {expected} bytes)")]
-    Truncated {
-        /// Bytes needed (header + payload).
-        expected: usize,
-        /// Bytes received.
-        got: usize,
-    },
-    /// The connection ended cleanly before a frame started.
-    #[error("connection closed by peer")]
-    Closed,
-}
-
-impl FrameError {
-    /// Whether this is a transport condition (EOF) rather than a protocol violation.
-    pub fn is_transport(&self) -> bool {
-        matches!(self, FrameError::Truncated { .. } | FrameError::Closed)
-    }
-}
 
 /// Encodes a message as one frame (header + payload).
 pub fn encode(message: &Message) -> Result<Bytes, FrameError> {

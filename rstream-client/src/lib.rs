@@ -27,7 +27,7 @@
 //!
 //! | Module | Role |
 //! |---|---|
-//! | [`proto`] | Hand-written `prost` types of the 1.4.5 schema (no `protoc` at build time). |
+//! | [`proto`] | Hand-written `prost` types of the 1.4.5 schema (no `protoc` at build time) and the protocol's size limits. |
 //! | [`frame`] | The frame codec: u32 big-endian length + `Message`, at most 65 535 bytes; leftover bytes kept. |
 //! | [`tls`] | rustls client configuration: ALPN `rstrm/1`, CA bundle or system roots, SNI override, insecure mode, mTLS identity. |
 //! | [`resolve`] | Engine addresses (`host[:port]`) and project-endpoint resolution through the control plane (redirects not followed, region rules). |
@@ -37,7 +37,7 @@
 //! | [`supervisor`] | Keeps a tunnel up: reconnect with backoff and jitter, re-create, reuse a stable hostname, report state changes. |
 //! | [`forward`] | Relays accepted streams to a local TCP target ([`forward::relay`] is the single copy function). |
 //! | [`datagram`] | Datagram streams: the record codec, [`datagram::DatagramStream`], and the UDP relay of datagram tunnels. |
-//! | [`error`] | [`Error`] with engine codes and [`Error::retryable`]. |
+//! | [`error`] | [`Error`] with engine codes and [`Error::retryable`]; every error type of the crate (frame and datagram errors too), so it depends only on [`proto`]. |
 //! | `engine` | (feature `engine`) `LocalEngine` and `LocalControlPlane` for tests, examples and demos. |
 //!
 //! # Feature flags

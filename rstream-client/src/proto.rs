@@ -11,6 +11,13 @@
 // The types mirror generated protobuf code: large oneof variants are kept inline.
 #![allow(clippy::large_enum_variant)]
 
+/// The largest payload of a control frame (bytes); re-exported as `frame::MAX_FRAME_LEN`.
+pub const MAX_FRAME_LEN: usize = 65_535;
+
+/// The largest datagram a record of a datagram tunnel carries (bytes); re-exported as
+/// `datagram::MAX_DATAGRAM_LEN`.
+pub const MAX_DATAGRAM_LEN: usize = 65_535;
+
 use std::collections::BTreeMap;
 use std::net::IpAddr;
 

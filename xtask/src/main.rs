@@ -8,6 +8,7 @@
 //! * `consumers`: k8s-reconcile built and run by outside crates on other Kubernetes versions.
 //! * `bench`: benchmarks against baselines measured in the same run; `loc`: each binary's own
 //!   logic in lines.
+//! * `modules`: no import circles between a library's modules.
 //! * `audit`: Cargo.lock against a local copy of the RustSec advisory database.
 //! * `test`: everything CI checks.
 
@@ -22,6 +23,7 @@ mod e2e;
 mod envtest;
 mod image;
 mod loc;
+mod modules;
 mod node_images;
 mod readme_flags;
 mod test;
@@ -75,6 +77,8 @@ enum Task {
     Consumers,
     /// Check Cargo.lock against a local copy of the RustSec advisory database (cargo-audit).
     Audit(audit::Args),
+    /// Fail on import circles between the modules of each library crate.
+    Modules,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -102,6 +106,7 @@ fn main() -> anyhow::Result<()> {
         Task::Loc => loc::run(),
         Task::Consumers => consumers::run(),
         Task::Audit(args) => audit::run(&args),
+        Task::Modules => modules::run(),
     }
 }
 

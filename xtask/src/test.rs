@@ -117,6 +117,11 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
             vec![("RUSTDOCFLAGS", "-D warnings")],
         ),
         (
+            "no import circles in the libraries",
+            vec!["run", "--quiet", "-p", "xtask", "--", "modules"],
+            vec![],
+        ),
+        (
             "outside crates on k8s 1.33, 1.35",
             vec!["run", "--quiet", "-p", "xtask", "--", "consumers"],
             vec![],

@@ -288,12 +288,6 @@ pub(super) async fn control_writer(
     let _ = wr.shutdown().await;
 }
 
-pub(super) fn random_hex(bytes: usize) -> String {
-    (0..bytes)
-        .map(|_| format!("{:02x}", rand::random::<u8>()))
-        .collect()
-}
-
 /// Returns true when the channel must close gracefully.
 pub(super) async fn handle_control_frame(
     shared: &Arc<EngineShared>,
@@ -475,74 +469,6 @@ pub(super) async fn ingress_loop(
                 _ = ingress_connection(&task_shared, &tunnel_id, tcp, peer) => {}
             }
         });
-    }
-}
-
-/// Registers a pending stream, sends `ProxyConnReq` to the owner and waits for the proxy leg.
-pub(super) async fn request_leg(
-    shared: &Arc<EngineShared>,
-    tunnel_id: &str,
-    source: SocketAddr,
-) -> std::result::Result<(String, ProxyLeg), proto::Error> {
-    let stream_id = random_hex(16);
-    let secret = random_hex(16);
-    let (leg_tx, leg_rx) = oneshot::channel();
-    let owner_tx = {
-        let mut st = shared.state();
-        let Some(tunnel) = st.tunnels.get(tunnel_id) else {
-            return Err(proto::Error::new(
-                ErrorCode::TunnelNotFound,
-                "Tunnel not found.",
-            ));
-        };
-        let owner = tunnel.owner;
-        let Some(tx) = st.controls.get(&owner).map(|c| c.tx.clone()) else {
-            return Err(proto::Error::new(
-                ErrorCode::ServiceUnavailable,
-                "Tunnel owner is not connected.",
-            ));
-        };
-        st.pending.insert(
-            stream_id.clone(),
-            PendingStream {
-                secret: secret.clone(),
-                leg: leg_tx,
-                owner,
-            },
-        );
-        tx
-    };
-    let req = proto::ProxyConnReq {
-        tunnel_id: tunnel_id.to_owned(),
-        stream_id: stream_id.clone(),
-        secret: Some(secret),
-        source_ip: Some(proto::IpAddress::from(source.ip())),
-        proxy_endpoint: lock(&shared.proxy_endpoint).clone(),
-    };
-    if owner_tx
-        .send(Out::Msg(Box::new(Payload::ProxyConnReq(req).into())))
-        .await
-        .is_err()
-    {
-        shared.state().pending.remove(&stream_id);
-        return Err(proto::Error::new(
-            ErrorCode::ServiceUnavailable,
-            "Tunnel owner is not connected.",
-        ));
-    }
-    match timeout(shared.cfg.proxy_timeout, leg_rx).await {
-        Ok(Ok(leg)) => Ok((stream_id, leg)),
-        Ok(Err(_)) => Err(proto::Error::new(
-            ErrorCode::InvalidStream,
-            "The tunnel owner refused the stream.",
-        )),
-        Err(_) => {
-            shared.state().pending.remove(&stream_id);
-            Err(proto::Error::new(
-                ErrorCode::ServiceUnavailable,
-                "Timed out waiting for the tunnel owner.",
-            ))
-        }
     }
 }
 

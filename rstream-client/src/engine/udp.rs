@@ -12,8 +12,7 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tracing::debug;
 
-use super::server::request_leg;
-use super::{ConnGuard, EngineShared};
+use super::{ConnGuard, EngineShared, request_leg};
 use crate::datagram::DatagramStream;
 
 /// How long a UDP peer of a datagram tunnel keeps its stream without a datagram either way.
