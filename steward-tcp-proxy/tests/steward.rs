@@ -696,16 +696,22 @@ async fn tls_termination_verifies_upstream_mirrors_alpn_and_reloads_certificates
         },
     )
     .await;
-    // A broken replacement is refused; the last good certificate stays.
+    // A broken replacement is refused (waited for in the log, bounded); the last good
+    // certificate stays.
+    let log_from = proxy.logs().len();
     std::fs::write(&cert_path, "not a certificate").unwrap();
-    tokio::time::sleep(Duration::from_secs(6)).await;
+    eventually(
+        "the broken certificate refused",
+        Duration::from_secs(20),
+        || async { proxy.logs()[log_from..].contains("refused") },
+    )
+    .await;
     assert!(
         tls_probe(&ca, proxy.listen, &[b"http/1.1"], None)
             .await
             .1
             .contains("second")
     );
-    assert!(proxy.logs().contains("refused"), "{}", proxy.logs());
 }
 
 /// A test CA for the proxy's serving certificate.
@@ -1196,7 +1202,8 @@ async fn under_the_originals_narrower_cluster_role_the_slice_is_managed_without_
         )
         .await;
     }
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    // A window of several reconciles, counted (bounded), not a guessed sleep.
+    wait_reconciles(&proxy, 3).await;
 
     // Ready, and /readyz and the metric name what is missing.
     let (code, body) = proxy.readyz().await.unwrap();
@@ -1306,7 +1313,7 @@ async fn a_forbidden_endpoints_write_closes_the_gate_after_one_403() {
         published(&client).await.as_ref() == Some(&expected)
     })
     .await;
-    tokio::time::sleep(Duration::from_secs(4)).await;
+    wait_reconciles(&proxy, 4).await;
     let (code, body) = proxy.readyz().await.unwrap();
     assert_eq!(code, 200, "{body}");
     assert!(
@@ -1334,4 +1341,36 @@ async fn a_forbidden_endpoints_write_closes_the_gate_after_one_403() {
         1,
         "{logs}"
     );
+}
+
+/// steward's successful reconciles so far, from its metrics.
+async fn reconciles(proxy: &Proxy) -> u64 {
+    proxy
+        .metrics_text()
+        .await
+        .lines()
+        .filter(|l| {
+            !l.starts_with('#') && l.contains("reconcile_total{") && l.contains(r#"result="ok""#)
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum::<f64>() as u64
+}
+
+/// Waits (at most 30 s) until steward has reconciled `n` more times: the window of a "however
+/// many reconciles ran" check, counted instead of slept.
+async fn wait_reconciles(proxy: &Proxy, n: u64) {
+    let from = reconciles(proxy).await;
+    let started = Instant::now();
+    loop {
+        let now = reconciles(proxy).await;
+        if now >= from + n {
+            return;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "only {} of {n} reconciles in 30 s (reconcile_total {from} -> {now})",
+            now - from
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
