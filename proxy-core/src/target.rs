@@ -47,13 +47,16 @@ impl FromStr for TargetAddr {
 
     /// Parses `1.2.3.4:80`, `[::1]:80` or `name.example:80`.
     fn from_str(input: &str) -> Result<Self, Self::Err> {
-        if let Ok(addr) = input.parse::<SocketAddr>() {
-            return Ok(TargetAddr::Socket(addr));
-        }
         let invalid = |reason| ConfigError::InvalidAddress {
             input: input.to_owned(),
             reason,
         };
+        if let Ok(addr) = input.parse::<SocketAddr>() {
+            if addr.port() == 0 {
+                return Err(invalid("port 0 cannot be connected to"));
+            }
+            return Ok(TargetAddr::Socket(addr));
+        }
         let (host, port) = input
             .rsplit_once(':')
             .ok_or_else(|| invalid("missing :port"))?;

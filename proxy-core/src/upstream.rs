@@ -412,6 +412,8 @@ mod tests {
             "bad host:80",
             "a..b:80",
             "x:0",
+            "127.0.0.1:0",
+            "[::1]:0",
         ] {
             assert!(
                 matches!(

@@ -10,6 +10,7 @@ use k8s_reconcile::app::{
     LogFormat, parse_duration, parse_listen_addr, parse_positive_duration, validate_dns_label,
 };
 use proxy_core::http_connect::HttpProxy;
+use proxy_core::upstream::Upstream;
 
 /// Most runtime threads `--threads` accepts.
 const MAX_THREADS: usize = 1024;
@@ -30,9 +31,9 @@ pub struct Args {
     #[arg(long, env = "STEWARD_LISTEN_ADDR", default_value = ":6443", value_parser = parse_listen_addr)]
     pub listen_addr: SocketAddr,
 
-    /// The real API server, `host:port`.
+    /// The real API server, `host:port` (a comma-separated list: round-robin with failover).
     #[arg(long, env = "UPSTREAM_ADDR", value_parser = parse_upstream_addr)]
-    pub upstream_addr: String,
+    pub upstream_addr: Upstream,
 
     /// Reach the upstream through this HTTP proxy (`http://[user:password@]host[:port]`, HTTP
     /// CONNECT). Unset: `HTTPS_PROXY`/`https_proxy`, unless `NO_PROXY`/`no_proxy` exempts the
@@ -210,19 +211,12 @@ fn parse_upstream_proxy(value: &str) -> Result<HttpProxy, String> {
         .map_err(|e: proxy_core::http_connect::HttpConnectError| e.to_string())
 }
 
-/// `host:port` with a non-empty host and a port in 1..=65535.
-fn parse_upstream_addr(value: &str) -> Result<String, String> {
-    let (host, port) = value
-        .rsplit_once(':')
-        .ok_or_else(|| format!("{value:?} is not host:port"))?;
-    let host = host.trim_start_matches('[').trim_end_matches(']');
-    if host.is_empty() || host.contains(['/', ' ', '@']) {
-        return Err(format!("{value:?}: the host part is missing or invalid"));
-    }
-    match port.parse::<u16>() {
-        Ok(p) if p > 0 => Ok(value.to_owned()),
-        _ => Err(format!("{value:?}: {port:?} is not a port number")),
-    }
+/// `host:port` (an IP literal, bracketed for IPv6, or a DNS name) with a port in 1..=65535, or
+/// a comma-separated list of them: parsed once, here, into what the relay connects to.
+fn parse_upstream_addr(value: &str) -> Result<Upstream, String> {
+    value.parse().map_err(|e: proxy_core::ConfigError| {
+        format!("{e} (expected host:port, or a comma-separated list of them)")
+    })
 }
 
 #[cfg(test)]
@@ -251,12 +245,27 @@ mod tests {
     }
 
     #[test]
+    fn the_upstream_is_parsed_once_into_what_the_relay_dials() {
+        let args = parse(&["--upstream-addr", "[::1]:6443"]).unwrap();
+        assert!(matches!(
+            args.upstream_addr,
+            Upstream::Target(proxy_core::upstream::TargetAddr::Socket(a)) if a.port() == 6443
+        ));
+        let args = parse(&["--upstream-addr", "api.example:6443"]).unwrap();
+        assert_eq!(args.upstream_addr.describe(), "api.example:6443");
+        let args = parse(&["--upstream-addr", "a.example:1, b.example:2"]).unwrap();
+        assert!(matches!(args.upstream_addr, Upstream::Set(_)));
+    }
+
+    #[test]
     fn bad_values_are_refused() {
         let cases: &[&[&str]] = &[
             &[],                                                       // upstream required
             &["--upstream-addr", "nohost"],                            // no port
             &["--upstream-addr", ":6443"],                             // no host
             &["--upstream-addr", "h:0"],                               // port zero
+            &["--upstream-addr", "127.0.0.1:0"],                       // port zero
+            &["--upstream-addr", "a:1,"],                              // empty list item
             &["--upstream-addr", "h:1", "--listen-addr", "x"],         // bad listen
             &["--upstream-addr", "h:1", "--reconcile-interval", "30"], // no unit
             &["--upstream-addr", "h:1", "--reconcile-interval", "0s"],

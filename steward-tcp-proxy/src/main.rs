@@ -160,9 +160,11 @@ fn tls_settings(
     }
     let client =
         tls::upstream_client_config(args.upstream_ca_file.as_deref(), args.upstream_insecure)?;
-    let host = match &args.upstream_sni {
-        Some(sni) => sni.clone(),
-        None => upstream_host(&args.upstream_addr).to_owned(),
+    let host = match (&args.upstream_sni, &args.upstream_addr) {
+        (Some(sni), _) => sni.clone(),
+        (None, Upstream::Target(TargetAddr::Host { host, .. })) => host.clone(),
+        (None, Upstream::Target(TargetAddr::Socket(addr))) => addr.ip().to_string(),
+        (None, _) => anyhow::bail!("--upstream-addr names several upstreams: set --upstream-sni"),
     };
     let upstream_name = ServerName::try_from(host.clone())
         .with_context(|| format!("{host:?} is not a valid TLS server name (set --upstream-sni)"))?;
@@ -171,12 +173,6 @@ fn tls_settings(
         client: Arc::new(client),
         upstream_name,
     })))
-}
-
-/// The host part of `host:port` (brackets of an IPv6 literal removed).
-fn upstream_host(addr: &str) -> &str {
-    let host = addr.rsplit_once(':').map_or(addr, |(host, _)| host);
-    host.trim_start_matches('[').trim_end_matches(']')
 }
 
 async fn endpoints_controller(
@@ -268,10 +264,10 @@ fn upstream_proxy(args: &Args) -> anyhow::Result<Option<HttpProxy>> {
         return Ok(Some(proxy.clone()));
     }
     // A list of upstreams cannot be tunnelled; Relay::start says so if a proxy is asked for.
-    let Ok(target) = args.upstream_addr.parse::<TargetAddr>() else {
+    let Upstream::Target(target) = &args.upstream_addr else {
         return Ok(None);
     };
-    let proxy = http_connect::proxy_from_env(&target).context("HTTPS_PROXY")?;
+    let proxy = http_connect::proxy_from_env(target).context("HTTPS_PROXY")?;
     if let Some(proxy) = &proxy {
         tracing::info!(%proxy, "reaching the upstream through the HTTP proxy of HTTPS_PROXY");
     }

@@ -28,8 +28,8 @@ pub const ROUTE: &str = "apiserver";
 pub struct RelaySettings {
     /// Where to listen.
     pub listen: SocketAddr,
-    /// The upstream, `host:port`.
-    pub upstream: String,
+    /// The upstream, as `--upstream-addr` parsed it.
+    pub upstream: Upstream,
     /// Timeouts and copy mode.
     pub relay: RelayConfig,
     /// Connection cap (None = unlimited).
@@ -52,9 +52,9 @@ pub struct Relay {
 /// Starting failed.
 #[derive(Debug, thiserror::Error)]
 pub enum RelayError {
-    /// The upstream address is not usable.
-    #[error("--upstream-addr: {0}")]
-    Upstream(String),
+    /// The upstream cannot be reached that way (a list cannot go through an HTTP proxy).
+    #[error("--upstream-addr")]
+    Upstream(#[source] proxy_core::ConfigError),
     /// proxy-core refused the listener.
     #[error("listening on {addr}: {cause}")]
     Server {
@@ -71,15 +71,12 @@ impl Relay {
         settings: RelaySettings,
         observer: Arc<dyn RelayObserver>,
     ) -> Result<Self, RelayError> {
-        let upstream: Upstream = settings
-            .upstream
-            .parse()
-            .map_err(|e: proxy_core::ConfigError| RelayError::Upstream(e.to_string()))?;
         let upstream = match settings.proxy {
-            Some(proxy) => upstream
+            Some(proxy) => settings
+                .upstream
                 .via_http_proxy(proxy)
-                .map_err(|e| RelayError::Upstream(e.to_string()))?,
-            None => upstream,
+                .map_err(RelayError::Upstream)?,
+            None => settings.upstream,
         };
         let server_error = |cause| RelayError::Server {
             addr: settings.listen,
