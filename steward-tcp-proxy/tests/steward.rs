@@ -107,7 +107,8 @@ async fn cluster_ip_mode_points_kubernetes_at_the_service_and_repairs_drift() {
     assert_eq!(subset.addresses.as_ref().unwrap()[0].ip, cluster_ip);
     assert_eq!(subset.ports.as_ref().unwrap()[0].port, 6443);
 
-    // Manual edits are repaired through the watch, well under a second each.
+    // Manual edits are repaired through the watch. Typically well under a second each (the
+    // figure is for benches); the bound here is generous for a busy machine: 5 s.
     let mut repairs = Vec::new();
     for i in 0..5 {
         let tampered =
@@ -121,7 +122,7 @@ async fn cluster_ip_mode_points_kubernetes_at_the_service_and_repairs_drift() {
             )
             .await
             .unwrap();
-        eventually("drift repaired", Duration::from_secs(1), || async {
+        eventually("drift repaired", Duration::from_secs(5), || async {
             published(&client).await.as_ref() == Some(&expected)
         })
         .await;
@@ -129,7 +130,7 @@ async fn cluster_ip_mode_points_kubernetes_at_the_service_and_repairs_drift() {
     }
     repairs.sort();
     eprintln!("drift repair latencies: {repairs:?}");
-    assert!(repairs[4] < Duration::from_secs(1), "{repairs:?}");
+    assert!(repairs[4] < Duration::from_secs(5), "{repairs:?}");
 
     // Ready: upstream dialable and endpoints correct.
     eventually("ready", Duration::from_secs(5), || async {
@@ -215,7 +216,8 @@ async fn pod_ip_mode_publishes_the_ready_proxy_endpoints() {
         ],
         16443,
     );
-    let deadline = Instant::now() + Duration::from_secs(2);
+    // A generous bound (the speed is a bench's figure).
+    let deadline = Instant::now() + Duration::from_secs(10);
     while published(&client).await.as_ref() != Some(&expected) {
         assert!(
             Instant::now() < deadline,
