@@ -82,7 +82,9 @@ async fn trickling_clients_neither_starve_others_nor_stay() {
         let (status, body) = get_text(px.api, "/health").await.unwrap();
         let took = asked.elapsed();
         assert_eq!(status, 200, "{body}");
-        assert!(took < Duration::from_millis(100), "answered in {took:?}");
+        // "At once": a generous bound for a busy machine (slow clients would hold it for the
+        // header timeout); the latency itself is a bench's figure.
+        assert!(took < Duration::from_secs(1), "answered in {took:?}");
     }
 
     // Over the cap, a connection is told so at once instead of waiting.
