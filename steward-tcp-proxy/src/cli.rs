@@ -245,6 +245,22 @@ mod tests {
     }
 
     #[test]
+    fn the_go_originals_flag_spellings_are_taken() {
+        // As manifests written for the Go steward pass them: one dash, klog's -v.
+        let args = parse(&[
+            "-upstream-addr=h:1",
+            "-v=2",
+            "-leader-elect=false",
+            "-service-port",
+            "7443",
+        ])
+        .unwrap();
+        assert_eq!(args.upstream_addr.describe(), "h:1");
+        assert_eq!(args.service_port, 7443);
+        assert!(!args.leader_elect);
+    }
+
+    #[test]
     fn the_upstream_is_parsed_once_into_what_the_relay_dials() {
         let args = parse(&["--upstream-addr", "[::1]:6443"]).unwrap();
         assert!(matches!(
