@@ -234,6 +234,7 @@ pub struct Cli {
         long,
         env = "POD_PROXIER_LOG_LEVEL",
         default_value = "info",
+        value_parser = k8s_reconcile::app::parse_log_level,
         global = true
     )]
     pub log_level: String,

@@ -126,6 +126,10 @@ pub struct Args {
     #[arg(long, env = "STEWARD_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
 
+    /// Log level or filter (`info`, `warn,steward_tcp_proxy=debug`); RUST_LOG wins when set.
+    #[arg(long, env = "STEWARD_LOG_LEVEL", default_value = "info", value_parser = k8s_reconcile::app::parse_log_level)]
+    pub log_level: String,
+
     /// Certificate (PEM) to terminate TLS with; with --tls-key-file this turns on TLS-termination
     /// mode (reloaded when the files change). Without it, TLS passes through untouched.
     #[arg(long, env = "TLS_CERT_FILE", requires = "tls_key_file")]
@@ -291,6 +295,7 @@ mod tests {
             &["--upstream-addr", "h:1", "--threads", "-1"],
             &["--upstream-addr", "h:1", "--tls-cert-file", "c.pem"], // key missing
             &["--upstream-addr", "h:1", "--leader-elect=maybe"],
+            &["--upstream-addr", "h:1", "--log-level", "loud"],
             &["--upstream-addr", "h:1", "--leader-elect=yes"],
             &["--upstream-addr", "h:1", "--upstream-proxy", "socks5://p:1"],
             &[

@@ -55,7 +55,7 @@ fn main() -> ExitCode {
     if let Err(problem) = args.validate() {
         return app::usage_error(&problem);
     }
-    app::init_logging(args.log_format, None);
+    app::init_logging(args.log_format, Some(&args.log_level));
     app::block_on_threads("steward-tcp-proxy", args.threads, run(args))
 }
 

@@ -17,6 +17,31 @@ pub enum LogFormat {
     Json,
 }
 
+/// The value parser of every binary's `--log-level`: a level (`info`) or a whole filter
+/// (`warn,pod_proxier=debug`). A value the filter parser refuses is a usage error, instead of a
+/// silent fall-back to `info`.
+pub fn parse_log_level(input: &str) -> Result<String, super::ValueError> {
+    let refuse = |reason: String| super::ValueError::LogFilter {
+        input: input.to_owned(),
+        reason,
+    };
+    const LEVELS: [&str; 6] = ["trace", "debug", "info", "warn", "error", "off"];
+    for directive in input.split(',').map(str::trim) {
+        // A bare word is a target to EnvFilter (`loud` would mean "everything of a crate named
+        // loud"), which is never what a level flag means: only level names stand alone.
+        let bare = !directive.contains(['=', '[']);
+        if bare && !LEVELS.iter().any(|l| l.eq_ignore_ascii_case(directive)) {
+            return Err(refuse(format!(
+                "{directive:?} is not a level (trace, debug, info, warn, error, off); \
+                 a filter is target=level"
+            )));
+        }
+    }
+    EnvFilter::try_new(input)
+        .map(|_| input.to_owned())
+        .map_err(|e| refuse(e.to_string()))
+}
+
 /// The filter: `RUST_LOG`, else `level`, else `info`.
 pub fn filter(level: Option<&str>) -> EnvFilter {
     EnvFilter::try_from_default_env()
@@ -43,4 +68,24 @@ pub fn init_logging(format: LogFormat, level: Option<&str>) {
     };
     // Only a second installation fails; the first one stays in place.
     drop(installed);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn log_levels_and_filters_parse_and_nonsense_is_refused() {
+        for good in [
+            "info",
+            "debug",
+            "warn,my_crate=debug",
+            "my_crate::module=trace",
+        ] {
+            assert_eq!(parse_log_level(good).as_deref(), Ok(good));
+        }
+        for bad in ["loud", "", "info,", "info,=x=y", "my_crate=verbose"] {
+            assert!(parse_log_level(bad).is_err(), "{bad:?} should be refused");
+        }
+    }
 }

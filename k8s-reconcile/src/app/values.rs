@@ -33,6 +33,16 @@ pub enum ValueError {
         /// The value as given.
         input: String,
     },
+    /// Not a log filter in tracing's `EnvFilter` syntax.
+    #[error(
+        "{input:?} is not a log level or filter (e.g. info, debug, warn,my_crate=debug): {reason}"
+    )]
+    LogFilter {
+        /// The value as given.
+        input: String,
+        /// What the filter parser said.
+        reason: String,
+    },
     /// Not a DNS-1123 label or subdomain. The message is only the rule, as callers name the
     /// value in their own words ("namespace \"x\": ...").
     #[error("{reason}")]

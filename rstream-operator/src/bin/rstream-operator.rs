@@ -54,7 +54,7 @@ struct Args {
     #[arg(long, env = "RSTREAM_LOG_FORMAT", value_enum, default_value = "json")]
     log_format: LogFormat,
     /// Log level or filter (RUST_LOG wins when set).
-    #[arg(long, env = "RSTREAM_LOG_LEVEL", default_value = "info")]
+    #[arg(long, env = "RSTREAM_LOG_LEVEL", default_value = "info", value_parser = app::parse_log_level)]
     log_level: String,
 }
 
