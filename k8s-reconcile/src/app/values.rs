@@ -146,9 +146,14 @@ pub fn parse_listen_addr(input: &str) -> Result<SocketAddr, ValueError> {
     text.parse().map_err(|_| refused())
 }
 
+/// What [`parse_optional_listen_addr`] returns: a listen address, or `None` for off. A type
+/// alias, so a clap field of this type takes `0` as a value (clap treats a field spelled
+/// `Option<...>` as a flag that may be absent instead).
+pub type OptionalListenAddr = Option<SocketAddr>;
+
 /// [`parse_listen_addr`], where `0` or an empty value turns the listener off (`None`), as
 /// controller-runtime's bind-address flags do.
-pub fn parse_optional_listen_addr(input: &str) -> Result<Option<SocketAddr>, ValueError> {
+pub fn parse_optional_listen_addr(input: &str) -> Result<OptionalListenAddr, ValueError> {
     match input.trim() {
         "" | "0" => Ok(None),
         _ => parse_listen_addr(input).map(Some),

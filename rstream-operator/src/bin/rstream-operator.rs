@@ -1,9 +1,10 @@
 //! The rstream-operator manager.
 
+use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
+use std::time::Duration;
 
-use anyhow::Context as _;
 use clap::Parser;
 use k8s_reconcile::app::{self, LogFormat};
 use k8s_reconcile::metrics::ControllerMetrics;
@@ -23,15 +24,16 @@ const DEFAULT_AGENT_IMAGE: &str = concat!(
 #[command(name = "rstream-operator", version)]
 struct Args {
     /// Address of /metrics (also /healthz, /readyz); "0" disables it.
-    #[arg(long, env = "RSTREAM_METRICS_BIND_ADDRESS", default_value = ":8080")]
-    metrics_bind_address: String,
+    #[arg(long, env = "RSTREAM_METRICS_BIND_ADDRESS", default_value = ":8080", value_parser = app::parse_optional_listen_addr)]
+    metrics_bind_address: app::OptionalListenAddr,
     /// Address of /healthz and /readyz (also /metrics); "0" disables it.
     #[arg(
         long,
         env = "RSTREAM_HEALTH_PROBE_BIND_ADDRESS",
-        default_value = ":8081"
+        default_value = ":8081",
+        value_parser = app::parse_optional_listen_addr
     )]
-    health_probe_bind_address: String,
+    health_probe_bind_address: app::OptionalListenAddr,
     /// Run the controllers only while holding the Lease, so several replicas can run.
     #[arg(long, env = "RSTREAM_LEADER_ELECT", default_value_t = false)]
     leader_elect: bool,
@@ -39,17 +41,21 @@ struct Args {
     #[arg(long, env = "POD_NAMESPACE")]
     leader_election_namespace: Option<String>,
     /// Image of the tunnel agent, unless a tunnel sets spec.agent.image.
-    #[arg(long, env = "RSTREAM_AGENT_IMAGE", default_value = DEFAULT_AGENT_IMAGE)]
+    #[arg(long, env = "RSTREAM_AGENT_IMAGE", default_value = DEFAULT_AGENT_IMAGE, value_parser = non_empty)]
     agent_image: String,
     /// Every object is reconciled at least this often (Go duration).
-    #[arg(long, env = "RSTREAM_RESYNC_PERIOD", default_value = "5m")]
-    resync_period: String,
+    #[arg(long, env = "RSTREAM_RESYNC_PERIOD", default_value = "5m", value_parser = app::parse_positive_duration)]
+    resync_period: Duration,
     /// Concurrent reconciles per controller.
     #[arg(long, env = "RSTREAM_CONCURRENCY", default_value_t = 8)]
     concurrency: u16,
     /// Watch only this namespace (default: the whole cluster, needed for cross-namespace targets).
     #[arg(long, env = "WATCH_NAMESPACE")]
     namespace: Option<String>,
+    /// kubeconfig for running outside the cluster (default: $KUBECONFIG, which may list several
+    /// files, then ~/.kube/config, then in-cluster).
+    #[arg(long)]
+    kubeconfig: Option<PathBuf>,
     /// Log format.
     #[arg(long, env = "RSTREAM_LOG_FORMAT", value_enum, default_value = "json")]
     log_format: LogFormat,
@@ -58,25 +64,27 @@ struct Args {
     log_level: String,
 }
 
+/// A value that is not blank, trimmed.
+fn non_empty(value: &str) -> Result<String, String> {
+    let value = value.trim();
+    if value.is_empty() {
+        return Err("must not be empty".to_owned());
+    }
+    Ok(value.to_owned())
+}
+
 async fn run(args: Args) -> anyhow::Result<()> {
-    let metrics_addr = app::parse_optional_listen_addr(&args.metrics_bind_address)
-        .context("--metrics-bind-address")?;
-    let health_addr = app::parse_optional_listen_addr(&args.health_probe_bind_address)
-        .context("--health-probe-bind-address")?;
-    let resync = app::parse_positive_duration(&args.resync_period).context("--resync-period")?;
-    anyhow::ensure!(
-        !args.agent_image.trim().is_empty(),
-        "--agent-image must not be empty"
-    );
     let shutdown = ops::shutdown_on_signals()?;
-    let client = app::kube_client(None).await?;
+    let client = app::kube_client(args.kubeconfig.as_deref()).await?;
 
     let mut registry = Registry::default();
     let metrics = ControllerMetrics::register(&mut registry);
     let registry = Arc::new(registry);
     let health = Health::new();
     let servers = app::serve_ops(
-        [metrics_addr, health_addr].into_iter().flatten(),
+        [args.metrics_bind_address, args.health_probe_bind_address]
+            .into_iter()
+            .flatten(),
         &health,
         &registry,
         &shutdown,
@@ -91,9 +99,9 @@ async fn run(args: Args) -> anyhow::Result<()> {
         (namespace, app::leader_identity(None, "rstream-operator"))
     });
     let options = ManagerOptions {
-        agent_image: args.agent_image.trim().to_owned(),
+        agent_image: args.agent_image.clone(),
         leader_election,
-        resync,
+        resync: args.resync_period,
         concurrency: args.concurrency,
         namespace: args.namespace.clone().filter(|n| !n.is_empty()),
     };
@@ -114,6 +122,7 @@ fn main() -> ExitCode {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
 
@@ -139,5 +148,29 @@ mod tests {
             );
         }
         assert!(parse(&["--leader-elect=maybe"]).is_err());
+    }
+
+    #[test]
+    fn values_are_parsed_at_the_edge_and_bad_ones_are_usage_errors() {
+        let parse = |args: &[&str]| {
+            app::try_parse_args_from::<Args, _, _>(
+                std::iter::once("rstream-operator").chain(args.iter().copied()),
+            )
+        };
+        let args = parse(&["--metrics-bind-address=0", "--resync-period=90s"]).unwrap();
+        assert_eq!(args.metrics_bind_address, None, "0 turns the listener off");
+        assert_eq!(args.health_probe_bind_address.map(|a| a.port()), Some(8081));
+        assert_eq!(args.resync_period, Duration::from_secs(90));
+        for bad in [
+            &["--metrics-bind-address=nonsense"][..],
+            &["--resync-period=30"],
+            &["--resync-period=0s"],
+            &["--agent-image= "],
+            &["--log-level=loud"],
+        ] {
+            let err = parse(bad).map(|_| ()).unwrap_err();
+            // clap's usage errors exit with 2, as every binary's bad flags do.
+            assert_eq!(err.exit_code(), 2, "{bad:?}: {err}");
+        }
     }
 }
