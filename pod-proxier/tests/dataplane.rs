@@ -102,6 +102,31 @@ async fn a_service_route_balances_over_healthy_endpoints_only() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     };
     assert_eq!(seen, BTreeSet::from(["e1".to_owned(), "e2".to_owned()]));
+    // Failover alone also serves every connection (a refused connect moves on to the next
+    // target), so the proof is the set's own view: the dead endpoint is out, the others in.
+    let expected = [
+        (e1.to_string(), true),
+        (e2.to_string(), true),
+        (dead.to_string(), false),
+    ];
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let health: Vec<(String, bool)> = plane
+            .upstream_status(port)
+            .await
+            .expect("a route with three targets has an upstream set")
+            .into_iter()
+            .map(|t| (t.addr.to_string(), t.healthy))
+            .collect();
+        if health == expected {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "10 s after the sync the health check has not taken {dead} (only) out: {health:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 
     // Endpoints change: the next connection follows, an established one keeps its upstream.
     let mut held = TcpStream::connect(entry).await.unwrap();

@@ -10,7 +10,7 @@ use std::time::Duration;
 use proxy_core::metrics::RelayObserver;
 use proxy_core::relay::{RelayConfig, Route};
 use proxy_core::server::{ExistingConnections, ListenerConfig, ProxyServer, ServerConfig};
-use proxy_core::upstream::{HealthCheck, TargetAddr, Upstream, UpstreamSet};
+use proxy_core::upstream::{HealthCheck, TargetAddr, TargetStatus, Upstream, UpstreamSet};
 use tokio::sync::Mutex;
 use tokio_util::sync::{CancellationToken, DropGuard};
 
@@ -25,7 +25,13 @@ struct ActivePort {
     route: PortRoute,
     /// Stops the health checks of the current upstream set when dropped.
     checks: Option<DropGuard>,
+    /// The current upstream set, when the route has several targets or health checks.
+    set: Option<Arc<UpstreamSet>>,
 }
+
+/// What [`EmbeddedPlane::build`] makes of a route: the proxy-core route, the guard of its health
+/// checks and its upstream set.
+type Built = (Route, Option<DropGuard>, Option<Arc<UpstreamSet>>);
 
 /// proxy-core listeners, one per entry port.
 pub struct EmbeddedPlane {
@@ -57,11 +63,11 @@ impl EmbeddedPlane {
         })
     }
 
-    fn build(&self, port: u16, route: &PortRoute) -> (Route, Option<DropGuard>) {
+    fn build(&self, port: u16, route: &PortRoute) -> Built {
         let name = format!("{}:{port}", route.name);
         match route.upstreams.as_slice() {
-            [] => (Route::new(name, Upstream::refuse(NO_MAPPING)), None),
-            [single] if !route.health_checked => (Route::new(name, *single), None),
+            [] => (Route::new(name, Upstream::refuse(NO_MAPPING)), None, None),
+            [single] if !route.health_checked => (Route::new(name, *single), None, None),
             targets => {
                 let targets = targets.iter().map(|a| TargetAddr::Socket(*a)).collect();
                 let set = UpstreamSet::new(targets).and_then(|set| match self.health_check {
@@ -75,11 +81,15 @@ impl EmbeddedPlane {
                         let checks = set
                             .spawn_health_checks(cancel.clone())
                             .map(|_| cancel.drop_guard());
-                        (Route::new(name, Upstream::Set(set)), checks)
+                        (
+                            Route::new(name, Upstream::Set(Arc::clone(&set))),
+                            checks,
+                            Some(set),
+                        )
                     }
                     Err(err) => {
                         tracing::error!(port, error = %err, "invalid upstream set; refusing connections");
-                        (Route::new(name, Upstream::refuse(NO_MAPPING)), None)
+                        (Route::new(name, Upstream::refuse(NO_MAPPING)), None, None)
                     }
                 }
             }
@@ -125,11 +135,12 @@ impl EmbeddedPlane {
                     } else {
                         ExistingConnections::Keep
                     };
-                    let (next, checks) = self.build(port, route);
+                    let (next, checks, set) = self.build(port, route);
                     match self.server.set_route(active.addr, next, existing) {
                         Ok(()) => {
                             // Replacing the guard stops the old set's checks.
                             active.checks = checks;
+                            active.set = set;
                             active.route = route.clone();
                         }
                         // Dropping `checks` stops the new set's checks.
@@ -142,7 +153,7 @@ impl EmbeddedPlane {
                     }
                 }
                 None => {
-                    let (next, checks) = self.build(port, route);
+                    let (next, checks, set) = self.build(port, route);
                     let config = ListenerConfig::new(SocketAddr::new(self.ip, port), next)
                         .with_relay(self.relay);
                     match self.server.add_listener(config) {
@@ -153,6 +164,7 @@ impl EmbeddedPlane {
                                     addr,
                                     route: route.clone(),
                                     checks,
+                                    set,
                                 },
                             );
                         }
@@ -167,6 +179,13 @@ impl EmbeddedPlane {
             }
         }
         errors
+    }
+
+    /// The targets of entry port `port` and whether each takes new connections, when its route
+    /// has an upstream set (several targets, or health checks).
+    pub async fn upstream_status(&self, port: u16) -> Option<Vec<TargetStatus>> {
+        let ports = self.ports.lock().await;
+        ports.get(&port)?.set.as_ref().map(|set| set.status())
     }
 
     /// Stops every listener and lets connections finish for up to `drain`.
