@@ -414,6 +414,29 @@ pub async fn helm_test_scenario(
     );
 }
 
+/// A chart's report once its scenarios ended: their error, if any, and the restart counts its
+/// watch saw. Unread restart counts are not zero restarts: they fail the chart too.
+pub async fn finish_chart(
+    mut report: ChartReport,
+    outcome: anyhow::Result<()>,
+    watch: Option<RestartWatch>,
+) -> ChartReport {
+    if let Err(err) = outcome {
+        println!("  error: {err:#}");
+        report.error = Some(format!("{err:#}"));
+    }
+    if let Some(watch) = watch {
+        match watch.finish().await {
+            Ok(restarts) => report.restarts = restarts,
+            Err(err) => report
+                .error
+                .get_or_insert_with(String::new)
+                .push_str(&format!(" restart counts: {err:#}")),
+        }
+    }
+    report
+}
+
 /// Samples every container's restart count in some namespaces once a second from its start
 /// until [`RestartWatch::finish`], keeping each container's highest count: a Pod that crash-looped
 /// during an outage and was deleted later still counts. A failed sample is an error, never

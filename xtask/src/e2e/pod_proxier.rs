@@ -27,21 +27,8 @@ const V2_END: u16 = 9004;
 pub async fn run(env: &Env<'_>) -> ChartReport {
     let mut report = ChartReport::new("pod-proxier");
     let mut watch = None;
-    if let Err(err) = scenarios(env, &mut report, &mut watch).await {
-        println!("  error: {err:#}");
-        report.error = Some(format!("{err:#}"));
-    }
-    if let Some(watch) = watch {
-        match watch.finish().await {
-            Ok(r) => report.restarts = r,
-            // Unread restart counts are not zero restarts: the chart fails.
-            Err(err) => report
-                .error
-                .get_or_insert_with(String::new)
-                .push_str(&format!(" restart counts: {err:#}")),
-        }
-    }
-    report
+    let outcome = scenarios(env, &mut report, &mut watch).await;
+    super::finish_chart(report, outcome, watch).await
 }
 
 async fn scenarios(

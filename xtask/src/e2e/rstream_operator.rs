@@ -30,11 +30,9 @@ const CRDS: [&str; 2] = [
 
 pub async fn run(env: &Env<'_>) -> ChartReport {
     let mut report = ChartReport::new("rstream-operator");
-    if let Err(err) = scenarios(env, &mut report).await {
-        println!("  error: {err:#}");
-        report.error = Some(format!("{err:#}"));
-    }
-    report
+    // Its restart watch is finished inside the scenarios (the agents' namespace is made there).
+    let outcome = scenarios(env, &mut report).await;
+    super::finish_chart(report, outcome, None).await
 }
 
 async fn scenarios(env: &Env<'_>, report: &mut ChartReport) -> anyhow::Result<()> {

@@ -27,20 +27,8 @@ const LISTEN_PORT: u16 = 6443;
 pub async fn run(env: &Env<'_>) -> ChartReport {
     let mut report = ChartReport::new("steward-tcp-proxy");
     let mut watch = None;
-    if let Err(err) = scenarios(env, &mut report, &mut watch).await {
-        println!("  error: {err:#}");
-        report.error = Some(format!("{err:#}"));
-    }
-    if let Some(watch) = watch {
-        match watch.finish().await {
-            Ok(r) => report.restarts = r,
-            Err(err) => report
-                .error
-                .get_or_insert_with(String::new)
-                .push_str(&format!(" restart counts: {err:#}")),
-        }
-    }
-    report
+    let outcome = scenarios(env, &mut report, &mut watch).await;
+    super::finish_chart(report, outcome, watch).await
 }
 
 /// What `default/kubernetes` says: the Endpoints' and the slices' (ip, port) sets.
