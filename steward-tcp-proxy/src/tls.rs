@@ -100,7 +100,9 @@ impl ReloadingCert {
                 tracing::info!(cert = %self.cert_path.display(), "serving certificate reloaded");
             }
             Err(err) => {
-                tracing::error!(error = %err, "new serving certificate refused; keeping the previous one")
+                // The whole chain: a PEM error's reason is its source, not its message.
+                let error = k8s_reconcile::app::error_chain(&err);
+                tracing::error!(%error, "new serving certificate refused; keeping the previous one")
             }
         }
     }

@@ -708,6 +708,12 @@ async fn tls_termination_verifies_upstream_mirrors_alpn_and_reloads_certificates
         || async { proxy.logs()[log_from..].contains("refused") },
     )
     .await;
+    // The log says why, not only which file.
+    let refusal = proxy.logs()[log_from..].to_owned();
+    assert!(
+        refusal.contains("no PEM certificate found"),
+        "the refusal does not say why: {refusal}"
+    );
     assert!(
         tls_probe(&ca, proxy.listen, &[b"http/1.1"], None)
             .await
