@@ -676,6 +676,27 @@ impl ControlPlane {
         self.wait_ready(START_TIMEOUT).await
     }
 
+    /// Freezes kube-apiserver with SIGSTOP, as a hung server (a stalled disk, a stopped VM)
+    /// behaves: its sockets stay open and accept connections, nothing answers and no watch ends
+    /// with an error. Clients notice only by their own timeouts. [`ControlPlane::resume_apiserver`]
+    /// thaws it; a dropped control plane kills it frozen or not.
+    pub async fn pause_apiserver(&self) -> Result<(), TestingError> {
+        self.with_process("kube-apiserver", |p| {
+            p.signal(rustix::process::Signal::STOP);
+            Ok(())
+        })
+    }
+
+    /// Thaws kube-apiserver after [`ControlPlane::pause_apiserver`] (SIGCONT) and waits until
+    /// it answers as ready again.
+    pub async fn resume_apiserver(&self) -> Result<(), TestingError> {
+        self.with_process("kube-apiserver", |p| {
+            p.signal(rustix::process::Signal::CONT);
+            Ok(())
+        })?;
+        self.wait_ready(START_TIMEOUT).await
+    }
+
     /// Stops etcd with SIGTERM, keeps it down for `down` (the API server answers errors
     /// meanwhile), starts it again on the same data and waits until it answers (and the API
     /// server is ready, unless it is stopped).

@@ -79,6 +79,16 @@ impl ServerProcess {
         }
     }
 
+    /// Sends `signal` to the process; an error means it is already gone.
+    pub(crate) fn signal(&self, signal: rustix::process::Signal) {
+        let pid = i32::try_from(self.child.id())
+            .ok()
+            .and_then(rustix::process::Pid::from_raw);
+        if let Some(pid) = pid {
+            let _ = rustix::process::kill_process(pid, signal);
+        }
+    }
+
     fn start(program: &Path, args: &[String], log: &Path) -> Result<Child, TestingError> {
         let out = File::options()
             .create(true)
