@@ -522,3 +522,105 @@ async fn sigterm_while_the_api_server_is_down_still_exits() {
     eprintln!("exited {status} {took:?} after SIGTERM with the API server down");
     assert!(status.success(), "{status}:\n{}", s.proxy.logs());
 }
+
+/// Whether steward's `leader` gauge says it leads (`None` while /metrics does not answer).
+async fn leads(proxy: &Proxy) -> Option<bool> {
+    let text = proxy.metrics_text().await;
+    let line = text.lines().find(|l| l.starts_with("leader{"))?;
+    Some(line.ends_with(" 1"))
+}
+
+/// One echo round trip on a new connection through steward.
+async fn fresh_round_trip(proxy: &Proxy, n: usize) -> bool {
+    match TcpStream::connect(proxy.listen).await {
+        Ok(mut stream) => round_trip(&mut stream, n).await,
+        Err(_) => false,
+    }
+}
+
+#[tokio::test]
+async fn a_hung_api_server_is_noticed_by_the_lease_while_relaying_goes_on() {
+    let s = setup("chaos-hung").await;
+    assert_eq!(leads(&s.proxy).await, Some(true), "{}", s.proxy.logs());
+    let mut held = TcpStream::connect(s.proxy.listen).await.unwrap();
+    assert!(round_trip(&mut held, 0).await);
+    let from = audit_mark(&s.plane).await;
+
+    // Frozen for 20 s: its sockets stay open, nothing answers, no watch ends with an error.
+    // Only steward's own deadlines can tell it (the Lease's renew deadline, 10 s).
+    s.plane.pause_apiserver().await.unwrap();
+    let frozen = Instant::now();
+    let (mut noticed, mut samples, mut held_ok, mut fresh_ok) = (None, 0, 0, 0);
+    while frozen.elapsed() < Duration::from_secs(20) {
+        samples += 1;
+        held_ok += usize::from(round_trip(&mut held, samples).await);
+        fresh_ok += usize::from(fresh_round_trip(&s.proxy, samples).await);
+        if noticed.is_none() && leads(&s.proxy).await == Some(false) {
+            noticed = Some(frozen.elapsed());
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    s.plane.resume_apiserver().await.unwrap();
+    let resumed = Instant::now();
+    eprintln!(
+        "while frozen: {held_ok}/{samples} echoes on the held connection, {fresh_ok}/{samples} \
+         on new ones; stopped leading after {noticed:?}"
+    );
+    assert_eq!(
+        held_ok,
+        samples,
+        "the held connection broke:\n{}",
+        s.proxy.logs()
+    );
+    assert_eq!(
+        fresh_ok,
+        samples,
+        "new connections failed:\n{}",
+        s.proxy.logs()
+    );
+    let noticed = noticed.unwrap_or_else(|| {
+        panic!(
+            "steward still led after 20 s without a renewal:\n{}",
+            s.proxy.logs()
+        )
+    });
+    assert!(
+        noticed >= Duration::from_secs(8),
+        "stepped down after {noticed:?}, before its renew deadline could have passed"
+    );
+
+    // Thawed, it leads again, and nothing needed writing: the endpoints were right all along.
+    eventually("steward leads again", Duration::from_secs(30), || async {
+        leads(&s.proxy).await == Some(true)
+    })
+    .await;
+    let converged = resumed.elapsed();
+    // A change made now is repaired, once.
+    let edited = audit_mark(&s.plane).await;
+    edit_slice(&s.client).await;
+    eventually("the edit is repaired", Duration::from_secs(10), || async {
+        published(&s.client).await.as_ref() == Some(&s.expected)
+    })
+    .await;
+    eprintln!("led again {converged:?} after the API server was thawed");
+    // Settle, then read every write across the fault.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let writes = |events: Vec<AuditEvent>| -> Vec<String> {
+        events
+            .into_iter()
+            .filter(|e| e.is_write() && resource(e) != "leases")
+            .map(|e| format!("{} {}", e.verb, e.request_uri))
+            .collect()
+    };
+    let all = writes(steward_events(&s.plane, from).await);
+    let repair = writes(steward_events(&s.plane, edited).await);
+    let during = all.len() - repair.len();
+    eprintln!("steward's writes across the freeze: {during}; repairing the edit: {repair:?}");
+    assert_eq!(during, 0, "writes across the freeze: {all:?}");
+    assert_eq!(
+        repair.len(),
+        1,
+        "one edit of the slice must take one write: {repair:?}"
+    );
+    assert!(round_trip(&mut held, 1000).await, "held connection after");
+}

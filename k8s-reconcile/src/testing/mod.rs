@@ -666,7 +666,16 @@ impl ControlPlane {
     /// Stops kube-apiserver with SIGTERM and waits until it has exited (see
     /// [`ControlPlane::start_apiserver`]).
     pub async fn stop_apiserver(&self) -> Result<(), TestingError> {
-        self.stop_process("kube-apiserver").await
+        self.stop_process("kube-apiserver", rustix::process::Signal::TERM)
+            .await
+    }
+
+    /// Kills kube-apiserver with SIGKILL, as a crash or an OOM kill does: no graceful end of
+    /// in-flight responses, the kernel closes its sockets mid-stream. Start it again with
+    /// [`ControlPlane::start_apiserver`].
+    pub async fn kill_apiserver(&self) -> Result<(), TestingError> {
+        self.stop_process("kube-apiserver", rustix::process::Signal::KILL)
+            .await
     }
 
     /// Starts kube-apiserver again after [`ControlPlane::stop_apiserver`] and waits until it
@@ -701,7 +710,8 @@ impl ControlPlane {
     /// meanwhile), starts it again on the same data and waits until it answers (and the API
     /// server is ready, unless it is stopped).
     pub async fn restart_etcd(&self, down: Duration) -> Result<(), TestingError> {
-        self.stop_process("etcd").await?;
+        self.stop_process("etcd", rustix::process::Signal::TERM)
+            .await?;
         tokio::time::sleep(down).await;
         self.respawn("etcd")?;
         let deadline = Instant::now() + Duration::from_secs(30);
@@ -734,9 +744,13 @@ impl ControlPlane {
         Ok(revision)
     }
 
-    async fn stop_process(&self, name: &str) -> Result<(), TestingError> {
+    async fn stop_process(
+        &self,
+        name: &str,
+        signal: rustix::process::Signal,
+    ) -> Result<(), TestingError> {
         self.with_process(name, |p| {
-            p.terminate();
+            p.signal(signal);
             Ok(())
         })?;
         let deadline = Instant::now() + Duration::from_secs(30);

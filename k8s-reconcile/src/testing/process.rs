@@ -62,21 +62,10 @@ impl ServerProcess {
     }
 
     /// Starts the process again with the same program and arguments after it has exited (see
-    /// [`ServerProcess::terminate`]), its output appended to the same log.
+    /// [`ServerProcess::signal`]), its output appended to the same log.
     pub(crate) fn respawn(&mut self) -> Result<(), TestingError> {
         self.child = Self::start(&self.program, &self.args, &self.log)?;
         Ok(())
-    }
-
-    /// Sends SIGTERM, as a rolling upgrade would (see [`ServerProcess::exited`] for when it is gone).
-    pub(crate) fn terminate(&self) {
-        let pid = i32::try_from(self.child.id())
-            .ok()
-            .and_then(rustix::process::Pid::from_raw);
-        if let Some(pid) = pid {
-            // An error means it is already gone.
-            let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
-        }
     }
 
     /// Sends `signal` to the process; an error means it is already gone.
