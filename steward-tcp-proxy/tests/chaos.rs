@@ -8,6 +8,7 @@ mod support;
 
 use std::time::{Duration, Instant};
 
+use futures::{AsyncReadExt as _, StreamExt as _, TryStreamExt as _};
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::ConfigMap;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
@@ -623,4 +624,116 @@ async fn a_hung_api_server_is_noticed_by_the_lease_while_relaying_goes_on() {
         "one edit of the slice must take one write: {repair:?}"
     );
     assert!(round_trip(&mut held, 1000).await, "held connection after");
+}
+
+/// How many file descriptors a process holds.
+fn open_fds(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .count()
+}
+
+#[tokio::test]
+async fn the_upstream_killed_mid_stream_ends_the_clients_streams_and_leaks_nothing() {
+    let plane = ControlPlane::builder().start().await.unwrap();
+    let admin = plane.client().await.unwrap();
+    let ns = plane.create_namespace("steward-upstream").await.unwrap();
+    // Relaying only: no proxy Service of that name, nothing published.
+    let proxy = Proxy::start(
+        plane.kubeconfig_path(),
+        &support::apiserver_addr(&plane),
+        &[
+            &format!("--service-namespace={ns}"),
+            "--service-name=absent",
+        ],
+    );
+    eventually("steward is ready", Duration::from_secs(10), || async {
+        proxy.readyz().await.is_some_and(|(code, _)| code == 200)
+    })
+    .await;
+    // 40 MiB of ConfigMaps: a LIST more than every socket and pipe buffer on the way can hold,
+    // so the API server is still writing it when it dies.
+    let maps: Api<ConfigMap> = Api::namespaced(admin.clone(), &ns);
+    let filler = "x".repeat(512 * 1024);
+    for i in 0..80 {
+        let mut cm = ConfigMap::default();
+        cm.metadata.name = Some(format!("bulk-{i}"));
+        cm.data = Some([("filler".to_owned(), filler.clone())].into());
+        maps.create(&PostParams::default(), &cm).await.unwrap();
+    }
+    let pid = proxy.child.id();
+    let baseline = open_fds(pid);
+
+    let through = support::client_through(&plane, proxy.listen).await;
+    // From now on: an idle watch, as a controller's is most of the time.
+    let now = maps
+        .list_metadata(&kube::api::ListParams::default().limit(1))
+        .await
+        .unwrap()
+        .metadata
+        .resource_version
+        .unwrap();
+    let mut watch = Api::<ConfigMap>::namespaced(through.clone(), &ns)
+        .watch(&kube::api::WatchParams::default().timeout(290), &now)
+        .await
+        .unwrap()
+        .boxed();
+    let request = http::Request::get(format!("/api/v1/namespaces/{ns}/configmaps"))
+        .body(Vec::new())
+        .unwrap();
+    let mut list = through.request_stream(request).await.unwrap();
+    let mut first = vec![0; 64 * 1024];
+    list.read_exact(&mut first).await.unwrap();
+
+    plane.kill_apiserver().await.unwrap();
+    let killed = Instant::now();
+    // The LIST ends in an error, not a hang and not a body that looks whole.
+    let mut rest = Vec::new();
+    let listed = tokio::time::timeout(Duration::from_secs(10), list.read_to_end(&mut rest))
+        .await
+        .expect("the LIST still hangs 10 s after the API server died");
+    let list_ended = killed.elapsed();
+    let received = first.len() + rest.len();
+    eprintln!(
+        "LIST: {received} of ~{} bytes, then {listed:?}, {list_ended:?} after the kill",
+        80 * filler.len()
+    );
+    assert!(
+        listed.is_err(),
+        "the LIST ended as if whole ({received} bytes)"
+    );
+    assert!(
+        received < 80 * filler.len(),
+        "the whole LIST was received before the kill"
+    );
+    // The watch ends too (an error or its end), promptly.
+    let watched = tokio::time::timeout(Duration::from_secs(10), watch.try_next())
+        .await
+        .expect("the watch still hangs 10 s after the API server died");
+    eprintln!("watch: {watched:?}, {:?} after the kill", killed.elapsed());
+    assert!(!matches!(watched, Ok(Some(_))), "{watched:?}");
+    drop((list, watch, through));
+
+    // Every relayed connection is closed: steward holds no more descriptors than before.
+    let mut fds = open_fds(pid);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while fds > baseline && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        fds = open_fds(pid);
+    }
+    eprintln!("steward's descriptors: {baseline} before, {fds} after");
+    assert!(
+        fds <= baseline,
+        "{fds} descriptors, {baseline} before:\n{}",
+        proxy.logs()
+    );
+
+    // The API server back, a new client through steward works.
+    plane.start_apiserver().await.unwrap();
+    let again = support::client_through(&plane, proxy.listen).await;
+    let listed = Api::<ConfigMap>::namespaced(again, &ns)
+        .list(&kube::api::ListParams::default())
+        .await
+        .unwrap();
+    assert_eq!(listed.items.len(), 80);
 }

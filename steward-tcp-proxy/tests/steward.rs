@@ -303,17 +303,6 @@ async fn next_added(
     .expect("an ADDED event in time")
 }
 
-/// An admin client whose server URL is the proxy.
-async fn client_through(plane: &ControlPlane, proxy: SocketAddr) -> kube::Client {
-    let text = std::fs::read_to_string(plane.kubeconfig_path()).unwrap();
-    let kubeconfig = kube::config::Kubeconfig::from_yaml(&text).unwrap();
-    let mut config = kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default())
-        .await
-        .unwrap();
-    config.cluster_url = format!("https://{proxy}").parse().unwrap();
-    kube::Client::try_from(config).unwrap()
-}
-
 #[tokio::test]
 async fn runs_under_the_charts_rbac_alone() {
     let plane = plane().await;
@@ -720,39 +709,6 @@ async fn tls_termination_verifies_upstream_mirrors_alpn_and_reloads_certificates
             .1
             .contains("second")
     );
-}
-
-/// A test CA for the proxy's serving certificate.
-struct Ca {
-    issuer: rcgen::Issuer<'static, rcgen::KeyPair>,
-    pem: String,
-}
-
-impl Ca {
-    fn new() -> Self {
-        let key = rcgen::KeyPair::generate().unwrap();
-        let mut params = rcgen::CertificateParams::default();
-        params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
-        params
-            .distinguished_name
-            .push(rcgen::DnType::CommonName, "steward test CA");
-        let cert = params.self_signed(&key).unwrap();
-        Self {
-            pem: cert.pem(),
-            issuer: rcgen::Issuer::new(params, key),
-        }
-    }
-
-    /// A serving certificate for 127.0.0.1 whose common name is `name`.
-    fn leaf(&self, name: &str) -> (String, String) {
-        let key = rcgen::KeyPair::generate().unwrap();
-        let mut params = rcgen::CertificateParams::new(vec!["127.0.0.1".to_owned()]).unwrap();
-        params
-            .distinguished_name
-            .push(rcgen::DnType::CommonName, name);
-        let cert = params.signed_by(&key, &self.issuer).unwrap();
-        (cert.pem(), key.serialize_pem())
-    }
 }
 
 /// Connects with TLS, offering `alpn`; returns the chosen protocol and either the served

@@ -162,3 +162,52 @@ pub async fn published(client: &kube::Client) -> Option<(Vec<String>, i32)> {
     let port = slice.ports.unwrap_or_default().first()?.port?;
     Some((addresses, port))
 }
+
+/// An admin client whose server URL is the proxy.
+pub async fn client_through(plane: &ControlPlane, proxy: SocketAddr) -> kube::Client {
+    let text = std::fs::read_to_string(plane.kubeconfig_path()).unwrap();
+    let kubeconfig = kube::config::Kubeconfig::from_yaml(&text).unwrap();
+    let mut config = kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default())
+        .await
+        .unwrap();
+    config.cluster_url = format!("https://{proxy}").parse().unwrap();
+    kube::Client::try_from(config).unwrap()
+}
+
+/// A test CA for the proxy's serving certificate.
+pub struct Ca {
+    pub issuer: rcgen::Issuer<'static, rcgen::KeyPair>,
+    pub pem: String,
+}
+
+impl Ca {
+    pub fn new() -> Self {
+        let key = rcgen::KeyPair::generate().unwrap();
+        let mut params = rcgen::CertificateParams::default();
+        params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, "steward test CA");
+        let cert = params.self_signed(&key).unwrap();
+        Self {
+            pem: cert.pem(),
+            issuer: rcgen::Issuer::new(params, key),
+        }
+    }
+
+    /// A serving certificate for 127.0.0.1 whose common name is `name`.
+    pub fn leaf(&self, name: &str) -> (String, String) {
+        self.leaf_for("127.0.0.1", name)
+    }
+
+    /// A serving certificate for `san` (a DNS name or an IP) whose common name is `name`.
+    pub fn leaf_for(&self, san: &str, name: &str) -> (String, String) {
+        let key = rcgen::KeyPair::generate().unwrap();
+        let mut params = rcgen::CertificateParams::new(vec![san.to_owned()]).unwrap();
+        params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, name);
+        let cert = params.signed_by(&key, &self.issuer).unwrap();
+        (cert.pem(), key.serialize_pem())
+    }
+}
