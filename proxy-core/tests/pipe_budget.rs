@@ -121,8 +121,11 @@ fn unprivileged_relay_stays_inside_the_pipe_budget() {
         field("peak_allocated") <= field("budget"),
         "pool outgrew its budget: {stats}"
     );
+    // A collapse, not a speed target: this only catches a splice path an order of magnitude
+    // slower (a pipe resized to a page, a copy per byte). How it compares is measured by
+    // `cargo xtask bench proxy`, not here.
     assert!(
-        spliced >= buffered / 3.0,
+        spliced >= buffered / 10.0,
         "splice path collapsed: {spliced:.0} MiB/s vs {buffered:.0} MiB/s buffered"
     );
 }

@@ -61,7 +61,9 @@ async fn legacy_mode_without_heartbeats() {
         .unwrap();
     assert_eq!(control.liveness_timeout(), None);
     assert!(engine.client_details().len() == 1);
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // With heartbeats on, the first goes at once and the next 1 s later (the test above): a
+    // window of 1.5 s would hold two.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
     assert_eq!(engine.heartbeats_received(), 0);
     assert!(!control.is_closed());
     control.close().await.unwrap();
