@@ -10,6 +10,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand, ValueEnum};
+use k8s_reconcile::app::SecondsOrDuration;
 
 use crate::names;
 
@@ -121,32 +122,38 @@ pub struct Cli {
     )]
     pub allowed_namespaces: Vec<String>,
 
-    /// Longest V1 mapping, in seconds; longer requests are refused.
+    /// Longest V1 mapping; longer requests are refused (Go duration; a bare number is seconds,
+    /// deprecated).
     #[arg(
         long,
         env = "POD_PROXIER_MAX_MAPPING_TIME",
-        default_value_t = 10800,
+        default_value = "3h",
+        value_parser = k8s_reconcile::app::parse_seconds_or_duration,
         global = true
     )]
-    pub max_mapping_time: u64,
+    pub max_mapping_time: SecondsOrDuration,
 
-    /// Health check connect timeout of V2 endpoints, in seconds.
+    /// Health check connect timeout of V2 endpoints (Go duration; a bare number is seconds,
+    /// deprecated).
     #[arg(
         long,
         env = "POD_PROXIER_CHECK_TIMEOUT",
-        default_value_t = 15,
+        default_value = "15s",
+        value_parser = k8s_reconcile::app::parse_seconds_or_duration,
         global = true
     )]
-    pub check_timeout: u64,
+    pub check_timeout: SecondsOrDuration,
 
-    /// Time between two health checks of a V2 endpoint, in seconds.
+    /// Time between two health checks of a V2 endpoint (Go duration; a bare number is seconds,
+    /// deprecated).
     #[arg(
         long,
         env = "POD_PROXIER_CHECK_INTERVAL",
-        default_value_t = 2,
+        default_value = "2s",
+        value_parser = k8s_reconcile::app::parse_seconds_or_duration,
         global = true
     )]
-    pub check_interval: u64,
+    pub check_interval: SecondsOrDuration,
 
     /// Disable V2 health checks: always forward to every ready endpoint.
     #[arg(long, env = "POD_PROXIER_OFF_CHECK", global = true)]
@@ -181,14 +188,16 @@ pub struct Cli {
     )]
     pub v2_target: V2Target,
 
-    /// Seconds between two full V2 reconciliations (the original's informer resync).
+    /// Time between two full V2 reconciliations, the original's informer resync (Go duration; a
+    /// bare number is seconds, deprecated).
     #[arg(
         long,
         env = "POD_PROXIER_RESYNC_TIME",
-        default_value_t = 600,
+        default_value = "10m",
+        value_parser = k8s_reconcile::app::parse_seconds_or_duration,
         global = true
     )]
-    pub resync_time: u64,
+    pub resync_time: SecondsOrDuration,
 
     /// Data plane: proxy-core in this process, or HAProxy through --api-addr.
     #[arg(
@@ -260,37 +269,42 @@ pub struct Cli {
     #[arg(long, env = "POD_PROXIER_MAX_BODY_BYTES", default_value_t = 16 * 1024, global = true)]
     pub max_body_bytes: usize,
 
-    /// Longest time an API request may take, in seconds.
+    /// Longest time an API request may take (Go duration; a bare number is seconds,
+    /// deprecated).
     #[arg(
         long,
         env = "POD_PROXIER_REQUEST_TIMEOUT",
-        default_value_t = 10,
+        default_value = "10s",
+        value_parser = k8s_reconcile::app::parse_seconds_or_duration,
         global = true
     )]
-    pub request_timeout: u64,
+    pub request_timeout: SecondsOrDuration,
 
-    /// Longest time a client may take to send a request's headers, in seconds; slower or idle
-    /// connections are closed.
+    /// Longest time a client may take to send a request's headers; slower or idle connections
+    /// are closed (Go duration; a bare number is seconds, deprecated).
     #[arg(
         long,
         env = "POD_PROXIER_HEADER_READ_TIMEOUT",
-        default_value_t = 5,
+        default_value = "5s",
+        value_parser = k8s_reconcile::app::parse_seconds_or_duration,
         global = true
     )]
-    pub header_read_timeout: u64,
+    pub header_read_timeout: SecondsOrDuration,
 
     /// Most API connections served at once; one more gets 503 and is closed at once.
     #[arg(long, env = "POD_PROXIER_MAX_API_CONNECTIONS", default_value_t = 512, value_parser = clap::value_parser!(u32).range(1..), global = true)]
     pub max_api_connections: u32,
 
-    /// On SIGTERM, how long established connections may continue, in seconds.
+    /// On SIGTERM, how long established connections may continue (Go duration; a bare number
+    /// is seconds, deprecated).
     #[arg(
         long,
         env = "POD_PROXIER_DRAIN_TIMEOUT",
-        default_value_t = 30,
+        default_value = "30s",
+        value_parser = k8s_reconcile::app::parse_seconds_or_duration,
         global = true
     )]
-    pub drain_timeout: u64,
+    pub drain_timeout: SecondsOrDuration,
 
     /// Accepted for compatibility with the original (Data Plane API user); ignored.
     #[arg(long, hide = true, global = true)]
@@ -513,25 +527,28 @@ impl Cli {
         }
         k8s_reconcile::app::validate_dns_label(&self.state_namespace)
             .map_err(|e| format!("--state-namespace {:?}: {e}", self.state_namespace))?;
-        if self.max_mapping_time == 0 || self.max_mapping_time > 365 * 24 * 3600 {
+        let max_mapping = self.max_mapping_time.duration;
+        if max_mapping < Duration::from_secs(1)
+            || max_mapping > Duration::from_secs(365 * 24 * 3600)
+        {
             return Err(format!(
-                "--max-mapping-time {} must be between 1 and 31536000 seconds",
-                self.max_mapping_time
+                "--max-mapping-time {max_mapping:?} must be between 1s and 8760h (a year)"
             ));
         }
-        if self.check_timeout == 0 || self.check_interval == 0 {
-            return Err(
-                "--check-timeout and --check-interval must be at least 1 second (use --off-check to disable checks)"
-                    .to_owned(),
-            );
-        }
         for (flag, value) in [
+            ("--check-timeout", self.check_timeout),
+            ("--check-interval", self.check_interval),
             ("--resync-time", self.resync_time),
             ("--request-timeout", self.request_timeout),
             ("--header-read-timeout", self.header_read_timeout),
         ] {
-            if value == 0 {
-                return Err(format!("{flag} must be at least 1 second"));
+            if value.duration.is_zero() {
+                let hint = if flag.starts_with("--check") {
+                    " (use --off-check to disable checks)"
+                } else {
+                    ""
+                };
+                return Err(format!("{flag} must be longer than zero{hint}"));
             }
         }
         if self.max_body_bytes < 64 {
@@ -545,7 +562,18 @@ impl Cli {
             // Still read for `haproxy-config`, which may run without --backend haproxy.
             BackendKind::Embedded => parse_runtime_api_addr(&self.api_addr).ok(),
         };
-        let mut warnings = Vec::new();
+        let mut warnings: Vec<String> = [
+            ("--max-mapping-time", self.max_mapping_time),
+            ("--check-timeout", self.check_timeout),
+            ("--check-interval", self.check_interval),
+            ("--resync-time", self.resync_time),
+            ("--request-timeout", self.request_timeout),
+            ("--header-read-timeout", self.header_read_timeout),
+            ("--drain-timeout", self.drain_timeout),
+        ]
+        .iter()
+        .filter_map(|(flag, value)| value.deprecation(flag))
+        .collect();
         if self.api_user.is_some() || self.api_password.is_some() {
             warnings.push(
                 "--api-user/--api-password are ignored: the Data Plane API is not used".to_owned(),
@@ -574,17 +602,13 @@ impl Cli {
             entry_port: self.default_map_port,
             port_range: (start, end),
             allowed_namespaces: allowed,
-            max_mapping_time: Duration::from_secs(self.max_mapping_time),
+            max_mapping_time: max_mapping,
             v1_port_name: self.jprofiler_port_name.clone(),
             v2_port_name: self.port_name.clone(),
             v2_target: self.v2_target,
-            health_check: (!self.off_check).then(|| {
-                (
-                    Duration::from_secs(self.check_interval),
-                    Duration::from_secs(self.check_timeout),
-                )
-            }),
-            resync: Duration::from_secs(self.resync_time),
+            health_check: (!self.off_check)
+                .then_some((self.check_interval.duration, self.check_timeout.duration)),
+            resync: self.resync_time.duration,
             backend: self.backend,
             runtime_api,
             auth: self.auth,
@@ -593,10 +617,10 @@ impl Cli {
             identity,
             lease_name: self.lease_name.clone(),
             max_body_bytes: self.max_body_bytes,
-            request_timeout: Duration::from_secs(self.request_timeout),
-            header_read_timeout: Duration::from_secs(self.header_read_timeout),
+            request_timeout: self.request_timeout.duration,
+            header_read_timeout: self.header_read_timeout.duration,
             max_api_connections: self.max_api_connections as usize,
-            drain_timeout: Duration::from_secs(self.drain_timeout),
+            drain_timeout: self.drain_timeout.duration,
             kubeconfig: self.kubeconfig.clone(),
             warnings,
         })
@@ -637,14 +661,40 @@ mod tests {
     }
 
     #[test]
+    fn durations_take_go_syntax_and_the_old_seconds_with_a_warning() {
+        let c = cli(&[
+            "--enable-v1",
+            "--drain-timeout=1m30s",
+            "--max-mapping-time=2h",
+        ]);
+        let settings = c.validate(true).unwrap();
+        assert_eq!(settings.drain_timeout, Duration::from_secs(90));
+        assert_eq!(settings.max_mapping_time, Duration::from_secs(7200));
+        assert!(settings.warnings.is_empty(), "{:?}", settings.warnings);
+        let c = cli(&["--enable-v1", "--drain-timeout=30", "--resync-time=600"]);
+        let settings = c.validate(true).unwrap();
+        assert_eq!(settings.drain_timeout, Duration::from_secs(30));
+        assert_eq!(settings.resync, Duration::from_secs(600));
+        assert_eq!(settings.warnings.len(), 2, "{:?}", settings.warnings);
+        assert!(settings.warnings[1].contains("--drain-timeout 30"));
+        let err = k8s_reconcile::app::try_parse_args_from::<Cli, _, _>([
+            "pod-proxier",
+            "--drain-timeout=30x",
+        ])
+        .err()
+        .unwrap();
+        assert!(err.to_string().contains("unknown unit"), "{err}");
+    }
+
+    #[test]
     fn defaults_match_the_original() {
         let c = cli(&["--enable-v1"]);
         assert_eq!(c.listen_port, 3343);
         assert_eq!(c.default_map_port, 8849);
         assert_eq!((c.port_range_start, c.port_range_end), (9000, 9100));
         assert_eq!(c.allowed_namespaces, vec!["default"]);
-        assert_eq!(c.max_mapping_time, 10800);
-        assert_eq!(c.check_timeout, 15);
+        assert_eq!(c.max_mapping_time.duration, Duration::from_secs(10800));
+        assert_eq!(c.check_timeout.duration, Duration::from_secs(15));
         assert_eq!(c.port_name, "debug");
         // The original's `jprofiler_tcp` is not a valid port name; ours is.
         assert!(names::validate_port_name(&c.jprofiler_port_name).is_ok());

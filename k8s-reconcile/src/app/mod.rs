@@ -42,7 +42,7 @@ pub use process::{
     leader_identity, own_namespace, serve_ops, usage_error,
 };
 pub use values::{
-    OptionalListenAddr, ValueError, parse_duration, parse_go_bool, parse_listen_addr,
-    parse_optional_listen_addr, parse_positive_duration, validate_dns_label,
-    validate_dns_subdomain,
+    OptionalListenAddr, SecondsOrDuration, ValueError, parse_duration, parse_go_bool,
+    parse_listen_addr, parse_optional_listen_addr, parse_positive_duration,
+    parse_seconds_or_duration, validate_dns_label, validate_dns_subdomain,
 };

@@ -118,6 +118,48 @@ pub fn parse_positive_duration(input: &str) -> Result<Duration, ValueError> {
     }
 }
 
+/// The value of a duration flag that used to take a bare number of seconds: a Go duration now,
+/// with the old form still accepted so existing command lines and manifests keep working.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SecondsOrDuration {
+    /// The duration given.
+    pub duration: Duration,
+    /// Whether it was given in the old form, a bare number of seconds.
+    pub bare_seconds: bool,
+}
+
+impl SecondsOrDuration {
+    /// The warning to log when the old form was used: `flag` takes Go durations now.
+    pub fn deprecation(&self, flag: &str) -> Option<String> {
+        self.bare_seconds.then(|| {
+            let seconds = self.duration.as_secs();
+            format!(
+                "{flag} {seconds}: a bare number of seconds is deprecated, write {seconds}s \
+                 (a Go duration)"
+            )
+        })
+    }
+}
+
+/// Parses a Go duration ([`parse_duration`]) or, for flags that once took seconds, a bare
+/// whole number of seconds (deprecated: see [`SecondsOrDuration::deprecation`]).
+pub fn parse_seconds_or_duration(input: &str) -> Result<SecondsOrDuration, ValueError> {
+    let text = input.trim();
+    if !text.is_empty() && text.bytes().all(|b| b.is_ascii_digit()) {
+        let seconds: u64 = text
+            .parse()
+            .map_err(|_| duration_error(input, "out of range"))?;
+        return Ok(SecondsOrDuration {
+            duration: Duration::from_secs(seconds),
+            bare_seconds: text != "0",
+        });
+    }
+    Ok(SecondsOrDuration {
+        duration: parse_duration(input)?,
+        bare_seconds: false,
+    })
+}
+
 /// Parses a boolean as Go's `strconv.ParseBool` does: `1`, `t`, `T`, `TRUE`, `true`, `True`,
 /// `0`, `f`, `F`, `FALSE`, `false`, `False`. Nothing else, not even surrounding spaces.
 pub fn parse_go_bool(input: &str) -> Result<bool, ValueError> {
@@ -233,6 +275,22 @@ pub fn validate_dns_subdomain(name: &str) -> Result<(), ValueError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn seconds_or_duration_takes_both_and_flags_the_old_form() {
+        let go = parse_seconds_or_duration("90s").unwrap();
+        assert_eq!(go.duration, Duration::from_secs(90));
+        assert_eq!(go.deprecation("--drain-timeout"), None);
+        let bare = parse_seconds_or_duration("30").unwrap();
+        assert_eq!(bare.duration, Duration::from_secs(30));
+        let warning = bare.deprecation("--drain-timeout").unwrap();
+        assert!(warning.contains("write 30s"), "{warning}");
+        // Zero needs no unit in Go either.
+        assert!(!parse_seconds_or_duration("0").unwrap().bare_seconds);
+        for bad in ["", "1.5", "-3", "3x", "99999999999999999999999"] {
+            assert!(parse_seconds_or_duration(bad).is_err(), "{bad:?}");
+        }
+    }
 
     #[test]
     fn durations_in_go_syntax() {

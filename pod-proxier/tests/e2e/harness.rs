@@ -405,7 +405,7 @@ impl Proxier {
             "--log-level".into(),
             "info,pod_proxier=debug".into(),
             "--drain-timeout".into(),
-            "1".into(),
+            "1s".into(),
         ];
         args.extend(extra.iter().map(|s| (*s).to_owned()));
         let log = env

@@ -169,7 +169,7 @@ async fn a_body_over_the_limit_gets_413_and_creates_nothing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_trickled_body_is_cut_by_the_request_timeout() {
     let env = Env::new("slowbody", 1).await;
-    let px = Proxier::start(&env, &["--enable-v1", "--request-timeout", "2"]).await;
+    let px = Proxier::start(&env, &["--enable-v1", "--request-timeout", "2s"]).await;
     let mut stream = TcpStream::connect(px.api).await.unwrap();
     let head = "POST /api/v1/mapping HTTP/1.1\r\nHost: pod-proxier\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n";
     stream.write_all(head.as_bytes()).await.unwrap();
