@@ -435,3 +435,269 @@ async fn with_version(roles: &Api<Role>, mut role: Role) -> Role {
     role.metadata.managed_fields = None;
     role
 }
+
+/// The value of `leader{controller="pod-proxier"}` on `/metrics`, if it answers.
+async fn leader_gauge(px: &Proxier) -> Option<i64> {
+    let (_, text) = harness::get_text(px.metrics, "/metrics").await.ok()?;
+    text.lines()
+        .find(|l| l.starts_with(r#"leader{controller="pod-proxier"}"#))
+        .and_then(|l| l.split_whitespace().last())
+        .and_then(|v| v.parse().ok())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hung_api_server_is_noticed_the_data_plane_serves_and_it_converges() {
+    // Frozen on purpose, so a plane of its own (it lives until the test binary exits).
+    let plane: &'static ControlPlane =
+        Box::leak(Box::new(ControlPlane::builder().start().await.unwrap()));
+    plane.install_crds(&[PortMapping::crd()]).await.unwrap();
+    let env = Env::on(plane, "hung", 1).await;
+    let ns = env.targets[0].clone();
+    let a = backend("127.0.0.64", "hung-pod").await;
+    env.pod(
+        &ns,
+        "pod-a",
+        "127.0.0.64",
+        Some(("jprofiler-port", a.port())),
+    )
+    .await;
+    let mut px = Proxier::start(&env, &["--enable-v1", "--request-timeout", "5"]).await;
+    eventually("pod-proxier leads", Duration::from_secs(20), || async {
+        leader_gauge(&px).await == Some(1)
+    })
+    .await;
+    let token = env.debugger(&ns).await;
+    // The TTL ends inside the freeze, after the leader had to step down (renew deadline 10 s).
+    let (status, body) = px
+        .call(
+            "POST",
+            "/api/v1/mapping",
+            Some(&token),
+            Some(json!({"pod_name": format!("{ns}/pod-a"), "time": 18})),
+        )
+        .await;
+    assert_eq!(status, 200, "{body}");
+    let expires_at: k8s_openapi::jiff::Timestamp = body["data"]["expires_at"]
+        .as_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    let name = env
+        .mappings()
+        .list(&Default::default())
+        .await
+        .unwrap()
+        .items
+        .first()
+        .and_then(|m| m.metadata.name.clone())
+        .unwrap();
+    eventually(
+        "the leader wrote the mapping's status",
+        Duration::from_secs(10),
+        || async {
+            env.mappings()
+                .get(&name)
+                .await
+                .unwrap()
+                .status
+                .is_some_and(|s| s.phase.is_some())
+        },
+    )
+    .await;
+    let until_deadline = |at: k8s_openapi::jiff::Timestamp| {
+        Duration::from_millis(
+            u64::try_from(
+                at.as_millisecond() - k8s_openapi::jiff::Timestamp::now().as_millisecond(),
+            )
+            .unwrap_or(0),
+        )
+    };
+    // Freeze 14 s before the deadline.
+    tokio::time::sleep(until_deadline(expires_at).saturating_sub(Duration::from_secs(14))).await;
+    assert_eq!(greeting(px.entry).await.as_deref(), Some("hung-pod"));
+    let mut held = tokio::net::TcpStream::connect(px.entry).await.unwrap();
+    assert_eq!(read_line(&mut held).await.as_deref(), Some("hung-pod"));
+    // A caller whose token was never reviewed: its request needs the API server.
+    let stranger = env
+        .caller(&ns, "stranger", vec![harness::port_forward_rule()])
+        .await;
+    let from = {
+        plane.requests_by(&px.user).await.unwrap();
+        plane.audit_events().unwrap().len()
+    };
+    let log_from = px.logs().len();
+
+    plane.pause_apiserver().await.unwrap();
+    let frozen = Instant::now();
+    let freeze = Duration::from_secs(20);
+    let api_call = {
+        let api = px.api;
+        let path = format!("/api/v1/mapping?pod_name={ns}/pod-a");
+        tokio::spawn(async move {
+            let asked = Instant::now();
+            let answer = harness::request(api, "GET", &path, Some(&stranger), None, b"").await;
+            (answer, asked.elapsed())
+        })
+    };
+    let (mut noticed, mut unready) = (None, Vec::new());
+    let (mut before, mut lost, mut after, mut served_late) = (0, 0, 0, 0);
+    let (mut echoed, mut samples) = (0, 0);
+    let deadline_in_freeze = until_deadline(expires_at);
+    while frozen.elapsed() < freeze {
+        let at = frozen.elapsed();
+        let answered = greeting(px.entry).await.as_deref() == Some("hung-pod");
+        // Half a second either side of the deadline is left out: the clocks of the test and
+        // of the data plane are read at different moments.
+        if at + Duration::from_millis(500) < deadline_in_freeze {
+            before += 1;
+            lost += usize::from(!answered);
+        } else if at > deadline_in_freeze + Duration::from_millis(500) {
+            after += 1;
+            served_late += usize::from(answered);
+        }
+        samples += 1;
+        if round_trip(&mut held, samples).await {
+            echoed += 1;
+        }
+        if noticed.is_none() && leader_gauge(&px).await == Some(0) {
+            noticed = Some(frozen.elapsed());
+        }
+        match harness::get_text(px.metrics, "/readyz").await {
+            Ok((200, _)) => {}
+            other => unready.push(format!("{:?}: {other:?}", frozen.elapsed())),
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    let ((api_status, api_body), api_took) = api_call.await.unwrap();
+    plane.resume_apiserver().await.unwrap();
+    let resumed = Instant::now();
+    eprintln!(
+        "frozen {freeze:?}: stepped down after {noticed:?}; API call answered {api_status} after {api_took:?}; \
+         entry port: {before} new connections before the deadline ({lost} lost), {after} after it ({served_late} served); \
+         held connection echoed {echoed}/{samples}; unready samples: {unready:?}"
+    );
+    assert_eq!(lost, 0, "connections lost during the freeze\n{}", px.logs());
+    assert!(before >= 20, "only {before} samples before the deadline");
+    assert!(after >= 4, "only {after} samples after the deadline");
+    assert_eq!(
+        served_late, 0,
+        "the data plane forwarded past the deadline without the API server"
+    );
+    // An established connection outlives the deadline too (V1 cuts them only when asked).
+    assert_eq!(echoed, samples, "the held connection broke");
+    assert!(
+        unready.is_empty(),
+        "unready while the data plane served: {unready:?}"
+    );
+    // Noticed by its own timeout: the renew deadline (10 s after the last renewal, at most one
+    // retry period of 2 s before the freeze), not by an error from the server.
+    let noticed = noticed.unwrap_or_else(|| panic!("never stepped down:\n{}", px.logs()));
+    assert!(
+        (Duration::from_secs(7)..Duration::from_secs(12)).contains(&noticed),
+        "stepped down {noticed:?} into the freeze"
+    );
+    let logs = px.logs()[log_from..].to_owned();
+    assert!(logs.contains("lost the Lease"), "{logs}");
+    // The request timeout answers a caller the server cannot serve.
+    assert_eq!(api_status, 503, "{api_body}");
+    assert!(
+        (Duration::from_secs(5)..Duration::from_secs(7)).contains(&api_took),
+        "answered after {api_took:?}"
+    );
+
+    // Converges: leads again and removes the mapping that expired in the freeze.
+    eventually(
+        "pod-proxier leads again",
+        Duration::from_secs(30),
+        || async { leader_gauge(&px).await == Some(1) },
+    )
+    .await;
+    let leads_again = resumed.elapsed();
+    eventually(
+        "the expired mapping is removed",
+        Duration::from_secs(15),
+        || async { env.mappings().get_opt(&name).await.unwrap().is_none() },
+    )
+    .await;
+    let converged = resumed.elapsed();
+    eprintln!("after the resume: leads again after {leads_again:?}, converged after {converged:?}");
+
+    // Across the fault and the convergence, one write: the expired mapping's delete. Nothing
+    // else but the Lease (and the reviews of the API call, which store nothing).
+    plane.requests_by(&px.user).await.unwrap();
+    let mut writes = std::collections::BTreeMap::<String, usize>::new();
+    for e in plane
+        .audit_events()
+        .unwrap()
+        .into_iter()
+        .skip(from)
+        .filter(|e| e.user.username == px.user && e.is_write())
+    {
+        let (resource, sub, object) = e.object_ref.as_ref().map_or(("", "", ""), |o| {
+            (
+                o.resource.as_str(),
+                o.subresource.as_deref().unwrap_or(""),
+                o.name.as_deref().unwrap_or(""),
+            )
+        });
+        if matches!(resource, "leases" | "tokenreviews" | "subjectaccessreviews") {
+            continue;
+        }
+        *writes
+            .entry(format!("{} {resource}/{sub} {object}", e.verb))
+            .or_default() += 1;
+    }
+    eprintln!("writes across the fault: {writes:?}");
+    assert_eq!(
+        writes,
+        [(format!("delete portmappings/ {name}"), 1)].into(),
+        "{}",
+        px.logs()
+    );
+
+    // A mapping made now is served at once: the API works again.
+    let (status, body) = px
+        .call(
+            "POST",
+            "/api/v1/mapping",
+            Some(&token),
+            Some(json!({"pod_name": format!("{ns}/pod-a"), "time": 600})),
+        )
+        .await;
+    assert_eq!(status, 200, "{body}");
+    eventually("served again", Duration::from_secs(5), || async {
+        greeting(px.entry).await.as_deref() == Some("hung-pod")
+    })
+    .await;
+    assert!(px.running(), "the process exited:\n{}", px.logs());
+}
+
+/// Reads one line (without its newline) from `stream`, within 3 s.
+async fn read_line(stream: &mut tokio::net::TcpStream) -> Option<String> {
+    use tokio::io::AsyncReadExt as _;
+    let mut line = Vec::new();
+    let mut byte = [0u8; 1];
+    tokio::time::timeout(Duration::from_secs(3), async {
+        loop {
+            match stream.read(&mut byte).await {
+                Ok(1) if byte[0] != b'\n' => line.push(byte[0]),
+                _ => return,
+            }
+        }
+    })
+    .await
+    .ok()?;
+    Some(String::from_utf8_lossy(&line).into_owned())
+}
+
+/// One echo round trip on a held connection, within 2 s.
+async fn round_trip(stream: &mut tokio::net::TcpStream, n: usize) -> bool {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let message = format!("message {n}\n");
+    if stream.write_all(message.as_bytes()).await.is_err() {
+        return false;
+    }
+    let mut back = vec![0; message.len()];
+    let read = tokio::time::timeout(Duration::from_secs(2), stream.read_exact(&mut back)).await;
+    matches!(read, Ok(Ok(_))) && back == message.as_bytes()
+}
