@@ -320,3 +320,180 @@ async fn a_lost_lease_stops_the_writes_before_the_new_holder_starts() {
     assert!(rolled >= Duration::from_secs(10), "rolled after {rolled:?}");
     stop.cancel();
 }
+
+/// Non-Lease writes by `user` from audit index `from` on, counted per verb and object.
+fn writes_per_object(
+    plane: &ControlPlane,
+    user: &str,
+    from: usize,
+) -> std::collections::BTreeMap<String, usize> {
+    let mut writes = std::collections::BTreeMap::new();
+    for e in manager_events(plane, user, from)
+        .into_iter()
+        .filter(AuditEvent::is_write)
+    {
+        let (resource, sub, object) = e.object_ref.as_ref().map_or(("", "", ""), |o| {
+            (
+                o.resource.as_str(),
+                o.subresource.as_deref().unwrap_or(""),
+                o.name.as_deref().unwrap_or(""),
+            )
+        });
+        if resource == "leases" {
+            continue;
+        }
+        *writes
+            .entry(format!("{} {resource}/{sub} {object}", e.verb))
+            .or_insert(0) += 1;
+    }
+    writes
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hung_api_server_is_noticed_the_tunnel_serves_and_it_converges() {
+    // Frozen on purpose, so a plane of its own.
+    let plane = ControlPlane::builder().start().await.unwrap();
+    prepare(&plane).await;
+    let ns = plane.create_namespace("operator-hung").await.unwrap();
+    let live = Live::new(&plane, &ns, &["web-a"]).await;
+    let identity = manager_identity(&plane, &ns, true).await;
+    let user = sa_user(&ns, MANAGER_SA);
+    let kubeconfig = plane.kubeconfig_as(&identity).await.unwrap();
+    let manager = Process::manager(
+        &kubeconfig,
+        &ns,
+        "manager-a",
+        live.dir.path(),
+        &["--namespace", &ns],
+    );
+    wait_for("the manager leads", WAIT, || async {
+        manager.leads().await.then_some(())
+    })
+    .await;
+    wait_condition(
+        &live.tunnels,
+        "web",
+        "Ready",
+        "False",
+        "WaitingForDeployment",
+        WAIT,
+    )
+    .await;
+    let agent = live.start_agent(&plane, "web-agent-0").await;
+    let ingress = live.online("web-agent-0").await;
+    live.report_deployment_available().await;
+    assert_eq!(body_through(ingress).await, Ok(body_of("web-a")));
+    let base = live.base().await;
+    let agent_user = sa_user(&ns, &base);
+    let hash_before = config_hash(&live.deployment().await);
+    plane.writes_by(&user).await.unwrap();
+    let from = plane.audit_events().unwrap().len();
+    let log_from = manager.logs().len();
+
+    plane.pause_apiserver().await.unwrap();
+    let frozen = std::time::Instant::now();
+    let freeze = Duration::from_secs(20);
+    let (mut requests, mut lost) = (0, Vec::new());
+    let (mut agent_unready, mut manager_unready) = (Vec::new(), 0);
+    let mut noticed = None;
+    while frozen.elapsed() < freeze {
+        requests += 1;
+        match body_through(ingress).await {
+            Ok(body) if body == body_of("web-a") => {}
+            other => lost.push(format!("{:?}: {other:?}", frozen.elapsed())),
+        }
+        let agent_ready = http_status(&agent.health, "/readyz").await;
+        if agent_ready != 200 {
+            agent_unready.push(format!("{:?}: {agent_ready}", frozen.elapsed()));
+        }
+        if http_status(&manager.health, "/readyz").await != 200 {
+            manager_unready += 1;
+        }
+        if noticed.is_none()
+            && leader_gauge(
+                &manager.health,
+                rstream_operator::manager::TUNNEL_CONTROLLER,
+            )
+            .await
+                == Some(0)
+        {
+            noticed = Some(frozen.elapsed());
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    plane.resume_apiserver().await.unwrap();
+    let resumed = std::time::Instant::now();
+    eprintln!(
+        "frozen {freeze:?}: the manager stepped down after {noticed:?}; {requests} requests through the tunnel, \
+         {} lost; agent unready samples {agent_unready:?}; manager /readyz not 200 in {manager_unready} samples",
+        lost.len()
+    );
+    assert!(
+        lost.is_empty(),
+        "requests lost through the tunnel: {lost:?}"
+    );
+    assert!(requests >= 20, "only {requests} requests in the freeze");
+    assert!(agent_unready.is_empty(), "{agent_unready:?}");
+    // Noticed by its own timeout: the renew deadline (10 s after the last renewal, which was
+    // at most one retry period of 2 s before the freeze), not by an error from the server.
+    let noticed = noticed.unwrap_or_else(|| panic!("never stepped down:\n{}", manager.logs()));
+    assert!(
+        (Duration::from_secs(7)..Duration::from_secs(12)).contains(&noticed),
+        "stepped down {noticed:?} into the freeze"
+    );
+    let logs = manager.logs()[log_from..].to_owned();
+    assert!(logs.contains("lost the Lease"), "{logs}");
+
+    // Converges: leads again, and a change made now reaches the agent's config and Deployment.
+    wait_for(
+        "the manager leads again",
+        Duration::from_secs(30),
+        || async { manager.leads().await.then_some(()) },
+    )
+    .await;
+    let leads_again = resumed.elapsed();
+    live.tunnels
+        .patch(
+            "web",
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({"spec": {"labels": {"after": "freeze"}}})),
+        )
+        .await
+        .unwrap();
+    wait_for("the new config hash", WAIT, || async {
+        (config_hash(&live.deployment().await) != hash_before).then_some(())
+    })
+    .await;
+    assert!(
+        live.agent_config().await.contains("after: freeze"),
+        "{}",
+        live.agent_config().await
+    );
+    let converged = resumed.elapsed();
+    assert_eq!(body_through(ingress).await, Ok(body_of("web-a")));
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    plane.writes_by(&user).await.unwrap();
+    let writes = writes_per_object(&plane, &user, from);
+    let agent_writes = writes_per_object(&plane, &agent_user, from);
+    eprintln!(
+        "after the resume: leads again after {leads_again:?}, the change applied after {converged:?}; \
+         manager writes {writes:?}; agent writes {agent_writes:?}"
+    );
+    assert!(
+        writes.values().all(|n| *n == 1),
+        "an object written more than once: {writes:?}"
+    );
+    for expected in [
+        format!("patch configmaps/ {base}-config"),
+        format!("patch deployments/ {base}"),
+    ] {
+        assert!(writes.contains_key(&expected), "no {expected}: {writes:?}");
+    }
+    assert!(
+        agent_writes.is_empty(),
+        "the agent wrote though its tunnel never changed: {agent_writes:?}"
+    );
+    drop(agent);
+    drop(manager);
+    live.engine.shutdown().await;
+}

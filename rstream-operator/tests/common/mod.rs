@@ -92,15 +92,26 @@ pub async fn start_manager_with(
 /// The manager's identity in `ns`: a ServiceAccount bound only to the ClusterRole (and, when
 /// `leader_election`, to the leader-election Role in `ns`).
 pub async fn manager_identity(plane: &ControlPlane, ns: &str, leader_election: bool) -> Identity {
+    manager_identity_named(plane, ns, MANAGER_SA, leader_election).await
+}
+
+/// Like [`manager_identity`], for ServiceAccount `sa` (a second manager under a name of its
+/// own, so the audit log tells the two apart).
+pub async fn manager_identity_named(
+    plane: &ControlPlane,
+    ns: &str,
+    sa: &str,
+    leader_election: bool,
+) -> Identity {
     let admin = plane.client().await.unwrap();
-    let identity = Identity::service_account(ns, MANAGER_SA);
+    let identity = Identity::service_account(ns, sa);
     // Creates the ServiceAccount.
     plane.client_as(&identity).await.unwrap();
     let role = manager_cluster_role();
     let binding: ClusterRoleBinding = serde_json::from_value(serde_json::json!({
-        "metadata": {"name": format!("rstream-operator-{ns}")},
+        "metadata": {"name": format!("{sa}-{ns}")},
         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": role.name_any()},
-        "subjects": [{"kind": "ServiceAccount", "name": MANAGER_SA, "namespace": ns}],
+        "subjects": [{"kind": "ServiceAccount", "name": sa, "namespace": ns}],
     }))
     .unwrap();
     Api::<ClusterRoleBinding>::all(admin.clone())
@@ -110,14 +121,16 @@ pub async fn manager_identity(plane: &ControlPlane, ns: &str, leader_election: b
     if leader_election {
         let mut role = leader_election_role();
         role.metadata.namespace = Some(ns.to_owned());
+        let params = PatchParams::apply("tests").force();
         Api::<Role>::namespaced(admin.clone(), ns)
-            .create(&PostParams::default(), &role)
+            .patch(&role.name_any(), &params, &Patch::Apply(&role))
             .await
             .unwrap();
         let binding: RoleBinding = serde_json::from_value(serde_json::json!({
-            "metadata": {"name": "rstream-operator-leader-election"},
+            "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+            "metadata": {"name": format!("{sa}-leader-election")},
             "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": role.name_any()},
-            "subjects": [{"kind": "ServiceAccount", "name": MANAGER_SA, "namespace": ns}],
+            "subjects": [{"kind": "ServiceAccount", "name": sa, "namespace": ns}],
         }))
         .unwrap();
         Api::<RoleBinding>::namespaced(admin, ns)
@@ -282,4 +295,307 @@ pub async fn http_status(addr: &str, path: &str) -> u16 {
         .nth(1)
         .and_then(|c| c.parse().ok())
         .unwrap_or(0)
+}
+
+/// The value of `leader{controller="<controller>"}` on `http://addr/metrics`, if it answers.
+pub async fn leader_gauge(addr: &str, controller: &str) -> Option<i64> {
+    let Ok(mut s) = tokio::net::TcpStream::connect(addr).await else {
+        return None;
+    };
+    let req = "GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n";
+    s.write_all(req.as_bytes()).await.ok()?;
+    let mut out = String::new();
+    tokio::time::timeout(Duration::from_secs(2), s.read_to_string(&mut out))
+        .await
+        .ok()?
+        .ok()?;
+    let prefix = format!("leader{{controller=\"{controller}\"}}");
+    out.lines()
+        .find(|l| l.starts_with(&prefix))
+        .and_then(|l| l.split_whitespace().last())
+        .and_then(|v| v.parse().ok())
+}
+
+/// A child process (the manager or the agent binary) killed on drop, with its log file.
+pub struct Process {
+    child: Option<proxy_core::testing::KillOnDrop>,
+    /// Where it writes stdout and stderr.
+    pub log: std::path::PathBuf,
+    /// Its /metrics, /healthz and /readyz address.
+    pub health: String,
+}
+
+impl Process {
+    fn spawn(cmd: &mut std::process::Command, log: std::path::PathBuf, health: String) -> Self {
+        let file = std::fs::File::create(&log).unwrap();
+        cmd.stdout(file.try_clone().unwrap()).stderr(file);
+        let child = proxy_core::testing::KillOnDrop::spawn(cmd).unwrap();
+        Self {
+            child: Some(child),
+            log,
+            health,
+        }
+    }
+
+    /// The manager binary as `kubeconfig`'s identity, with leader election in `ns` under
+    /// `identity` (POD_NAME, as its Deployment sets it), plus `extra` flags.
+    pub fn manager(
+        kubeconfig: &std::path::Path,
+        ns: &str,
+        identity: &str,
+        dir: &std::path::Path,
+        extra: &[&str],
+    ) -> Self {
+        let health = format!("127.0.0.1:{}", free_port());
+        let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_rstream-operator"));
+        cmd.env("KUBECONFIG", kubeconfig)
+            .env("POD_NAME", identity)
+            .env_remove("RUST_LOG")
+            .args([
+                "--leader-elect",
+                "--leader-election-namespace",
+                ns,
+                "--metrics-bind-address",
+                "0",
+                "--health-probe-bind-address",
+                &health,
+                "--agent-image",
+                "example.test/rstream-operator:live",
+                "--log-format",
+                "text",
+            ])
+            .args(extra);
+        Self::spawn(
+            &mut cmd,
+            dir.join(format!("manager-{identity}.log")),
+            health,
+        )
+    }
+
+    /// Whether it leads the tunnels' controller (its leader gauge).
+    pub async fn leads(&self) -> bool {
+        leader_gauge(&self.health, manager::TUNNEL_CONTROLLER).await == Some(1)
+    }
+
+    pub fn logs(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// SIGKILL, no chance to clean up (or release a Lease).
+    pub fn kill9(&mut self) {
+        drop(self.child.take());
+    }
+
+    /// SIGTERM, then waits for the exit; whether it exited successfully.
+    pub async fn terminate(&mut self) -> bool {
+        match self.child.take() {
+            Some(child) => child.terminate(Duration::from_secs(10)).await,
+            None => false,
+        }
+    }
+}
+
+/// A live tunnel: LocalEngine as the engine, the tunnel's Secret, connection and target
+/// Services in `ns`, loopback HTTP servers standing in for each Service (Service DNS does not
+/// resolve here), and the agent run as its Deployment would run it.
+pub struct Live {
+    pub ns: String,
+    pub admin: Client,
+    pub tunnels: Api<RstreamTunnel>,
+    pub engine: rstream_client::engine::LocalEngine,
+    /// `<service>.<ns>.svc:<port>` (what the agent's config names) to the server standing in.
+    pub services: std::collections::BTreeMap<String, std::net::SocketAddr>,
+    pub dir: tempfile::TempDir,
+}
+
+/// The body each stand-in server answers with.
+pub fn body_of(service: &str) -> String {
+    format!("hello from {service}")
+}
+
+impl Live {
+    /// The objects of a published HTTP tunnel `web` to Service `targets[0]` (port name `http`),
+    /// with the other `targets` as Services too; the manager is not started here.
+    pub async fn new(plane: &ControlPlane, ns: &str, targets: &[&'static str]) -> Live {
+        let admin = plane.client().await.unwrap();
+        let engine = rstream_client::engine::LocalEngine::builder()
+            .token("live-token")
+            .start()
+            .await
+            .unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("engine-ca.pem"), engine.ca_pem()).unwrap();
+        create(
+            &admin,
+            ns,
+            &secret("rstream-credentials", &[("token", "live-token")]),
+        )
+        .await;
+        let mut services = std::collections::BTreeMap::new();
+        for (i, name) in targets.iter().enumerate() {
+            let port = 8080 + i as u16;
+            create(
+                &admin,
+                ns,
+                &service(name, serde_json::json!([{"name": "http", "port": port}])),
+            )
+            .await;
+            let body: &'static str = Box::leak(body_of(name).into_boxed_str());
+            services.insert(format!("{name}.{ns}.svc:{port}"), http_server(body).await);
+        }
+        create(
+            &admin,
+            ns,
+            &connection(
+                "default",
+                serde_json::json!({
+            "engine": engine.engine_address(),
+            "tokenSecretRef": {"name": "rstream-credentials", "key": "token"}}),
+            ),
+        )
+        .await;
+        create(
+            &admin,
+            ns,
+            &tunnel(
+                "web",
+                serde_json::json!({
+            "target": {"service": {"name": targets[0], "port": "http"}},
+            "publish": true, "protocol": "http", "http": {"version": "http/1.1"}}),
+            ),
+        )
+        .await;
+        Live {
+            ns: ns.to_owned(),
+            tunnels: Api::namespaced(admin.clone(), ns),
+            admin,
+            engine,
+            services,
+            dir,
+        }
+    }
+
+    /// The base name of the tunnel's children.
+    pub async fn base(&self) -> String {
+        let t = self.tunnels.get("web").await.unwrap();
+        rstream_operator::names::base_name(&self.ns, "web", t.uid().as_deref())
+    }
+
+    /// The agent's Deployment.
+    pub async fn deployment(&self) -> k8s_openapi::api::apps::v1::Deployment {
+        Api::<k8s_openapi::api::apps::v1::Deployment>::namespaced(self.admin.clone(), &self.ns)
+            .get(&self.base().await)
+            .await
+            .unwrap()
+    }
+
+    /// The agent's config as the manager rendered it into the ConfigMap.
+    pub async fn agent_config(&self) -> String {
+        let cm =
+            Api::<k8s_openapi::api::core::v1::ConfigMap>::namespaced(self.admin.clone(), &self.ns)
+                .get(&format!("{}-config", self.base().await))
+                .await
+                .unwrap();
+        cm.data.unwrap()[rstream_operator::names::CONFIG_KEY].clone()
+    }
+
+    /// Starts the agent as the Deployment would run it now: the config of the ConfigMap, the
+    /// token of the Secret, the ServiceAccount the manager made; its target is the stand-in
+    /// server of the Service its config names (a config naming no known Service panics).
+    pub async fn start_agent(&self, plane: &ControlPlane, pod: &str) -> Process {
+        use rstream_operator::agent_config::AgentConfig;
+        let base = self.base().await;
+        let text = self.agent_config().await;
+        let config = AgentConfig::from_yaml(&text).unwrap();
+        let target = config.target_address();
+        let server = *self.services.get(&target).unwrap_or_else(|| {
+            panic!("the agent config targets {target}, no Service of this test")
+        });
+        let config_path = self.dir.path().join(format!("{pod}.yaml"));
+        std::fs::write(&config_path, &text).unwrap();
+        let kubeconfig = plane
+            .kubeconfig_as(&Identity::service_account(&self.ns, &base))
+            .await
+            .unwrap();
+        let health = format!("127.0.0.1:{}", free_port());
+        let ca = self.dir.path().join("engine-ca.pem");
+        let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_rstream-agent"));
+        cmd.env("KUBECONFIG", &kubeconfig)
+            .env_remove("RUST_LOG")
+            .env(rstream_operator::names::TOKEN_ENV, "live-token")
+            .env(rstream_operator::names::POD_NAME_ENV, pod)
+            .env(rstream_operator::names::POD_NAMESPACE_ENV, &self.ns)
+            .arg(format!("--config={}", config_path.display()))
+            .arg(format!("--health-bind-address={health}"))
+            .arg(format!("--target-override={server}"))
+            .arg(format!("--ca-file={}", ca.display()));
+        Process::spawn(&mut cmd, self.dir.path().join(format!("{pod}.log")), health)
+    }
+
+    /// Waits until the tunnel is online from agent `pod`; returns its ingress on the engine.
+    pub async fn online(&self, pod: &str) -> std::net::SocketAddr {
+        let tunnels = self.tunnels.clone();
+        let t = wait_for(
+            "the tunnel online from the agent",
+            Duration::from_secs(30),
+            || {
+                let tunnels = tunnels.clone();
+                async move {
+                    let t = tunnels.get("web").await.ok()?;
+                    let (status, reason, message) = condition(&t, "TunnelReady")?;
+                    (status == "True" && reason == "TunnelOnline" && message.contains(pod))
+                        .then_some(t)
+                }
+            },
+        )
+        .await;
+        let id = t.status.unwrap().tunnel_id.unwrap();
+        self.engine.ingress_addr(&id).unwrap()
+    }
+
+    /// No kubelet: reports the agent Deployment available, as its readiness probe would.
+    pub async fn report_deployment_available(&self) {
+        Api::<k8s_openapi::api::apps::v1::Deployment>::namespaced(self.admin.clone(), &self.ns)
+            .patch_status(
+                &self.base().await,
+                &PatchParams::default(),
+                &Patch::Merge(serde_json::json!({
+                "status": {"replicas": 1, "readyReplicas": 1, "availableReplicas": 1}})),
+            )
+            .await
+            .unwrap();
+        wait_condition(
+            &self.tunnels,
+            "web",
+            "Ready",
+            "True",
+            "Ready",
+            Duration::from_secs(20),
+        )
+        .await;
+    }
+}
+
+/// The config-hash annotation of a Deployment's Pod template.
+pub fn config_hash(d: &k8s_openapi::api::apps::v1::Deployment) -> String {
+    d.spec
+        .template
+        .metadata
+        .as_ref()
+        .and_then(|m| m.annotations.as_ref())
+        .and_then(|a| a.get(rstream_operator::names::CONFIG_HASH_ANNOTATION))
+        .cloned()
+        .unwrap_or_default()
+}
+
+/// `GET /` through `ingress`; the body, or the error.
+pub async fn body_through(ingress: std::net::SocketAddr) -> Result<String, String> {
+    match tokio::time::timeout(Duration::from_secs(3), http_get(ingress)).await {
+        Ok(Ok(r)) if r.starts_with("HTTP/1.1 200") => {
+            Ok(r.split("\r\n\r\n").nth(1).unwrap_or("").to_owned())
+        }
+        Ok(Ok(r)) => Err(r),
+        Ok(Err(e)) => Err(e.to_string()),
+        Err(_) => Err("no answer in 3 s".to_owned()),
+    }
 }
