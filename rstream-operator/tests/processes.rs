@@ -1,0 +1,306 @@
+//! The manager binary as processes on the shared kube-apiserver, the agent run as its
+//! Deployment would run it, LocalEngine as the engine: a tunnel's target changed (the agent's
+//! config and Deployment follow, traffic reaches the new Service), `--namespace` scoping (another
+//! namespace untouched, no request outside it), and failover between two managers (the leader
+//! killed, the other takes over and applies what changed meanwhile).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::Secret;
+use kube::api::{Api, Patch, PatchParams};
+use rstream_operator::agent_config::AgentConfig;
+use rstream_operator::manager::LEASE_NAME;
+
+const WAIT: Duration = Duration::from_secs(20);
+
+/// The manager's ServiceAccount kubeconfig in `ns` (leader election on).
+async fn manager_kubeconfig(ns: &str, sa: &str) -> std::path::PathBuf {
+    let plane = plane().await;
+    let identity = manager_identity_named(plane, ns, sa, true).await;
+    plane.kubeconfig_as(&identity).await.unwrap()
+}
+
+async fn leads_soon(manager: &Process) {
+    wait_for("the manager leads", WAIT, || async {
+        manager.leads().await.then_some(())
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn changing_the_target_rolls_the_agent_to_the_new_service() {
+    let plane = plane().await;
+    let ns = plane.create_namespace("retarget").await.unwrap();
+    let live = Live::new(plane, &ns, &["web-a", "web-b"]).await;
+    let kubeconfig = manager_kubeconfig(&ns, MANAGER_SA).await;
+    let manager = Process::manager(
+        &kubeconfig,
+        &ns,
+        "manager-a",
+        live.dir.path(),
+        &["--namespace", &ns],
+    );
+    leads_soon(&manager).await;
+    wait_condition(
+        &live.tunnels,
+        "web",
+        "Ready",
+        "False",
+        "WaitingForDeployment",
+        WAIT,
+    )
+    .await;
+    let mut agent = live.start_agent(plane, "web-agent-0").await;
+    let ingress = live.online("web-agent-0").await;
+    assert_eq!(body_through(ingress).await, Ok(body_of("web-a")));
+    let hash_before = config_hash(&live.deployment().await);
+
+    // The target moves to web-b (port 8081).
+    live.tunnels
+        .patch(
+            "web",
+            &PatchParams::default(),
+            &Patch::Merge(
+                serde_json::json!({"spec": {"target": {"service": {"name": "web-b", "port": "http"}}}}),
+            ),
+        )
+        .await
+        .unwrap();
+    let new_target = format!("web-b.{ns}.svc:8081");
+    wait_for("the agent config names web-b", WAIT, || async {
+        let config = AgentConfig::from_yaml(&live.agent_config().await).unwrap();
+        (config.target_address() == new_target).then_some(())
+    })
+    .await;
+    let rolled = wait_for("the Deployment's config hash changes", WAIT, || async {
+        let d = live.deployment().await;
+        (config_hash(&d) != hash_before).then_some(d)
+    })
+    .await;
+    // The Deployment controller's part: a new Pod from the new template. The old agent goes
+    // (SIGTERM: it leaves the engine); the new one runs the config the ConfigMap holds now.
+    assert!(agent.terminate().await, "{}", agent.logs());
+    let agent = live.start_agent(plane, "web-agent-1").await;
+    let ingress = live.online("web-agent-1").await;
+    assert_eq!(body_through(ingress).await, Ok(body_of("web-b")));
+    let t = live.tunnels.get("web").await.unwrap();
+    assert_eq!(
+        t.status.and_then(|s| s.target).as_deref(),
+        Some(new_target.as_str())
+    );
+    // The template points at the same ConfigMap: the hash alone rolls it.
+    let volumes = serde_json::to_string(&rolled.spec.template.spec).unwrap();
+    assert!(volumes.contains(&format!("{}-config", live.base().await)));
+    drop(agent);
+    drop(manager);
+    let forbidden = forbidden_requests(plane, &sa_user(&ns, MANAGER_SA)).await;
+    assert!(forbidden.is_empty(), "{forbidden:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_namespaced_manager_leaves_other_namespaces_alone() {
+    let plane = plane().await;
+    let ours = plane.create_namespace("scoped").await.unwrap();
+    let other = plane.create_namespace("scoped-other").await.unwrap();
+    let admin = plane.client().await.unwrap();
+    // The same objects in both namespaces; the manager's ClusterRole would allow it to act on
+    // both: only --namespace keeps it in its own.
+    let other_live = Live::new(plane, &other, &["web-a"]).await;
+    let kubeconfig = manager_kubeconfig(&ours, MANAGER_SA).await;
+    let user = sa_user(&ours, MANAGER_SA);
+    let dir = tempfile::tempdir().unwrap();
+    let manager = Process::manager(
+        &kubeconfig,
+        &ours,
+        "manager-a",
+        dir.path(),
+        &["--namespace", &ours],
+    );
+    leads_soon(&manager).await;
+    let live = Live::new(plane, &ours, &["web-a"]).await;
+    wait_condition(
+        &live.tunnels,
+        "web",
+        "Ready",
+        "False",
+        "WaitingForDeployment",
+        WAIT,
+    )
+    .await;
+    // A change in the other namespace after ours was reconciled; then a change in ours that
+    // the manager is seen to handle, so the other's had time to arrive.
+    other_live
+        .tunnels
+        .patch(
+            "web",
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({"spec": {"labels": {"touched": "yes"}}})),
+        )
+        .await
+        .unwrap();
+    let hash = config_hash(&live.deployment().await);
+    live.tunnels
+        .patch(
+            "web",
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({"spec": {"labels": {"touched": "yes"}}})),
+        )
+        .await
+        .unwrap();
+    wait_for("our tunnel's change is applied", WAIT, || async {
+        (config_hash(&live.deployment().await) != hash).then_some(())
+    })
+    .await;
+
+    let untouched = other_live.tunnels.get("web").await.unwrap();
+    assert!(
+        untouched.status.is_none() && untouched.metadata.finalizers.is_none(),
+        "the other namespace's tunnel was reconciled: {:?} {:?}",
+        untouched.status,
+        untouched.metadata.finalizers
+    );
+    let deployments = Api::<Deployment>::namespaced(admin.clone(), &other)
+        .list(&Default::default())
+        .await
+        .unwrap();
+    assert!(deployments.items.is_empty(), "an agent in {other}");
+    let requests = plane.requests_by(&user).await.unwrap();
+    let inside = format!("/namespaces/{ours}/");
+    let outside: Vec<_> = requests
+        .iter()
+        .filter(|e| e.object_ref.is_some() && !e.request_uri.contains(&inside))
+        .map(|e| format!("{} {}", e.verb, e.request_uri))
+        .collect();
+    eprintln!(
+        "{} requests by the manager, {} outside {ours}",
+        requests.len(),
+        outside.len()
+    );
+    assert!(
+        requests.len() > 20,
+        "only {} requests audited",
+        requests.len()
+    );
+    assert!(outside.is_empty(), "requests outside {ours}: {outside:#?}");
+    drop(manager);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_other_manager_takes_over_when_the_leader_is_killed() {
+    let plane = plane().await;
+    let ns = plane.create_namespace("failover").await.unwrap();
+    let live = Live::new(plane, &ns, &["web-a"]).await;
+    let (sa_a, sa_b) = (MANAGER_SA, "rstream-operator-b");
+    let (user_a, user_b) = (sa_user(&ns, sa_a), sa_user(&ns, sa_b));
+    let mut a = Process::manager(
+        &manager_kubeconfig(&ns, sa_a).await,
+        &ns,
+        "manager-a",
+        live.dir.path(),
+        &["--namespace", &ns],
+    );
+    leads_soon(&a).await;
+    let b = Process::manager(
+        &manager_kubeconfig(&ns, sa_b).await,
+        &ns,
+        "manager-b",
+        live.dir.path(),
+        &["--namespace", &ns],
+    );
+    wait_condition(
+        &live.tunnels,
+        "web",
+        "Ready",
+        "False",
+        "WaitingForDeployment",
+        WAIT,
+    )
+    .await;
+    wait_for("the standby reports it follows", WAIT, || async {
+        (leader_gauge(&b.health, rstream_operator::manager::TUNNEL_CONTROLLER).await == Some(0))
+            .then_some(())
+    })
+    .await;
+    let holder = || async {
+        Api::<Lease>::namespaced(live.admin.clone(), &ns)
+            .get(LEASE_NAME)
+            .await
+            .unwrap()
+            .spec
+            .and_then(|s| s.holder_identity)
+    };
+    assert_eq!(holder().await.as_deref(), Some("manager-a"));
+    let hash_before = config_hash(&live.deployment().await);
+
+    // The leader dies without releasing the Lease; the token rotates while nobody leads.
+    a.kill9();
+    let killed = Instant::now();
+    let from = {
+        plane.requests_by(&user_a).await.unwrap();
+        plane.audit_events().unwrap().len()
+    };
+    Api::<Secret>::namespaced(live.admin.clone(), &ns)
+        .patch(
+            "rstream-credentials",
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({"stringData": {"token": "live-token-2"}})),
+        )
+        .await
+        .unwrap();
+    wait_for("the standby leads", Duration::from_secs(40), || async {
+        b.leads().await.then_some(())
+    })
+    .await;
+    let took_over = killed.elapsed();
+    wait_for("the new leader rolls the agent", WAIT, || async {
+        (config_hash(&live.deployment().await) != hash_before).then_some(())
+    })
+    .await;
+    let converged = killed.elapsed();
+    assert_eq!(holder().await.as_deref(), Some("manager-b"));
+
+    // After the kill only b writes, and b's first tunnel write follows its Lease takeover.
+    plane.requests_by(&user_b).await.unwrap();
+    let events: Vec<_> = plane
+        .audit_events()
+        .unwrap()
+        .into_iter()
+        .skip(from)
+        .filter(|e| e.is_write() && (e.user.username == user_a || e.user.username == user_b))
+        .map(|e| {
+            let who = if e.user.username == user_a { "a" } else { "b" };
+            let resource = e.object_ref.map(|o| o.resource).unwrap_or_default();
+            format!("{who} {} {resource}", e.verb)
+        })
+        .collect();
+    eprintln!(
+        "took over {took_over:?} after the kill, rolled the agent after {converged:?}; writes since: {events:?}"
+    );
+    assert!(
+        events.iter().all(|e| e.starts_with("b ")),
+        "the killed leader wrote: {events:?}"
+    );
+    let first_lease = events.iter().position(|e| e.ends_with(" leases"));
+    let first_other = events.iter().position(|e| !e.ends_with(" leases"));
+    assert!(
+        matches!((first_lease, first_other), (Some(l), Some(o)) if l < o),
+        "b wrote before it held the Lease: {events:?}"
+    );
+    assert!(
+        events.iter().any(|e| e == "b patch deployments"),
+        "{events:?}"
+    );
+    // The old term runs out first: the Lease lasts 15 s from a's last renewal (at most 2 s
+    // before the kill), and b counts it on its own clock from when it saw that renewal.
+    assert!(
+        took_over >= Duration::from_secs(12),
+        "took over {took_over:?} after the kill, inside the old term"
+    );
+    drop(b);
+}
