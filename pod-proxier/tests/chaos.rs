@@ -461,7 +461,22 @@ async fn a_hung_api_server_is_noticed_the_data_plane_serves_and_it_converges() {
         Some(("jprofiler-port", a.port())),
     )
     .await;
-    let mut px = Proxier::start(&env, &["--enable-v1", "--request-timeout", "5"]).await;
+    let (start, end) = free_range(3);
+    let mut px = Proxier::start(
+        &env,
+        &[
+            "--enable-v1",
+            "--enable-v2",
+            "--port-range-start",
+            &start.to_string(),
+            "--port-range-end",
+            &end.to_string(),
+            "--off-check",
+            "--request-timeout",
+            "5",
+        ],
+    )
+    .await;
     eventually("pod-proxier leads", Duration::from_secs(20), || async {
         leader_gauge(&px).await == Some(1)
     })
@@ -482,25 +497,31 @@ async fn a_hung_api_server_is_noticed_the_data_plane_serves_and_it_converges() {
         .unwrap()
         .parse()
         .unwrap();
-    let name = env
-        .mappings()
-        .list(&Default::default())
+    let name = format!("v1-entry-{}", px.entry.port());
+    assert!(env.mappings().get_opt(&name).await.unwrap().is_some());
+    // A V2 mapping that lives on across the freeze: the new term after it must not rewrite it.
+    let svc: Service = serde_json::from_value(json!({"apiVersion": "v1", "kind": "Service",
+        "metadata": {"name": "svc-a", "namespace": ns},
+        "spec": {"ports": [{"name": "debug", "port": 80}]}}))
+    .unwrap();
+    Api::<Service>::namespaced(env.admin.clone(), &ns)
+        .create(&PostParams::default(), &svc)
         .await
-        .unwrap()
-        .items
-        .first()
-        .and_then(|m| m.metadata.name.clone())
         .unwrap();
     eventually(
-        "the leader wrote the mapping's status",
+        "the leader wrote both mappings' status",
         Duration::from_secs(10),
         || async {
-            env.mappings()
-                .get(&name)
+            let items = env
+                .mappings()
+                .list(&Default::default())
                 .await
                 .unwrap()
-                .status
-                .is_some_and(|s| s.phase.is_some())
+                .items;
+            items.len() == 2
+                && items
+                    .iter()
+                    .all(|m| m.status.as_ref().is_some_and(|s| s.phase.is_some()))
         },
     )
     .await;
@@ -648,6 +669,13 @@ async fn a_hung_api_server_is_noticed_the_data_plane_serves_and_it_converges() {
             .or_default() += 1;
     }
     eprintln!("writes across the fault: {writes:?}");
+    assert!(
+        env.mappings()
+            .get_opt(&format!("svc.{ns}.svc-a.debug"))
+            .await
+            .unwrap()
+            .is_some()
+    );
     assert_eq!(
         writes,
         [(format!("delete portmappings/ {name}"), 1)].into(),
