@@ -473,7 +473,7 @@ async fn a_hung_api_server_is_noticed_the_data_plane_serves_and_it_converges() {
             &end.to_string(),
             "--off-check",
             "--request-timeout",
-            "5",
+            "5s",
         ],
     )
     .await;

@@ -460,15 +460,16 @@ async fn a_hung_api_server_is_noticed_the_tunnel_serves_and_it_converges() {
         )
         .await
         .unwrap();
-    wait_for("the new config hash", WAIT, || async {
-        (config_hash(&live.deployment().await) != hash_before).then_some(())
-    })
+    wait_for(
+        "the new labels in the config, then a new hash",
+        WAIT,
+        || async {
+            (live.agent_config().await.contains("after: freeze")
+                && config_hash(&live.deployment().await) != hash_before)
+                .then_some(())
+        },
+    )
     .await;
-    assert!(
-        live.agent_config().await.contains("after: freeze"),
-        "{}",
-        live.agent_config().await
-    );
     let converged = resumed.elapsed();
     assert_eq!(body_through(ingress).await, Ok(body_of("web-a")));
     tokio::time::sleep(Duration::from_secs(2)).await;
