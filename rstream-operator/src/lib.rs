@@ -22,7 +22,8 @@ pub fn crds() -> Vec<CustomResourceDefinition> {
     vec![api::RstreamConnection::crd(), api::RstreamTunnel::crd()]
 }
 
-/// The CRD files of `config/crd/` and `chart/crds/`: `(file name, YAML)`, the YAML being exactly
+/// The CRD files of `config/crd/` (the chart's `templates/crds/` wraps the same YAML, written
+/// by `cargo xtask crds`): `(file name, YAML)`, the YAML being exactly
 /// `serde_yaml_ng::to_string` of each CRD, the name `<group>_<plural>.yaml`.
 pub fn crd_files() -> Result<Vec<(String, String)>, serde_yaml_ng::Error> {
     crds()
@@ -35,4 +36,4 @@ pub fn crd_files() -> Result<Vec<(String, String)>, serde_yaml_ng::Error> {
 }
 
 /// Directories (relative to the crate) that hold the CRD files.
-pub const CRD_DIRS: [&str; 2] = ["config/crd", "chart/crds"];
+pub const CRD_DIRS: [&str; 1] = ["config/crd"];
