@@ -43,6 +43,10 @@ struct Args {
     /// Image of the tunnel agent, unless a tunnel sets spec.agent.image.
     #[arg(long, env = "RSTREAM_AGENT_IMAGE", default_value = DEFAULT_AGENT_IMAGE, value_parser = non_empty)]
     agent_image: String,
+    /// Image pull Secrets (names, comma-separated) of every agent Pod, so agents run from a
+    /// private registry.
+    #[arg(long, env = "RSTREAM_AGENT_IMAGE_PULL_SECRETS", value_delimiter = ',')]
+    agent_image_pull_secrets: Vec<String>,
     /// Every object is reconciled at least this often (Go duration).
     #[arg(long, env = "RSTREAM_RESYNC_PERIOD", default_value = "5m", value_parser = app::parse_positive_duration)]
     resync_period: Duration,
@@ -100,6 +104,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
     });
     let options = ManagerOptions {
         agent_image: args.agent_image.clone(),
+        agent_image_pull_secrets: args.agent_image_pull_secrets.clone(),
         leader_election,
         resync: args.resync_period,
         concurrency: args.concurrency,

@@ -4,9 +4,9 @@ use std::collections::BTreeMap;
 
 use k8s_openapi::api::apps::v1::{Deployment, DeploymentSpec, DeploymentStrategy};
 use k8s_openapi::api::core::v1::{
-    ConfigMap, ConfigMapVolumeSource, Container, ContainerPort, KeyToPath, PodSpec,
-    PodTemplateSpec, Probe, ProjectedVolumeSource, ResourceRequirements, ServiceAccount, Volume,
-    VolumeMount, VolumeProjection,
+    ConfigMap, ConfigMapVolumeSource, Container, ContainerPort, KeyToPath, LocalObjectReference,
+    PodSpec, PodTemplateSpec, Probe, ProjectedVolumeSource, ResourceRequirements, ServiceAccount,
+    Volume, VolumeMount, VolumeProjection,
 };
 use k8s_openapi::api::rbac::v1::{PolicyRule, Role, RoleBinding, RoleRef, Subject};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
@@ -155,6 +155,7 @@ pub fn deployment(
     spec: &RstreamTunnelSpec,
     connection: &RstreamConnection,
     image: &str,
+    image_pull_secrets: &[String],
     hash: &str,
 ) -> Deployment {
     let agent = spec.agent.clone().unwrap_or_default();
@@ -307,6 +308,12 @@ pub fn deployment(
                     tolerations: agent.tolerations.clone(),
                     affinity: agent.affinity.clone(),
                     priority_class_name: agent.priority_class_name.clone(),
+                    image_pull_secrets: (!image_pull_secrets.is_empty()).then(|| {
+                        image_pull_secrets
+                            .iter()
+                            .map(|name| LocalObjectReference { name: name.clone() })
+                            .collect()
+                    }),
                     containers: vec![container],
                     volumes: Some(volumes),
                     ..PodSpec::default()

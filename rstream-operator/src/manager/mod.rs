@@ -65,6 +65,8 @@ pub const LEASE_NAME: &str = "rstream-operator.tunnels.rstream.io";
 pub struct ManagerOptions {
     /// Default agent image.
     pub agent_image: String,
+    /// Image pull Secrets of every agent Pod.
+    pub agent_image_pull_secrets: Vec<String>,
     /// Namespace and identity of the Leases, when leader election is on.
     pub leader_election: Option<(String, String)>,
     /// Resync period.
@@ -178,6 +180,7 @@ pub async fn run(
         TUNNEL_CONTROLLER,
         TunnelReconciler {
             agent_image: options.agent_image.clone(),
+            agent_image_pull_secrets: options.agent_image_pull_secrets.clone(),
             connections: {
                 let mut cached = Caches::new();
                 cached.insert(connections.clone());

@@ -34,6 +34,8 @@ const RETRY_BLOCKED: Duration = Duration::from_secs(60);
 pub struct TunnelReconciler {
     /// Default agent image.
     pub agent_image: String,
+    /// Image pull Secrets of every agent Pod.
+    pub agent_image_pull_secrets: Vec<String>,
     /// The RstreamConnections the manager watches, read instead of the API server once synced.
     pub connections: Caches,
 }
@@ -468,6 +470,7 @@ impl Reconciler for TunnelReconciler {
                     &tunnel.spec,
                     &resolved.connection,
                     &self.agent_image,
+                    &self.agent_image_pull_secrets,
                     &hash,
                 ))
                 .await

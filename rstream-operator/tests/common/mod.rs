@@ -73,6 +73,7 @@ pub async fn start_manager_with(
     let shutdown = CancellationToken::new();
     let options = ManagerOptions {
         agent_image: "example.test/rstream-operator:dev".into(),
+        agent_image_pull_secrets: Vec::new(),
         leader_election,
         resync: Duration::from_secs(300),
         concurrency: 4,
