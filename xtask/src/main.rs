@@ -3,7 +3,7 @@
 //! * `envtest`, `helm`: the test control plane binaries and Helm, built from their Go modules.
 //! * `cluster`, `demo`: a local control plane (optionally with a node), or the three charts
 //!   running on its node with traffic through each.
-//! * `crds`, `charts`, `image`, `verify-images`, `readme-flags`: generated files and release
+//! * `crds`, `charts` (`--package`: the chart repository), `chart-readme`, `image`, `verify-images`, `readme-flags`: generated files and release
 //!   artefacts, each with its check.
 //! * `consumers`: k8s-reconcile built and run by outside crates on other Kubernetes versions.
 //! * `bench`: benchmarks against baselines measured in the same run; `loc`: each binary's own
@@ -14,6 +14,8 @@
 
 mod audit;
 mod bench;
+mod chart_readme;
+mod chart_repo;
 mod charts;
 mod cluster;
 mod consumers;
@@ -54,10 +56,12 @@ enum Task {
     /// each, until Ctrl-C.
     Demo(demo::Args),
     /// Lint and render every chart (with a matrix of values) and kustomize tree, and dry-run
-    /// every object against a real API server.
-    Charts,
+    /// every object against a real API server (--package: write the chart repository instead).
+    Charts(charts::Args),
     /// Check that each binary's README flag table matches its --help.
     ReadmeFlags,
+    /// Write each chart's README values table from its values.yaml comments (--check: verify).
+    ChartReadme(chart_readme::Args),
     /// Write the CRD YAML of the kustomize trees and charts from the Rust types (--check: verify).
     Crds(crds::Args),
     /// Build release OCI images (no container engine needed) under target/images/.
@@ -95,9 +99,10 @@ fn main() -> anyhow::Result<()> {
         }
         Task::Cluster(args) => cluster::run(&args),
         Task::Demo(args) => demo::run(&args),
-        Task::Charts => charts::run(),
+        Task::Charts(args) => charts::run(&args),
         Task::Crds(args) => crds::run(&args),
         Task::ReadmeFlags => readme_flags::run(),
+        Task::ChartReadme(args) => chart_readme::run(&args),
         Task::Image(args) => image::run(&args).map(|_| ()),
         Task::VerifyImages(args) => image::verify(&args),
         Task::E2e(args) => e2e::run(&args),

@@ -59,3 +59,15 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 - --max-api-connections={{ $p.maxApiConnections }}
 - --max-body-bytes={{ $p.maxBodyBytes }}
 {{- end -}}
+
+{{/* An image reference from {repository, tag, digest}: by digest when one is set, else by tag
+(empty: the chart's appVersion). Called with (list $image $root). */}}
+{{- define "pod-proxier.imageRef" -}}
+{{- $image := index . 0 -}}
+{{- $root := index . 1 -}}
+{{- if $image.digest -}}
+{{- printf "%s@%s" $image.repository $image.digest -}}
+{{- else -}}
+{{- printf "%s:%s" $image.repository (default $root.Chart.AppVersion $image.tag) -}}
+{{- end -}}
+{{- end -}}

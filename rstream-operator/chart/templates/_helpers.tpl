@@ -29,14 +29,34 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 app.kubernetes.io/component: manager
 {{- end }}
 
+{{/* The manager image: by digest when one is set, else by tag (empty: the chart's appVersion). */}}
 {{- define "rstream-operator.image" -}}
-{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- if .Values.image.digest -}}
+{{- printf "%s@%s" .Values.image.repository .Values.image.digest -}}
+{{- else -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
 {{- end }}
 
+{{/* The agents' image: agent.image.repository with its digest or tag (empty: image.tag, else the
+chart's appVersion); without a repository, the manager's image. */}}
 {{- define "rstream-operator.agentImage" -}}
-{{- if .Values.agent.image.repository }}
-{{- printf "%s:%s" .Values.agent.image.repository (default (default .Chart.AppVersion .Values.image.tag) .Values.agent.image.tag) }}
-{{- else }}
-{{- include "rstream-operator.image" . }}
+{{- $agent := .Values.agent.image -}}
+{{- if not $agent.repository -}}
+{{- include "rstream-operator.image" . -}}
+{{- else if $agent.digest -}}
+{{- printf "%s@%s" $agent.repository $agent.digest -}}
+{{- else -}}
+{{- printf "%s:%s" $agent.repository (default (default .Chart.AppVersion .Values.image.tag) $agent.tag) -}}
+{{- end -}}
 {{- end }}
+
+{{/* The port of a bind address (":8080", "0.0.0.0:8080", "[::]:8080"). */}}
+{{- define "rstream-operator.port" -}}
+{{- splitList ":" . | last -}}
+{{- end }}
+
+{{/* Whether the metrics endpoint is on ("0" turns it off): "true" or "". */}}
+{{- define "rstream-operator.metricsOn" -}}
+{{- if ne (toString .Values.metrics.bindAddress) "0" }}true{{ end -}}
 {{- end }}

@@ -2,7 +2,9 @@
 //!
 //! Builds the release images, starts the test control plane with its node (the API server with
 //! `--endpoint-reconciler-type=none`, as a hosted control plane runs it), imports the images into
-//! the node's containerd, installs each chart with Helm into a namespace where Pod Security
+//! the node's containerd, packages the charts into the chart repository (`cargo xtask charts
+//! --package`), serves it on loopback and `helm repo add`s it ([`ChartRepo`]), installs each chart
+//! from that repository with Helm into a namespace where Pod Security
 //! `restricted` is enforced, runs the chart's scenarios and writes `target/e2e/report.json` and
 //! `target/e2e/report.md`: per chart the install-to-Ready time, each scenario with its result and
 //! timing, and every container's restart count.
@@ -20,7 +22,7 @@ pub mod rstream_operator;
 pub mod steward;
 
 use std::fmt::Write as _;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail};
@@ -30,6 +32,7 @@ use k8s_reconcile::testing::node::{self, TESTBOX_IMAGE, check};
 use kube::api::{Api, ListParams};
 use serde::Serialize;
 
+use crate::chart_repo::{Packaged, REPO_NAME, Server};
 use crate::image::Built;
 
 #[derive(clap::Args, Default)]
@@ -118,6 +121,75 @@ pub struct Env<'a> {
     pub apiserver: String,
     /// Release image references by image name.
     pub images: Vec<(String, String)>,
+    /// The packaged charts, served on loopback and added to Helm as [`REPO_NAME`].
+    pub repo: ChartRepo,
+}
+
+/// The chart repository as users meet it: `cargo xtask charts --package`'s folder served over
+/// HTTP on loopback and added with `helm repo add`, in a Helm home of its own (the user's Helm
+/// configuration is neither read nor changed).
+pub struct ChartRepo {
+    pub charts: Vec<Packaged>,
+    pub server: Server,
+    home: tempfile::TempDir,
+}
+
+impl ChartRepo {
+    /// Packages every chart, serves the repository and adds it to a fresh Helm home as
+    /// [`REPO_NAME`].
+    pub fn start(helm: &Path) -> anyhow::Result<Self> {
+        let charts = crate::chart_repo::package(helm)?;
+        let server = Server::start(&crate::chart_repo::repo_dir())?;
+        let repo = Self {
+            charts,
+            server,
+            home: tempfile::tempdir()?,
+        };
+        repo.add(helm, REPO_NAME, &repo.server.url())?;
+        Ok(repo)
+    }
+
+    /// `helm repo add name url` in this repository's Helm home.
+    pub fn add(&self, helm: &Path, name: &str, url: &str) -> anyhow::Result<()> {
+        let mut cmd = std::process::Command::new(helm);
+        self.helm_home(&mut cmd);
+        let out = cmd
+            .args(["repo", "add", name, url])
+            .output()
+            .context("running helm repo add")?;
+        if !out.status.success() {
+            bail!(
+                "helm repo add {name} {url}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        Ok(())
+    }
+
+    /// Points a helm command at this repository's Helm home.
+    fn helm_home<C: HelmEnv>(&self, cmd: &mut C) {
+        let home = self.home.path();
+        cmd.set("HELM_CONFIG_HOME", home.join("config"));
+        cmd.set("HELM_CACHE_HOME", home.join("cache"));
+        cmd.set("HELM_DATA_HOME", home.join("data"));
+    }
+}
+
+/// Environment setting on both kinds of Command.
+trait HelmEnv {
+    fn set(&mut self, key: &str, value: PathBuf);
+}
+
+impl HelmEnv for std::process::Command {
+    fn set(&mut self, key: &str, value: PathBuf) {
+        self.env(key, value);
+    }
+}
+
+impl HelmEnv for tokio::process::Command {
+    fn set(&mut self, key: &str, value: PathBuf) {
+        self.env(key, value);
+    }
 }
 
 /// How long the control plane and its node may take to start (a cold containerd and CoreDNS on a
@@ -157,9 +229,11 @@ impl<'a> Env<'a> {
             node.import_image(&image.tarball)
                 .with_context(|| format!("importing {}", image.tarball.display()))?;
         }
+        let repo = ChartRepo::start(&helm)?;
         Ok(Self {
             plane,
             helm,
+            repo,
             apiserver: format!("{}:{api_port}", node::HOST_IP),
             images: built
                 .iter()
@@ -169,16 +243,19 @@ impl<'a> Env<'a> {
     }
 }
 
-/// The directory of the chart of `release` (each release is named after its crate).
-pub fn chart_dir(release: &str) -> String {
-    crate::workspace_root()
-        .join(release)
-        .join("chart")
-        .to_string_lossy()
-        .into_owned()
-}
-
 impl Env<'_> {
+    /// The chart of `release` in the repository (each release is named after its chart):
+    /// `(reference, version)` for `helm install/upgrade <reference> --version <version>`.
+    pub fn chart(&self, release: &str) -> anyhow::Result<(String, String)> {
+        let chart = self
+            .repo
+            .charts
+            .iter()
+            .find(|c| c.name == release)
+            .with_context(|| format!("no chart {release} in the repository"))?;
+        Ok((format!("{REPO_NAME}/{}", chart.name), chart.version.clone()))
+    }
+
     fn image(&self, name: &str) -> anyhow::Result<(String, String)> {
         let reference = self
             .images
@@ -194,7 +271,9 @@ impl Env<'_> {
 
     /// Runs helm with the plane's admin kubeconfig; fails with helm's output.
     pub async fn helm(&self, args: &[&str]) -> anyhow::Result<String> {
-        let output = tokio::process::Command::new(&self.helm)
+        let mut cmd = tokio::process::Command::new(&self.helm);
+        self.repo.helm_home(&mut cmd);
+        let output = cmd
             .arg("--kubeconfig")
             .arg(self.plane.kubeconfig_path())
             .args(args)
@@ -212,17 +291,25 @@ impl Env<'_> {
         Ok(text)
     }
 
-    /// `helm install <release>` of the repository's chart into `ns` with `values` (each a `--set`
-    /// argument) and `helm test` set to run the node's testbox image; returns helm's output,
-    /// NOTES.txt included.
+    /// `helm install <release>` of the chart from the repository into `ns` with `values` (each a
+    /// `--set` argument) and `helm test` set to run the node's testbox image; returns helm's
+    /// output, NOTES.txt included.
     pub async fn install_chart(
         &self,
         release: &str,
         ns: &str,
         values: &[String],
     ) -> anyhow::Result<String> {
-        let chart = chart_dir(release);
-        let mut args = vec!["install", release, chart.as_str(), "-n", ns];
+        let (chart, version) = self.chart(release)?;
+        let mut args = vec![
+            "install",
+            release,
+            chart.as_str(),
+            "--version",
+            version.as_str(),
+            "-n",
+            ns,
+        ];
         let tests = format!("tests.image={TESTBOX_IMAGE},tests.pullPolicy=Never");
         for value in [tests.as_str(), "tests.command={/testbox,get}"]
             .into_iter()

@@ -298,8 +298,9 @@ async fn scenarios(
 pub async fn install(env: &Env<'_>, ns: &str, work: &str) -> anyhow::Result<String> {
     let (repository, tag) = env.image("pod-proxier")?;
     let values = [
-        format!("images.podProxier.repository={repository},images.podProxier.tag={tag}"),
-        "hostNetwork=false,service.enabled=true,service.type=NodePort".to_owned(),
+        format!("image.repository={repository},image.tag={tag}"),
+        // hostNetwork is off and the Service on by default; NodePort for the host's clients.
+        "service.type=NodePort".to_owned(),
         "podProxier.enableV1=true,podProxier.enableV2=true".to_owned(),
         format!("podProxier.portRangeStart={V2_START},podProxier.portRangeEnd={V2_END}"),
         format!("podProxier.allowedNamespaces={{{work}}}"),

@@ -2,7 +2,9 @@
 //! manager Ready by its own probe, its metrics through the chart's Service; the seed's Quick Start
 //! against a LocalEngine run here on the host's end of the node link (a self-hosted engine with a
 //! private CA, given to the agent by Secret reference): HTTP and TCP tunnels, token rotation, an
-//! engine outage, deletion; NOTES.txt and `helm test`, and an uninstall that leaves nothing behind.
+//! engine outage, deletion; NOTES.txt and `helm test`; a `helm upgrade` to a next chart version
+//! whose CRD adds a field (served after the upgrade, the existing object kept); an uninstall that
+//! leaves no Pod but keeps the CRDs and their objects (`crds.keep`).
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
@@ -11,8 +13,12 @@ use anyhow::{Context as _, bail};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{ConfigMap, Pod, Secret, Service, ServiceAccount};
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
-use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
-use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::{
+    CustomResourceDefinition, JSONSchemaProps,
+};
+use kube::api::{
+    Api, ApiResource, DeleteParams, DynamicObject, ListParams, Patch, PatchParams, PostParams,
+};
 use rstream_client::engine::{EngineIdentity, LocalEngine};
 use rstream_operator::api::{RstreamConnection, RstreamTunnel};
 use rstream_operator::names;
@@ -114,6 +120,16 @@ async fn scenarios(env: &Env<'_>, report: &mut ChartReport) -> anyhow::Result<()
 
     super::helm_test_scenario(env, report, RELEASE, &ns, &installed, "/readyz").await;
 
+    // A release that adds a CRD field: `helm upgrade` must apply the new schema.
+    let started = Instant::now();
+    let outcome = crd_upgrade(env, &ns).await;
+    report.record(
+        "helm upgrade to the next chart version, whose RstreamConnection CRD adds an optional spec field: the field is served after the upgrade (pruned before), the existing RstreamConnection survives",
+        outcome.is_ok(),
+        started,
+        outcome.unwrap_or_else(|e| format!("{e:#}")),
+    );
+
     report.restarts = watch.finish().await?;
     let started = Instant::now();
     env.helm(&[
@@ -139,25 +155,231 @@ async fn scenarios(env: &Env<'_>, report: &mut ChartReport) -> anyhow::Result<()
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    let mut stuck = Vec::new();
+    // Helm deletes at once what it deletes: a CRD not kept is gone or terminating by now.
+    let mut kept = Vec::new();
+    let mut lost = Vec::new();
     for name in CRDS {
-        if let Some(crd) = crds.get_opt(name).await?
-            && crd.metadata.deletion_timestamp.is_some()
-        {
-            stuck.push(name);
+        match crds.get_opt(name).await? {
+            Some(crd) if crd.metadata.deletion_timestamp.is_none() => kept.push(name),
+            Some(_) => lost.push(format!("{name} terminating")),
+            None => lost.push(format!("{name} deleted")),
         }
     }
+    let conns: Api<DynamicObject> = Api::namespaced_with(
+        client.clone(),
+        &ns,
+        &ApiResource::erase::<RstreamConnection>(&()),
+    );
+    let survivor = match conns.get_opt(SURVIVOR).await {
+        Ok(Some(c)) => format!(
+            "RstreamConnection {SURVIVOR} still there ({NEW_FIELD}={})",
+            c.data["spec"][NEW_FIELD]
+        ),
+        Ok(None) => {
+            lost.push(format!("RstreamConnection {SURVIVOR} deleted"));
+            String::new()
+        }
+        Err(err) => {
+            lost.push(format!("RstreamConnection {SURVIVOR}: {err}"));
+            String::new()
+        }
+    };
     report.record(
-        "helm uninstall: the manager Pod gone, nothing left terminating (CRDs kept, as Helm does)",
-        stuck.is_empty(),
+        "helm uninstall with crds.keep (the default): the manager Pod gone; the CRDs and the RstreamConnection stay",
+        lost.is_empty(),
         started,
-        if stuck.is_empty() {
-            "no Pod, no stuck finalizer".to_owned()
+        if lost.is_empty() {
+            format!("no Pod; CRDs kept: {}; {survivor}", kept.join(", "))
         } else {
-            format!("terminating: {}", stuck.join(", "))
+            format!("lost: {}", lost.join(", "))
+        },
+    )
+    ;
+    Ok(())
+}
+
+/// The RstreamConnection that lives through the CRD upgrade and the uninstall.
+const SURVIVOR: &str = "survivor";
+/// The optional spec field the next chart version's RstreamConnection CRD adds.
+const NEW_FIELD: &str = "e2eUpgradeNote";
+/// The name `helm repo add` gives the repository of the next chart version.
+const NEXT_REPO: &str = "kube-netkit-next";
+
+/// Installs with the released chart an RstreamConnection, shows the API server prunes
+/// [`NEW_FIELD`] from it, upgrades the release to [`next_chart`] from a repository of its own,
+/// and shows the CRD now holds the field, the API server keeps it, and the RstreamConnection is
+/// the same object (same uid). Ok is the detail; any failed claim is an error naming it.
+async fn crd_upgrade(env: &Env<'_>, ns: &str) -> anyhow::Result<String> {
+    let client = env.plane.client().await?;
+    let conns: Api<DynamicObject> = Api::namespaced_with(
+        client.clone(),
+        ns,
+        &ApiResource::erase::<RstreamConnection>(&()),
+    );
+    let created = conns
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(json!({
+                "apiVersion": "tunnels.rstream.io/v1alpha1", "kind": "RstreamConnection",
+                "metadata": { "name": SURVIVOR },
+                "spec": {
+                    "engine": "engine.invalid:443",
+                    "tokenSecretRef": { "name": "absent", "key": "token" },
+                },
+            }))?,
+        )
+        .await?;
+    let uid = created.metadata.uid.clone().context("no uid")?;
+    let note = |value: &str| Patch::Merge(json!({ "spec": { NEW_FIELD: value } }));
+    let before = conns
+        .patch(SURVIVOR, &PatchParams::default(), &note("before"))
+        .await?;
+    if !before.data["spec"][NEW_FIELD].is_null() {
+        bail!("the released CRD already keeps spec.{NEW_FIELD}: the scenario proves nothing");
+    }
+
+    let dir = tempfile::tempdir()?;
+    let version = next_chart(env, dir.path())?;
+    let server = crate::chart_repo::Server::start(&dir.path().join("repo"))?;
+    env.repo.add(&env.helm, NEXT_REPO, &server.url())?;
+    let upgraded = Instant::now();
+    env.helm(&[
+        "upgrade",
+        RELEASE,
+        &format!("{NEXT_REPO}/{RELEASE}"),
+        "--version",
+        &version,
+        "-n",
+        ns,
+        "--reuse-values",
+        "--wait",
+        "--timeout",
+        "120s",
+    ])
+    .await?;
+    let took = upgraded.elapsed();
+
+    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
+    let crd = crds.get(CRDS[0]).await?;
+    let in_schema = crd.spec.versions.iter().any(|v| {
+        v.schema
+            .as_ref()
+            .and_then(|s| s.open_api_v3_schema.as_ref())
+            .and_then(|s| s.properties.as_ref())
+            .and_then(|p| p.get("spec"))
+            .and_then(|s| s.properties.as_ref())
+            .is_some_and(|p| p.contains_key(NEW_FIELD))
+    });
+    let keep = crd
+        .metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get("helm.sh/resource-policy"))
+        .cloned();
+    if !in_schema {
+        bail!(
+            "after helm upgrade to {version} the CRD {} has no spec.{NEW_FIELD}",
+            CRDS[0]
+        );
+    }
+    // The API server serves a changed CRD schema a moment after storing it.
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let read_back = loop {
+        conns
+            .patch(SURVIVOR, &PatchParams::default(), &note("after"))
+            .await?;
+        let read = conns.get(SURVIVOR).await?;
+        if read.data["spec"][NEW_FIELD] == "after" || Instant::now() > deadline {
+            break read;
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    };
+    if read_back.data["spec"][NEW_FIELD] != "after" {
+        bail!("the CRD lists spec.{NEW_FIELD}, but the API server still prunes it");
+    }
+    if read_back.metadata.uid.as_deref() != Some(uid.as_str()) {
+        bail!(
+            "RstreamConnection {SURVIVOR} was replaced (uid {uid} -> {:?})",
+            read_back.metadata.uid
+        );
+    }
+    Ok(format!(
+        "before: spec.{NEW_FIELD} pruned; helm upgrade to chart {version} from {NEXT_REPO} in {took:.1?}; \
+         after: the CRD's schema lists it, a patch with it reads back {NEW_FIELD}={}, \
+         RstreamConnection {SURVIVOR} keeps uid {uid}; CRD helm.sh/resource-policy={keep:?}",
+        read_back.data["spec"][NEW_FIELD]
+    ))
+}
+
+/// The next release of the chart, made from the packaged one: its version one patch on, its
+/// RstreamConnection CRD with one more optional spec field, [`NEW_FIELD`] (written by the same
+/// codegen as the chart's own templates), packaged and indexed in `<out>/repo`. Returns the
+/// version.
+fn next_chart(env: &Env<'_>, out: &std::path::Path) -> anyhow::Result<String> {
+    let packaged = env
+        .repo
+        .charts
+        .iter()
+        .find(|c| c.name == RELEASE)
+        .context("rstream-operator is not in the repository")?;
+    let src = out.join("src");
+    std::fs::create_dir_all(&src)?;
+    let status = std::process::Command::new("tar")
+        .arg("-xzf")
+        .arg(&packaged.archive)
+        .arg("-C")
+        .arg(&src)
+        .status()?;
+    if !status.success() {
+        bail!("tar -xzf {} failed", packaged.archive.display());
+    }
+    let chart = src.join(RELEASE);
+    let (major_minor, patch) = packaged
+        .version
+        .rsplit_once('.')
+        .context("chart version is not x.y.z")?;
+    let version = format!("{major_minor}.{}", patch.parse::<u64>()? + 1);
+    let chart_yaml = std::fs::read_to_string(chart.join("Chart.yaml"))?;
+    let current = format!("version: {}\n", packaged.version);
+    if !chart_yaml.contains(&current) {
+        bail!("Chart.yaml has no line {current:?}");
+    }
+    std::fs::write(
+        chart.join("Chart.yaml"),
+        chart_yaml.replace(&current, &format!("version: {version}\n")),
+    )?;
+
+    let mut crd = <RstreamConnection as kube::CustomResourceExt>::crd();
+    let spec = crd
+        .spec
+        .versions
+        .iter_mut()
+        .filter_map(|v| v.schema.as_mut()?.open_api_v3_schema.as_mut())
+        .filter_map(|s| s.properties.as_mut()?.get_mut("spec"))
+        .next()
+        .context("the RstreamConnection CRD has no spec schema")?;
+    spec.properties.get_or_insert_with(Default::default).insert(
+        NEW_FIELD.to_owned(),
+        JSONSchemaProps {
+            type_: Some("string".to_owned()),
+            description: Some("Added by the next chart version (e2e CRD upgrade).".to_owned()),
+            ..JSONSchemaProps::default()
         },
     );
-    Ok(())
+    let file = format!("{}_{}.yaml", crd.spec.group, crd.spec.names.plural);
+    let template = chart.join("templates/crds").join(&file);
+    if !template.is_file() {
+        bail!("the packaged chart has no template {}", template.display());
+    }
+    std::fs::write(
+        template,
+        crate::crds::chart_template(&serde_yaml_ng::to_string(&crd)?, "rstream-operator.labels")?,
+    )?;
+    let repo = out.join("repo");
+    std::fs::create_dir_all(&repo)?;
+    crate::chart_repo::package_dir(&env.helm, &chart, &repo)?;
+    crate::chart_repo::index(&env.helm, &repo)?;
+    Ok(version)
 }
 
 const TOKEN: &str = "e2e-token-1";

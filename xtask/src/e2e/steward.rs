@@ -269,7 +269,7 @@ async fn scenarios(
         client: client.clone(),
         ns: ns.clone(),
     };
-    let chart = super::chart_dir(RELEASE);
+    let (chart, version) = env.chart(RELEASE)?;
 
     // 1. Install with the chart's defaults; the leader's first write is timed against the moment
     //    the Lease names it and the moment its first Pod is Ready.
@@ -369,6 +369,8 @@ async fn scenarios(
         "upgrade",
         RELEASE,
         &chart,
+        "--version",
+        &version,
         "-n",
         &ns,
         "--reuse-values",
@@ -412,6 +414,8 @@ async fn scenarios(
         "upgrade",
         RELEASE,
         &chart,
+        "--version",
+        &version,
         "-n",
         &ns,
         "--reuse-values",
@@ -796,6 +800,7 @@ async fn rolling_upgrade(
     cluster: &Release,
     chart: &str,
 ) -> anyhow::Result<RollOutcome> {
+    let (_, chart_version) = env.chart(RELEASE)?;
     let client = service_client(env).await?;
     let namespaces: Api<Namespace> = Api::all(client.clone());
     cluster.wait_routed_through_steward().await?;
@@ -917,6 +922,8 @@ async fn rolling_upgrade(
         "upgrade",
         RELEASE,
         chart,
+        "--version",
+        &chart_version,
         "-n",
         &cluster.ns,
         "--reuse-values",
