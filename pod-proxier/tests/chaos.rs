@@ -590,8 +590,10 @@ async fn a_hung_api_server_is_noticed_the_data_plane_serves_and_it_converges() {
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
     let ((api_status, api_body), api_took) = api_call.await.unwrap();
-    plane.resume_apiserver().await.unwrap();
+    // Times after the resume count from SIGCONT, the API server's own return to ready included.
     let resumed = Instant::now();
+    plane.resume_apiserver().await.unwrap();
+    let answering = resumed.elapsed();
     eprintln!(
         "frozen {freeze:?}: stepped down after {noticed:?}; API call answered {api_status} after {api_took:?}; \
          entry port: {before} new connections before the deadline ({lost} lost), {after} after it ({served_late} served); \
@@ -641,7 +643,10 @@ async fn a_hung_api_server_is_noticed_the_data_plane_serves_and_it_converges() {
     )
     .await;
     let converged = resumed.elapsed();
-    eprintln!("after the resume: leads again after {leads_again:?}, converged after {converged:?}");
+    eprintln!(
+        "after SIGCONT: the API server ready after {answering:?}, pod-proxier leads again after {leads_again:?}, \
+         the expired mapping removed after {converged:?}"
+    );
 
     // Across the fault and the convergence, one write: the expired mapping's delete. Nothing
     // else but the Lease (and the reviews of the API call, which store nothing).

@@ -421,8 +421,10 @@ async fn a_hung_api_server_is_noticed_the_tunnel_serves_and_it_converges() {
         }
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
-    plane.resume_apiserver().await.unwrap();
+    // Times after the resume count from SIGCONT, the API server's own return to ready included.
     let resumed = std::time::Instant::now();
+    plane.resume_apiserver().await.unwrap();
+    let answering = resumed.elapsed();
     eprintln!(
         "frozen {freeze:?}: the manager stepped down after {noticed:?}; {requests} requests through the tunnel, \
          {} lost; agent unready samples {agent_unready:?}; manager /readyz not 200 in {manager_unready} samples",
@@ -477,7 +479,8 @@ async fn a_hung_api_server_is_noticed_the_tunnel_serves_and_it_converges() {
     let writes = writes_per_object(&plane, &user, from);
     let agent_writes = writes_per_object(&plane, &agent_user, from);
     eprintln!(
-        "after the resume: leads again after {leads_again:?}, the change applied after {converged:?}; \
+        "after SIGCONT: the API server ready after {answering:?}, the manager leads again after {leads_again:?}, \
+         a change made then applied after {converged:?}; \
          manager writes {writes:?}; agent writes {agent_writes:?}"
     );
     assert!(
