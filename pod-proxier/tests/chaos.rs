@@ -447,9 +447,16 @@ async fn leader_gauge(px: &Proxier) -> Option<i64> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hung_api_server_is_noticed_the_data_plane_serves_and_it_converges() {
-    // Frozen on purpose, so a plane of its own (it lives until the test binary exits).
-    let plane: &'static ControlPlane =
-        Box::leak(Box::new(ControlPlane::builder().start().await.unwrap()));
+    // Frozen on purpose, so a plane of its own (it lives until the test binary exits). Its
+    // Services are on loopback: with --v2-target cluster-ip a V2 mapping relays without a node
+    // (a server on the ClusterIP stands in for kube-proxy and the Pod behind it).
+    let plane: &'static ControlPlane = Box::leak(Box::new(
+        ControlPlane::builder()
+            .apiserver_arg("--service-cluster-ip-range=127.100.1.0/24")
+            .start()
+            .await
+            .unwrap(),
+    ));
     plane.install_crds(&[PortMapping::crd()]).await.unwrap();
     let env = Env::on(plane, "hung", 1).await;
     let ns = env.targets[0].clone();
@@ -467,6 +474,8 @@ async fn a_hung_api_server_is_noticed_the_data_plane_serves_and_it_converges() {
         &[
             "--enable-v1",
             "--enable-v2",
+            "--v2-target",
+            "cluster-ip",
             "--port-range-start",
             &start.to_string(),
             "--port-range-end",
@@ -499,10 +508,13 @@ async fn a_hung_api_server_is_noticed_the_data_plane_serves_and_it_converges() {
         .unwrap();
     let name = format!("v1-entry-{}", px.entry.port());
     assert!(env.mappings().get_opt(&name).await.unwrap().is_some());
-    // A V2 mapping that lives on across the freeze: the new term after it must not rewrite it.
+    // A V2 mapping that lives on across the freeze: relayed throughout, and the new term after
+    // it must not rewrite it.
+    let svc_server = backend("127.100.1.10", "hung-svc").await;
     let svc: Service = serde_json::from_value(json!({"apiVersion": "v1", "kind": "Service",
         "metadata": {"name": "svc-a", "namespace": ns},
-        "spec": {"ports": [{"name": "debug", "port": 80}]}}))
+        "spec": {"clusterIP": "127.100.1.10",
+            "ports": [{"name": "debug", "port": svc_server.port()}]}}))
     .unwrap();
     Api::<Service>::namespaced(env.admin.clone(), &ns)
         .create(&PostParams::default(), &svc)
@@ -524,6 +536,18 @@ async fn a_hung_api_server_is_noticed_the_data_plane_serves_and_it_converges() {
                     .all(|m| m.status.as_ref().is_some_and(|s| s.phase.is_some()))
         },
     )
+    .await;
+    let v2_port = env
+        .mappings()
+        .get(&format!("svc.{ns}.svc-a.debug"))
+        .await
+        .unwrap()
+        .spec
+        .entry_port;
+    let v2_entry = std::net::SocketAddr::from(([127, 0, 0, 1], u16::try_from(v2_port).unwrap()));
+    eventually("the V2 port relays", Duration::from_secs(5), || async {
+        greeting(v2_entry).await.as_deref() == Some("hung-svc")
+    })
     .await;
     let until_deadline = |at: k8s_openapi::jiff::Timestamp| {
         Duration::from_millis(
@@ -563,10 +587,15 @@ async fn a_hung_api_server_is_noticed_the_data_plane_serves_and_it_converges() {
     let (mut noticed, mut unready) = (None, Vec::new());
     let (mut before, mut lost, mut after, mut served_late) = (0, 0, 0, 0);
     let (mut echoed, mut samples) = (0, 0);
+    let (mut v2_samples, mut v2_lost) = (0, Vec::new());
     let deadline_in_freeze = until_deadline(expires_at);
     while frozen.elapsed() < freeze {
         let at = frozen.elapsed();
         let answered = greeting(px.entry).await.as_deref() == Some("hung-pod");
+        v2_samples += 1;
+        if greeting(v2_entry).await.as_deref() != Some("hung-svc") {
+            v2_lost.push(at);
+        }
         // Half a second either side of the deadline is left out: the clocks of the test and
         // of the data plane are read at different moments.
         if at + Duration::from_millis(500) < deadline_in_freeze {
@@ -597,8 +626,10 @@ async fn a_hung_api_server_is_noticed_the_data_plane_serves_and_it_converges() {
     eprintln!(
         "frozen {freeze:?}: stepped down after {noticed:?}; API call answered {api_status} after {api_took:?}; \
          entry port: {before} new connections before the deadline ({lost} lost), {after} after it ({served_late} served); \
-         held connection echoed {echoed}/{samples}; unready samples: {unready:?}"
+         held connection echoed {echoed}/{samples}; V2 port: {v2_samples} new connections, lost at {v2_lost:?}; \
+         unready samples: {unready:?}"
     );
+    assert!(v2_lost.is_empty(), "V2 connections lost during the freeze");
     assert_eq!(lost, 0, "connections lost during the freeze\n{}", px.logs());
     assert!(before >= 20, "only {before} samples before the deadline");
     assert!(after >= 4, "only {after} samples after the deadline");
