@@ -12,7 +12,6 @@ use k8s_reconcile::metrics::ControllerMetrics;
 use k8s_reconcile::ops::{self, Health};
 use kube::Client;
 use kube::api::{Api, ListParams};
-use prometheus_client::registry::Registry;
 use proxy_core::metrics::PrometheusObserver;
 use proxy_core::upstream::HealthCheck;
 
@@ -112,7 +111,8 @@ pub async fn run(settings: Settings) -> Result<(), StartError> {
         Err(err) => return Err(StartError::Kube(err)),
     }
 
-    let mut registry = Registry::default();
+    let mut registry =
+        k8s_reconcile::app::metrics_registry("pod-proxier", env!("CARGO_PKG_VERSION"));
     let observer = Arc::new(PrometheusObserver::register(&mut registry));
     let metrics = Metrics::register(&mut registry);
     let controller_metrics = ControllerMetrics::register(&mut registry);

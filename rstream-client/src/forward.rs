@@ -90,41 +90,79 @@ impl FromStr for TargetKind {
     }
 }
 
+/// What [`relay_and_log`] carried on one stream, for callers that count it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Relayed {
+    /// A TCP stream ended: bytes each way.
+    Bytes {
+        /// Bytes written to the target.
+        to_target: u64,
+        /// Bytes from the target written to the stream.
+        from_target: u64,
+    },
+    /// A UDP stream ended: datagrams each way.
+    Datagrams {
+        /// Datagrams sent to the target.
+        to_target: u64,
+        /// Datagrams from the target written to the stream.
+        from_target: u64,
+    },
+    /// The target could not be reached, or the relay failed.
+    Failed,
+}
+
 /// Relays one stream to `target` ([`relay_to`] for TCP, [`crate::datagram::relay_udp`] with its
-/// default idle timeout for UDP) until it ends or `cancel` fires, and logs the outcome: debug when
-/// the relay ends, warn when the target cannot be reached.
+/// default idle timeout for UDP) until it ends or `cancel` fires, logs the outcome (debug when
+/// the relay ends, warn when the target cannot be reached) and returns what it carried.
 pub async fn relay_and_log(
     stream: RstreamStream,
     target: Arc<str>,
     kind: TargetKind,
     cancel: CancellationToken,
-) {
+) -> Relayed {
     let outcome = match kind {
         TargetKind::Tcp => relay_to(stream, &target, TARGET_CONNECT_TIMEOUT, &cancel)
             .await
             .map(|s| {
-                format!(
+                let summary = format!(
                     "{} bytes to the target, {} back, {}",
                     s.to_upstream,
                     s.to_client,
                     s.ending.as_str()
-                )
+                );
+                let relayed = Relayed::Bytes {
+                    to_target: s.to_upstream,
+                    from_target: s.to_client,
+                };
+                (summary, relayed)
             }),
         TargetKind::Udp => {
             let idle = crate::datagram::DEFAULT_UDP_IDLE_TIMEOUT;
             crate::datagram::relay_udp(stream, &target, idle, &cancel)
                 .await
                 .map(|s| {
-                    format!(
+                    let summary = format!(
                         "{} datagrams to the target, {} back, {} dropped, {:?}",
                         s.to_target, s.from_target, s.dropped, s.ending
-                    )
+                    );
+                    let relayed = Relayed::Datagrams {
+                        to_target: s.to_target,
+                        from_target: s.from_target,
+                    };
+                    (summary, relayed)
                 })
         }
     };
     match outcome {
-        Ok(summary) => debug!(%target, %summary, "stream finished"),
-        Err(error) => warn!(%target, %error, "cannot reach the target"),
+        Ok((summary, relayed)) => {
+            debug!(%target, %summary, "stream finished");
+            relayed
+        }
+        Err(error) => {
+            warn!(%target, %error, "cannot reach the target");
+            Relayed::Failed
+        }
     }
 }
 

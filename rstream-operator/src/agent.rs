@@ -10,9 +10,13 @@ use k8s_reconcile::app;
 use k8s_reconcile::conditions::Conditions;
 use k8s_reconcile::ops::Health;
 use kube::api::Api;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 use rstream_client::Client;
-use rstream_client::forward::{TargetKind, relay_and_log};
+use rstream_client::forward::{Relayed, TargetKind, relay_and_log};
 use rstream_client::supervisor::{StableHostname, Supervisor, SupervisorConfig, SupervisorState};
 use rstream_client::tls::{ClientIdentity, TlsOptions};
 use tokio::sync::watch;
@@ -54,9 +58,24 @@ pub enum AgentError {
     /// The Kubernetes client cannot be built.
     #[error("Kubernetes client: {0}")]
     Kube(kube::Error),
-    /// The health server cannot start.
+    /// The health server cannot start, or the Kubernetes client cannot be configured.
     #[error(transparent)]
     Ops(#[from] k8s_reconcile::Error),
+}
+
+impl AgentError {
+    /// Whether the configuration (file or flags) is at fault, found before anything started: a
+    /// usage error (exit code 2), as a bad flag is.
+    pub fn is_configuration(&self) -> bool {
+        matches!(
+            self,
+            Self::ReadConfig { .. }
+                | Self::Config(_)
+                | Self::Credentials(_)
+                | Self::Unsupported(_)
+                | Self::Proxy(_)
+        )
+    }
 }
 
 // By hand, not `#[from]`: the message carries the cause, so it is not also a `source()`.
@@ -77,6 +96,9 @@ pub struct AgentOptions {
     pub target_override: Option<String>,
     /// Extra CA bundle (PEM) to trust for the engine (self-hosted engines with a private CA).
     pub ca_file: Option<PathBuf>,
+    /// kubeconfig for status reports from outside a cluster (`None`: in-cluster, then the usual
+    /// inference).
+    pub kubeconfig: Option<PathBuf>,
 }
 
 /// Where and as whom to report.
@@ -201,17 +223,123 @@ fn log_state(state: &SupervisorState, target: &str) {
     }
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct TunnelLabels {
+    tunnel: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct FlowLabels {
+    tunnel: String,
+    direction: &'static str,
+}
+
+/// The agent's metrics (`rstream_agent_*`), each labelled by the one tunnel it runs; the handles
+/// are taken once, so a stream costs no label lookup.
+#[derive(Clone, Debug)]
+struct AgentMetrics {
+    online: Gauge,
+    streams: Counter,
+    active: Gauge,
+    failed: Counter,
+    bytes: [Counter; 2],
+    datagrams: [Counter; 2],
+}
+
+impl AgentMetrics {
+    fn register(registry: &mut Registry, tunnel: &str) -> Self {
+        let tunnel = TunnelLabels {
+            tunnel: tunnel.to_owned(),
+        };
+        let flow = |direction| FlowLabels {
+            tunnel: tunnel.tunnel.clone(),
+            direction,
+        };
+        let family = |registry: &mut Registry, name: &str, help: &str| {
+            let family = Family::<TunnelLabels, Counter>::default();
+            registry.register(name, help, family.clone());
+            family.get_or_create(&tunnel).clone()
+        };
+        let gauge = |registry: &mut Registry, name: &str, help: &str| {
+            let family = Family::<TunnelLabels, Gauge>::default();
+            registry.register(name, help, family.clone());
+            family.get_or_create(&tunnel).clone()
+        };
+        let flows = |registry: &mut Registry, name: &str, help: &str| {
+            let family = Family::<FlowLabels, Counter>::default();
+            registry.register(name, help, family.clone());
+            ["to_target", "from_target"].map(|d| family.get_or_create(&flow(d)).clone())
+        };
+        Self {
+            online: gauge(
+                registry,
+                "rstream_agent_tunnel_online",
+                "1 while the tunnel is online",
+            ),
+            streams: family(
+                registry,
+                "rstream_agent_streams",
+                "Streams accepted on the tunnel",
+            ),
+            active: gauge(
+                registry,
+                "rstream_agent_streams_active",
+                "Streams being relayed",
+            ),
+            failed: family(
+                registry,
+                "rstream_agent_stream_failures",
+                "Streams whose target could not be reached",
+            ),
+            bytes: flows(
+                registry,
+                "rstream_agent_stream_bytes",
+                "Bytes of finished TCP streams, by direction",
+            ),
+            datagrams: flows(
+                registry,
+                "rstream_agent_stream_datagrams",
+                "Datagrams of finished UDP streams, by direction",
+            ),
+        }
+    }
+
+    fn record(&self, relayed: Relayed) {
+        match relayed {
+            Relayed::Bytes {
+                to_target,
+                from_target,
+            } => {
+                self.bytes[0].inc_by(to_target);
+                self.bytes[1].inc_by(from_target);
+            }
+            Relayed::Datagrams {
+                to_target,
+                from_target,
+            } => {
+                self.datagrams[0].inc_by(to_target);
+                self.datagrams[1].inc_by(from_target);
+            }
+            _ => {
+                self.failed.inc();
+            }
+        }
+    }
+}
+
 /// Follows the supervisor's state: readiness, logs and status reports (retried until they land or
 /// a newer state replaces them).
 async fn follow_state(
     mut states: watch::Receiver<SupervisorState>,
     reporter: Reporter,
     health: Health,
+    online_gauge: Gauge,
     shutdown: CancellationToken,
 ) {
     loop {
         let state = states.borrow_and_update().clone();
         let online = matches!(state, SupervisorState::Online { .. });
+        online_gauge.set(i64::from(online));
         let stopping =
             shutdown.is_cancelled() || matches!(state, SupervisorState::Stopped { error: None });
         health.set(
@@ -371,7 +499,14 @@ pub async fn run(options: AgentOptions, shutdown: CancellationToken) -> Result<(
 
     let health = Health::new();
     health.set("tunnel", false, "not online");
-    let registry = Arc::new(Registry::default());
+    let mut registry = app::metrics_registry("rstream-agent", env!("CARGO_PKG_VERSION"));
+    // Named as the RstreamTunnel when reporting to one, else as the rstream tunnel.
+    let tunnel_label = (config.kubernetes.as_ref())
+        .map(|k| k.tunnel_name.clone())
+        .filter(|n| !n.is_empty())
+        .unwrap_or_else(|| config.tunnel.name.clone());
+    let metrics = AgentMetrics::register(&mut registry, &tunnel_label);
+    let registry = Arc::new(registry);
     app::serve_ops(options.health_bind_address, &health, &registry, &shutdown).await?;
 
     let reporter = match config.kubernetes.as_ref().filter(|k| k.enabled) {
@@ -387,7 +522,7 @@ pub async fn run(options: AgentOptions, shutdown: CancellationToken) -> Result<(
                 .as_deref()
                 .and_then(|e| std::env::var(e).ok())
                 .unwrap_or_default();
-            let kube = kube::Client::try_default().await?;
+            let kube = app::kube_client(options.kubeconfig.as_deref()).await?;
             Reporter {
                 api: Some(Api::namespaced(kube, &namespace)),
                 tunnel: k.tunnel_name.clone(),
@@ -417,6 +552,7 @@ pub async fn run(options: AgentOptions, shutdown: CancellationToken) -> Result<(
         handle.watch(),
         reporter,
         health.clone(),
+        metrics.online.clone(),
         stop_reports.clone(),
     ));
 
@@ -427,12 +563,14 @@ pub async fn run(options: AgentOptions, shutdown: CancellationToken) -> Result<(
             () = shutdown.cancelled() => break,
             next = handle.accept() => match next {
                 Some(stream) => {
-                    relays.spawn(relay_and_log(
-                        stream,
-                        Arc::clone(&target),
-                        kind,
-                        relay_cancel.clone(),
-                    ));
+                    let metrics = metrics.clone();
+                    metrics.streams.inc();
+                    metrics.active.inc();
+                    let relay = relay_and_log(stream, Arc::clone(&target), kind, relay_cancel.clone());
+                    relays.spawn(async move {
+                        metrics.record(relay.await);
+                        metrics.active.dec();
+                    });
                 }
                 None => break,
             },
@@ -447,4 +585,44 @@ pub async fn run(options: AgentOptions, shutdown: CancellationToken) -> Result<(
     relays.close();
     relays.wait().await;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn the_agents_metrics_count_streams_and_what_they_carried() {
+        let mut registry = app::metrics_registry("rstream-agent", "9.9.9");
+        let metrics = AgentMetrics::register(&mut registry, "web");
+        metrics.streams.inc();
+        metrics.record(Relayed::Bytes {
+            to_target: 100,
+            from_target: 2_000,
+        });
+        metrics.record(Relayed::Datagrams {
+            to_target: 3,
+            from_target: 4,
+        });
+        metrics.record(Relayed::Failed);
+        metrics.online.set(1);
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+        for line in [
+            r#"rstream_agent_streams_total{tunnel="web"} 1"#,
+            r#"rstream_agent_stream_bytes_total{tunnel="web",direction="to_target"} 100"#,
+            r#"rstream_agent_stream_bytes_total{tunnel="web",direction="from_target"} 2000"#,
+            r#"rstream_agent_stream_datagrams_total{tunnel="web",direction="from_target"} 4"#,
+            r#"rstream_agent_stream_failures_total{tunnel="web"} 1"#,
+            r#"rstream_agent_tunnel_online{tunnel="web"} 1"#,
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line} not in\n{text}");
+        }
+        assert!(
+            text.contains("rstream_agent_build_info{version=\"9.9.9\""),
+            "{text}"
+        );
+        assert!(text.contains("process_resident_memory_bytes "), "{text}");
+    }
 }

@@ -29,7 +29,6 @@ use k8s_reconcile::permissions::{self, MissingPermissions};
 use kube::api::Api;
 use kube::runtime::reflector::ObjectRef;
 use kube::runtime::watcher;
-use prometheus_client::registry::Registry;
 use proxy_core::http_connect::{self, HttpProxy};
 use proxy_core::metrics::PrometheusObserver;
 use proxy_core::relay::RelayConfig;
@@ -63,7 +62,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
     let shutdown = ops::shutdown_on_signals()?;
     let health = Health::new();
     health.set(SHUTDOWN_CHECK, true, "running");
-    let mut registry = Registry::default();
+    let mut registry = app::metrics_registry("steward-tcp-proxy", env!("CARGO_PKG_VERSION"));
     let observer = Arc::new(PrometheusObserver::register(&mut registry));
     let endpoint_metrics = EndpointsMetrics::register(&mut registry);
     let missing_permissions =

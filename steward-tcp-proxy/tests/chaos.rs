@@ -524,10 +524,12 @@ async fn sigterm_while_the_api_server_is_down_still_exits() {
     assert!(status.success(), "{status}:\n{}", s.proxy.logs());
 }
 
-/// Whether steward's `leader` gauge says it leads (`None` while /metrics does not answer).
+/// Whether steward's `leader_election_master_status` gauge says it leads (`None` while /metrics does not answer).
 async fn leads(proxy: &Proxy) -> Option<bool> {
     let text = proxy.metrics_text().await;
-    let line = text.lines().find(|l| l.starts_with("leader{"))?;
+    let line = text
+        .lines()
+        .find(|l| l.starts_with("leader_election_master_status{"))?;
     Some(line.ends_with(" 1"))
 }
 

@@ -1314,7 +1314,9 @@ async fn reconciles(proxy: &Proxy) -> u64 {
         .await
         .lines()
         .filter(|l| {
-            !l.starts_with('#') && l.contains("reconcile_total{") && l.contains(r#"result="ok""#)
+            !l.starts_with('#')
+                && l.starts_with("controller_runtime_reconcile_total{")
+                && l.contains(r#"result="success""#)
         })
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum::<f64>() as u64
@@ -1332,7 +1334,7 @@ async fn wait_reconciles(proxy: &Proxy, n: u64) {
         }
         assert!(
             started.elapsed() < Duration::from_secs(30),
-            "only {} of {n} reconciles in 30 s (reconcile_total {from} -> {now})",
+            "only {} of {n} reconciles in 30 s (controller_runtime_reconcile_total {from} -> {now})",
             now - from
         );
         tokio::time::sleep(Duration::from_millis(100)).await;

@@ -27,6 +27,7 @@ mod image;
 mod loc;
 mod modules;
 mod node_images;
+mod flag_conventions;
 mod readme_flags;
 mod test;
 mod tools;

@@ -1,6 +1,7 @@
-//! Each binary's README flag table must list exactly the flags its `--help` prints, and every
+//! Each binary's README flag table must list exactly the flags its `--help` prints, every
 //! `cargo run -p <package> --example <name> -- <flags>` a README shows must name an example that
-//! exists in that package and flags its `--help` knows.
+//! exists in that package and flags its `--help` knows, and every binary must follow the one
+//! flag convention ([`crate::flag_conventions`]).
 
 use std::collections::BTreeSet;
 use std::process::Command;
@@ -74,6 +75,7 @@ pub fn run() -> anyhow::Result<()> {
         }
     }
     problems.extend(check_example_commands(&root, &cargo)?);
+    problems.extend(crate::flag_conventions::check(&bin_dir)?);
     if !problems.is_empty() {
         bail!("READMEs out of date:\n  {}", problems.join("\n  "));
     }

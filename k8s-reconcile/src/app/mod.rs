@@ -39,7 +39,7 @@ pub use flags::{go_bool_flags, parse_args, try_parse_args_from};
 pub use logging::{LogFormat, init_logging, parse_log_level};
 pub use process::{
     EXIT_FAILURE, EXIT_USAGE, block_on, block_on_threads, error_chain, exit_with, kube_client,
-    leader_identity, own_namespace, serve_ops, usage_error,
+    leader_identity, metrics_registry, own_namespace, serve_ops, usage_error,
 };
 pub use values::{
     OptionalListenAddr, SecondsOrDuration, ValueError, parse_duration, parse_go_bool,

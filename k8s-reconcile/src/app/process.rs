@@ -131,6 +131,16 @@ where
     }
 }
 
+/// A metrics registry for the binary `binary` at `version`, holding what every binary exports:
+/// the `process_*` metrics ([`crate::metrics::process`]) and `<binary>_build_info`
+/// ([`crate::metrics::register_build_info`], dashes in the name become underscores).
+pub fn metrics_registry(binary: &str, version: &str) -> Registry {
+    let mut registry = Registry::default();
+    crate::metrics::process::register(&mut registry);
+    crate::metrics::register_build_info(&mut registry, &binary.replace('-', "_"), version);
+    registry
+}
+
 /// A client from `kubeconfig` when given, else the usual inference (in-cluster, `KUBECONFIG`,
 /// `~/.kube/config`).
 pub async fn kube_client(kubeconfig: Option<&Path>) -> Result<kube::Client, Error> {

@@ -3,11 +3,10 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use anyhow::Context as _;
 use clap::Parser;
 use k8s_reconcile::app::{self, LogFormat};
 use k8s_reconcile::ops;
-use rstream_operator::agent::{self, AgentOptions};
+use rstream_operator::agent::{self, AgentError, AgentOptions};
 
 /// Keeps one rstream tunnel up, forwards its streams to the target Service and reports its state
 /// into the RstreamTunnel status.
@@ -25,37 +24,56 @@ struct Args {
     #[arg(
         long,
         env = "RSTREAM_AGENT_HEALTH_BIND_ADDRESS",
-        default_value = ":8081"
+        default_value = ":8081",
+        value_parser = app::parse_optional_listen_addr
     )]
-    health_bind_address: String,
+    health_bind_address: app::OptionalListenAddr,
     /// Forward streams to this host:port instead of the configured Service (tests, debugging).
     #[arg(long, env = "RSTREAM_AGENT_TARGET_OVERRIDE")]
     target_override: Option<String>,
     /// Extra PEM CA bundle trusted for the engine (self-hosted engines with a private CA).
     #[arg(long, env = "RSTREAM_AGENT_CA_FILE")]
     ca_file: Option<PathBuf>,
+    /// kubeconfig for status reports when run outside a cluster (default: in-cluster config,
+    /// then $KUBECONFIG and ~/.kube/config).
+    #[arg(long)]
+    kubeconfig: Option<PathBuf>,
     /// Log format.
-    #[arg(long, env = "RSTREAM_LOG_FORMAT", value_enum, default_value = "json")]
+    #[arg(long, env = "RSTREAM_LOG_FORMAT", value_enum, default_value = "text")]
     log_format: LogFormat,
     /// Log level or filter (RUST_LOG wins when set).
     #[arg(long, env = "RSTREAM_LOG_LEVEL", default_value = "info", value_parser = app::parse_log_level)]
     log_level: String,
 }
 
-async fn run(args: Args) -> anyhow::Result<()> {
-    let health_bind_address = app::parse_optional_listen_addr(&args.health_bind_address)
-        .context("--health-bind-address")?;
+async fn run(args: Args) -> Result<(), AgentError> {
     let options = AgentOptions {
         config: args.config,
-        health_bind_address,
+        health_bind_address: args.health_bind_address,
         target_override: args.target_override,
         ca_file: args.ca_file,
+        kubeconfig: args.kubeconfig,
     };
-    Ok(agent::run(options, ops::shutdown_on_signals()?).await?)
+    agent::run(options, ops::shutdown_on_signals()?).await
 }
 
 fn main() -> ExitCode {
     let args: Args = app::parse_args();
     app::init_logging(args.log_format, Some(&args.log_level));
-    app::block_on("rstream-agent", run(args))
+    // A configuration the agent cannot use is a usage error (exit 2), like a bad flag, in every
+    // binary; it is found before anything starts.
+    let mut unusable = None;
+    let code = app::block_on("rstream-agent", async {
+        match run(args).await {
+            Err(error) if error.is_configuration() => {
+                unusable = Some(error);
+                Ok(())
+            }
+            other => other,
+        }
+    });
+    match unusable {
+        Some(error) => app::usage_error(&error),
+        None => code,
+    }
 }

@@ -9,7 +9,6 @@ use clap::Parser;
 use k8s_reconcile::app::{self, LogFormat};
 use k8s_reconcile::metrics::ControllerMetrics;
 use k8s_reconcile::ops::{self, Health};
-use prometheus_client::registry::Registry;
 use rstream_operator::manager::{self, ManagerOptions};
 
 /// Default agent image (the original operator's).
@@ -61,7 +60,7 @@ struct Args {
     #[arg(long)]
     kubeconfig: Option<PathBuf>,
     /// Log format.
-    #[arg(long, env = "RSTREAM_LOG_FORMAT", value_enum, default_value = "json")]
+    #[arg(long, env = "RSTREAM_LOG_FORMAT", value_enum, default_value = "text")]
     log_format: LogFormat,
     /// Log level or filter (RUST_LOG wins when set).
     #[arg(long, env = "RSTREAM_LOG_LEVEL", default_value = "info", value_parser = app::parse_log_level)]
@@ -81,7 +80,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
     let shutdown = ops::shutdown_on_signals()?;
     let client = app::kube_client(args.kubeconfig.as_deref()).await?;
 
-    let mut registry = Registry::default();
+    let mut registry = app::metrics_registry("rstream-operator", env!("CARGO_PKG_VERSION"));
     let metrics = ControllerMetrics::register(&mut registry);
     let registry = Arc::new(registry);
     let health = Health::new();

@@ -255,6 +255,8 @@ pub fn deployment(
         args: Some(vec![
             format!("--config={}/{}", names::CONFIG_DIR, names::CONFIG_KEY),
             format!("--health-bind-address=:{HEALTH_PORT}"),
+            // JSON lines in a Pod, for log collectors; the binary's default is text for people.
+            "--log-format=json".to_owned(),
         ]),
         ports: Some(vec![ContainerPort {
             name: Some("health".to_owned()),
