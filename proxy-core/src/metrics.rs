@@ -5,6 +5,9 @@
 //! [`ServerConfig::report_interval`](crate::server::ServerConfig::report_interval) and at the
 //! end of each connection, so long-lived connections show up in the metrics while they run.
 
+use std::collections::HashMap;
+use std::sync::{Arc, OnceLock, PoisonError, RwLock};
+
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
 use prometheus_client::metrics::counter::{ConstCounter, Counter};
@@ -15,7 +18,7 @@ use prometheus_client::registry::Registry;
 use crate::copy::Direction;
 use crate::error::ConnectError;
 use crate::pipe;
-use crate::relay::RelaySummary;
+use crate::relay::{Ending, RelaySummary};
 
 /// Identifies the listener and route a connection belongs to.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, PartialOrd, Ord, EncodeLabelSet)]
@@ -129,9 +132,78 @@ pub struct PrometheusObserver {
     bytes: Family<DirectionLabels, Counter>,
     connect_errors: Family<RouteLabels, Counter>,
     connect_timeouts: Family<RouteLabels, Counter>,
+    /// Each route's series, looked up once per route rather than by labels (with their
+    /// strings cloned) at every event of every connection.
+    routes: Arc<RwLock<HashMap<RouteLabels, Arc<RouteMetrics>>>>,
+}
+
+/// How many kinds of [`Ending`] there are ([`RouteMetrics::closed`] has a slot for each).
+const ENDING_KINDS: usize = 7;
+
+fn ending_index(ending: &Ending) -> usize {
+    match ending {
+        Ending::Completed => 0,
+        Ending::Reset { .. } => 1,
+        Ending::Error { .. } => 2,
+        Ending::IdleTimeout => 3,
+        Ending::MaxLifetime => 4,
+        Ending::Cancelled => 5,
+        Ending::ConnectFailed => 6,
+    }
+}
+
+/// One route's series. Those that only exist once something happened (rejections, errors,
+/// bytes, each ending) are made on first use, so the exposition is as without the cache.
+#[derive(Debug)]
+struct RouteMetrics {
+    labels: RouteLabels,
+    active: Gauge,
+    connections: Counter,
+    rejected: OnceLock<Counter>,
+    connect_errors: OnceLock<Counter>,
+    connect_timeouts: OnceLock<Counter>,
+    /// By [`Direction`]: to the upstream, to the client.
+    bytes: [OnceLock<Counter>; 2],
+    closed: [OnceLock<Counter>; ENDING_KINDS],
 }
 
 impl PrometheusObserver {
+    /// The series of `labels`' route, made on its first connection.
+    fn route(&self, labels: &RouteLabels) -> Arc<RouteMetrics> {
+        if let Some(route) = self
+            .routes
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(labels)
+        {
+            return Arc::clone(route);
+        }
+        let mut routes = self.routes.write().unwrap_or_else(PoisonError::into_inner);
+        let route = routes.entry(labels.clone()).or_insert_with(|| {
+            Arc::new(RouteMetrics {
+                labels: labels.clone(),
+                active: self.active.get_or_create(labels).clone(),
+                connections: self.connections.get_or_create(labels).clone(),
+                rejected: OnceLock::new(),
+                connect_errors: OnceLock::new(),
+                connect_timeouts: OnceLock::new(),
+                bytes: [OnceLock::new(), OnceLock::new()],
+                closed: Default::default(),
+            })
+        });
+        Arc::clone(route)
+    }
+
+    fn counter(
+        &self,
+        slot: &OnceLock<Counter>,
+        family: &Family<RouteLabels, Counter>,
+        labels: &RouteLabels,
+    ) -> Counter {
+        slot.get_or_init(|| family.get_or_create(labels).clone())
+            .clone()
+    }
+
     /// Creates the metrics and registers them under the `proxy_` prefix of `registry`.
     pub fn register(registry: &mut Registry) -> Self {
         let metrics = Self::default();
@@ -178,38 +250,57 @@ impl PrometheusObserver {
 
 impl RelayObserver for PrometheusObserver {
     fn connection_opened(&self, labels: &RouteLabels) {
-        self.active.get_or_create(labels).inc();
-        self.connections.get_or_create(labels).inc();
+        let route = self.route(labels);
+        route.active.inc();
+        route.connections.inc();
     }
 
     fn connection_rejected(&self, labels: &RouteLabels) {
-        self.rejected.get_or_create(labels).inc();
+        let route = self.route(labels);
+        self.counter(&route.rejected, &self.rejected, labels).inc();
     }
 
     fn connect_failed(&self, labels: &RouteLabels, error: &ConnectError) {
-        self.connect_errors.get_or_create(labels).inc();
+        let route = self.route(labels);
+        self.counter(&route.connect_errors, &self.connect_errors, labels)
+            .inc();
         if error.is_timeout() {
-            self.connect_timeouts.get_or_create(labels).inc();
+            self.counter(&route.connect_timeouts, &self.connect_timeouts, labels)
+                .inc();
         }
     }
 
     fn bytes_relayed(&self, labels: &RouteLabels, direction: Direction, bytes: u64) {
-        let labels = DirectionLabels {
-            listener: labels.listener.clone(),
-            route: labels.route.clone(),
-            direction: direction.as_str(),
+        let route = self.route(labels);
+        let slot = match direction {
+            Direction::ToUpstream => &route.bytes[0],
+            Direction::ToClient => &route.bytes[1],
         };
-        self.bytes.get_or_create(&labels).inc_by(bytes);
+        slot.get_or_init(|| {
+            let labels = DirectionLabels {
+                listener: route.labels.listener.clone(),
+                route: route.labels.route.clone(),
+                direction: direction.as_str(),
+            };
+            self.bytes.get_or_create(&labels).clone()
+        })
+        .inc_by(bytes);
     }
 
     fn connection_closed(&self, labels: &RouteLabels, summary: &RelaySummary) {
-        self.active.get_or_create(labels).dec();
-        let labels = EndingLabels {
-            listener: labels.listener.clone(),
-            route: labels.route.clone(),
-            ending: summary.ending.as_str(),
-        };
-        self.closed.get_or_create(&labels).inc();
+        let route = self.route(labels);
+        route.active.dec();
+        let index = ending_index(&summary.ending);
+        route.closed[index]
+            .get_or_init(|| {
+                let labels = EndingLabels {
+                    listener: route.labels.listener.clone(),
+                    route: route.labels.route.clone(),
+                    ending: summary.ending.as_str(),
+                };
+                self.closed.get_or_create(&labels).clone()
+            })
+            .inc();
     }
 }
 

@@ -2,8 +2,9 @@
 //! limits, graceful drain and shutdown.
 //!
 //! Ownership: the [`ProxyServer`] holds one entry per listener. Each listener has an accept
-//! task and a [`TaskTracker`] for its connections; every task is also tracked by the server's
-//! tracker, so shutdown waits for all of them. Cancellation is a tree of
+//! task, a byte reporter and a [`TaskTracker`] for its connections; the server's tracker holds
+//! each listener's tasks, and shutdown drains every listener (which waits for its
+//! connections), then waits for the server's tracker. Cancellation is a tree of
 //! [`CancellationToken`]s: server shutdown → listener → route generation → connection, so
 //! closing a listener or retiring a route closes exactly the connections below it.
 //!
@@ -20,10 +21,9 @@
 
 use std::collections::HashMap;
 use std::fmt;
-use std::future::Future;
 use std::io;
 use std::net::{IpAddr, SocketAddr};
-use std::pin::{Pin, pin};
+use std::pin::pin;
 use std::str::FromStr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -240,8 +240,6 @@ pub struct ConnectionStatus {
     pub route: String,
     /// Bytes moved so far and last activity.
     pub counters: Arc<RelayCounters>,
-    /// Closes this connection alone.
-    close: CancellationToken,
 }
 
 /// An inclusive range of ports, e.g. for allocating mappings.
@@ -378,9 +376,49 @@ struct ListenerShared {
     /// Closes every connection of this listener; a child of the server's shutdown token.
     close_connections: CancellationToken,
     connection_tasks: TaskTracker,
-    connections: Mutex<HashMap<u64, ConnectionStatus>>,
+    connections: Mutex<HashMap<u64, Arc<Live>>>,
     limit: Option<Arc<Semaphore>>,
     accept_task: Mutex<Option<JoinHandle<()>>>,
+}
+
+/// One open connection as its listener lists it: shared by the connection's task, the
+/// listener's map and the listener's byte reporter.
+struct Live {
+    id: u64,
+    client: SocketAddr,
+    route: Arc<ActiveRoute>,
+    counters: Arc<RelayCounters>,
+    /// Closes this connection alone; a child of its route generation's token.
+    close: CancellationToken,
+    /// Bytes already reported to the observer, per direction: the reporter and the
+    /// connection's end both report, and `fetch_max` hands each byte to exactly one of them.
+    reported: [AtomicU64; 2],
+}
+
+impl Live {
+    fn status(&self) -> ConnectionStatus {
+        ConnectionStatus {
+            id: self.id,
+            client: self.client,
+            route: self.route.route.name.clone(),
+            counters: Arc::clone(&self.counters),
+        }
+    }
+
+    /// Reports the bytes moved since the last report.
+    fn report_bytes(&self, observer: &dyn RelayObserver) {
+        for (slot, direction) in self
+            .reported
+            .iter()
+            .zip([Direction::ToUpstream, Direction::ToClient])
+        {
+            let now = self.counters.get(direction);
+            let before = slot.fetch_max(now, Ordering::AcqRel);
+            if now > before {
+                observer.bytes_relayed(&self.route.labels, direction, now - before);
+            }
+        }
+    }
 }
 
 /// One generation of a listener's route. Connections keep the generation they started with.
@@ -475,6 +513,9 @@ impl ProxyServer {
                 Arc::clone(shared),
             ));
             *lock(&state.accept_task) = Some(task);
+            shared
+                .tracker
+                .spawn(report_bytes(Arc::clone(&state), Arc::clone(shared)));
             listeners.insert(local_addr, Arc::clone(&state));
         }
         tracing::info!(listener = %local_addr, route = %lock(&state.route).route.name, "listening");
@@ -590,7 +631,10 @@ impl ProxyServer {
     /// The open connections of `listener`, sorted by id, with live counters.
     pub fn connections(&self, listener: SocketAddr) -> Result<Vec<ConnectionStatus>, ServerError> {
         let state = self.listener(listener)?;
-        let mut connections: Vec<_> = lock(&state.connections).values().cloned().collect();
+        let mut connections: Vec<_> = lock(&state.connections)
+            .values()
+            .map(|live| live.status())
+            .collect();
         connections.sort_by_key(|c| c.id);
         Ok(connections)
     }
@@ -699,18 +743,16 @@ impl ListenerShared {
             },
         };
         let id = server.next_connection_id.fetch_add(1, Ordering::Relaxed);
-        let counters = Arc::new(RelayCounters::new());
         let close = route.cancel.child_token();
-        lock(&self.connections).insert(
+        let live = Arc::new(Live {
             id,
-            ConnectionStatus {
-                id,
-                client: peer,
-                route: route.route.name.clone(),
-                counters: Arc::clone(&counters),
-                close: close.clone(),
-            },
-        );
+            client: peer,
+            route,
+            counters: Arc::new(RelayCounters::new()),
+            close,
+            reported: [AtomicU64::new(0), AtomicU64::new(0)],
+        });
+        lock(&self.connections).insert(id, Arc::clone(&live));
         let registration = Registration {
             listener: Arc::clone(self),
             id,
@@ -718,19 +760,16 @@ impl ListenerShared {
         };
         let task = run_connection(
             client,
-            route,
+            live,
             self.relay,
             self.client_options_inherited,
             self.acceptor.clone(),
-            counters,
-            close,
             Arc::clone(&server.observer),
-            server.config.report_interval,
             registration,
         );
-        server
-            .tracker
-            .spawn(self.connection_tasks.track_future(task));
+        // Tracked by the listener only: every way the server stops drains each listener,
+        // which waits for these tasks.
+        tokio::spawn(self.connection_tasks.track_future(task));
     }
 }
 
@@ -747,12 +786,36 @@ impl Drop for Registration {
     }
 }
 
+/// Reports the byte counts of a listener's running connections every report interval (one
+/// timer per listener, not one per connection); each connection reports the rest as it ends.
+async fn report_bytes(state: Arc<ListenerShared>, server: Arc<ServerShared>) {
+    let mut ticks = tokio::time::interval(server.config.report_interval);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    ticks.reset();
+    let closed = state.close_connections.cancelled();
+    let drained = state.connection_tasks.wait();
+    let (mut closed, mut drained) = (pin!(closed), pin!(drained));
+    loop {
+        tokio::select! {
+            () = &mut closed => break,
+            () = &mut drained => break,
+            _ = ticks.tick() => {}
+        }
+        let running: Vec<Arc<Live>> = lock(&state.connections).values().cloned().collect();
+        for live in running {
+            live.report_bytes(server.observer.as_ref());
+        }
+    }
+}
+
 async fn accept_loop(listener: TcpListener, state: Arc<ListenerShared>, server: Arc<ServerShared>) {
     let mut backoff = ACCEPT_BACKOFF_MIN;
+    // Made once: a new `cancelled()` future per accept would register a waiter each turn.
+    let mut stop = pin!(state.stop_accepting.cancelled());
     loop {
         let accepted = tokio::select! {
             biased;
-            () = state.stop_accepting.cancelled() => break,
+            () = &mut stop => break,
             accepted = listener.accept() => accepted,
         };
         match accepted {
@@ -766,7 +829,7 @@ async fn accept_loop(listener: TcpListener, state: Arc<ListenerShared>, server: 
             Err(error) => {
                 tracing::warn!(%error, listener = %state.local_addr, retry_in = ?backoff, "accept failed, backing off");
                 tokio::select! {
-                    () = state.stop_accepting.cancelled() => break,
+                    () = &mut stop => break,
                     () = tokio::time::sleep(backoff) => {}
                 }
                 backoff = backoff
@@ -787,33 +850,31 @@ fn concerns_one_connection(error: &io::Error) -> bool {
     )
 }
 
-#[allow(clippy::too_many_arguments)] // One connection's whole context, passed once.
 async fn run_connection(
     client: TcpStream,
-    route: Arc<ActiveRoute>,
+    live: Arc<Live>,
     config: RelayConfig,
     client_ready: bool,
     acceptor: Option<Arc<dyn StreamAcceptor>>,
-    counters: Arc<RelayCounters>,
-    close: CancellationToken,
     observer: Arc<dyn RelayObserver>,
-    report_interval: Duration,
     _registration: Registration,
 ) {
+    let route = &live.route;
     let labels = &route.labels;
     observer.connection_opened(labels);
     let reports = Reports {
-        counters: &counters,
+        counters: &live.counters,
         observer: observer.as_ref(),
         labels,
-        interval: report_interval,
     };
+    let close = &live.close;
     let summary = match acceptor {
-        None => relay_plain(client, client_ready, &route, &close, &config, &reports).await,
+        None => relay_plain(client, client_ready, route, close, &config, &reports).await,
         Some(acceptor) => {
-            relay_accepted(client, acceptor.as_ref(), &route, &close, &config, &reports).await
+            relay_accepted(client, acceptor.as_ref(), route, close, &config, &reports).await
         }
     };
+    live.report_bytes(observer.as_ref());
     tracing::debug!(
         route = %labels.route,
         listener = %labels.listener,
@@ -848,15 +909,15 @@ async fn relay_plain(
             RelaySummary::from_counters(reports.counters, Ending::ConnectFailed, mode)
         }
         Some(Ok(upstream)) => {
-            let relay = pin!(relay::relay_tcp_legs(
+            relay::relay_tcp_legs(
                 client,
                 upstream,
                 config,
                 reports.counters,
                 close,
                 client_ready,
-            ));
-            reports.while_running(relay).await
+            )
+            .await
         }
     }
 }
@@ -894,61 +955,29 @@ async fn relay_accepted(
             failed(reports)
         }
         Some(Ok(Ok(accepted))) => {
-            let relay = pin!(relay::relay_streams(
+            relay::relay_streams(
                 accepted.client,
                 accepted.upstream,
                 config,
                 reports.counters,
                 close,
-            ));
-            reports.while_running(relay).await
+            )
+            .await
         }
     }
 }
 
-/// Reports a connection's byte counts to the observer while it runs.
+/// What a connection reports to the observer besides its bytes.
 struct Reports<'a> {
     counters: &'a RelayCounters,
     observer: &'a dyn RelayObserver,
     labels: &'a RouteLabels,
-    interval: Duration,
 }
 
 impl Reports<'_> {
     fn connect_failed(&self, error: &ConnectError) {
         tracing::debug!(%error, route = %self.labels.route, listener = %self.labels.listener, "upstream unreachable, closing client");
         self.observer.connect_failed(self.labels, error);
-    }
-
-    /// Runs `relay`, reporting the bytes moved every interval and at the end.
-    /// `relay` comes pinned by the caller so that it is stored once in the connection's future
-    /// (by value, it would be stored twice: as the argument and pinned here).
-    async fn while_running(
-        &self,
-        mut relay: Pin<&mut impl Future<Output = RelaySummary>>,
-    ) -> RelaySummary {
-        let mut reported = [0u64; 2];
-        let report = |reported: &mut [u64; 2]| {
-            for (slot, direction) in reported
-                .iter_mut()
-                .zip([Direction::ToUpstream, Direction::ToClient])
-            {
-                let now = self.counters.get(direction);
-                if now > *slot {
-                    self.observer
-                        .bytes_relayed(self.labels, direction, now - *slot);
-                    *slot = now;
-                }
-            }
-        };
-        let summary = loop {
-            tokio::select! {
-                summary = relay.as_mut() => break summary,
-                () = tokio::time::sleep(self.interval) => report(&mut reported),
-            }
-        };
-        report(&mut reported);
-        summary
     }
 }
 
