@@ -13,7 +13,7 @@
 use std::io::{Read as _, Write as _};
 use std::net::{Ipv4Addr, SocketAddr};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail, ensure};
@@ -42,9 +42,12 @@ pub struct Sink {
 
 impl Sink {
     pub async fn start() -> anyhow::Result<Self> {
-        let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
-            .await
-            .context("binding the sink")?;
+        Self::start_on(SocketAddr::from((Ipv4Addr::LOCALHOST, 0))).await
+    }
+
+    /// A sink on `addr` (port 0: any free port).
+    pub async fn start_on(addr: SocketAddr) -> anyhow::Result<Self> {
+        let listener = TcpListener::bind(addr).await.context("binding the sink")?;
         let addr = listener.local_addr()?;
         let open = Arc::new(AtomicUsize::new(0));
         let task = tokio::spawn(accept_loop(listener, open.clone()));
@@ -309,78 +312,6 @@ fn latency_blocking(
         p99_us: us(0.99),
         p999_us: us(0.999),
     })
-}
-
-/// The outcome of a connection-rate run.
-pub struct ConnectionRate {
-    pub per_second: f64,
-    /// Connect to first byte back, 99th percentile.
-    pub p99_first_byte_us: f64,
-    pub completed: u64,
-    pub failed: u64,
-}
-
-/// `concurrency` loops of connect, one byte each way, close, for `duration`; source addresses
-/// are spread over 127.0.0.0/8.
-pub async fn connection_rate(
-    target: SocketAddr,
-    concurrency: usize,
-    duration: Duration,
-) -> anyhow::Result<ConnectionRate> {
-    let deadline = tokio::time::Instant::now() + duration;
-    let next_source = Arc::new(AtomicU64::new(0));
-    let started = Instant::now();
-    let workers = (0..concurrency).map(|_| {
-        let next_source = next_source.clone();
-        tokio::spawn(async move {
-            let mut histogram = Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3)?;
-            let mut failed = 0u64;
-            while tokio::time::Instant::now() < deadline {
-                let source = spread_source(next_source.fetch_add(1, Ordering::Relaxed));
-                let begun = Instant::now();
-                match tokio::time::timeout(Duration::from_secs(5), ping(source, target)).await {
-                    Ok(Ok(first_byte)) => {
-                        let nanos = first_byte.duration_since(begun).as_nanos();
-                        histogram.saturating_record(u64::try_from(nanos).unwrap_or(u64::MAX));
-                    }
-                    _ => failed += 1,
-                }
-            }
-            anyhow::Ok((histogram, failed))
-        })
-    });
-    let results = futures::future::join_all(workers).await;
-    let elapsed = started.elapsed();
-    let mut total = Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3)?;
-    let mut failed = 0;
-    for result in results {
-        let (histogram, worker_failed) = result??;
-        total.add(histogram)?;
-        failed += worker_failed;
-    }
-    ensure!(
-        !total.is_empty(),
-        "no connection completed ({failed} failed)"
-    );
-    Ok(ConnectionRate {
-        per_second: total.len() as f64 / elapsed.as_secs_f64(),
-        p99_first_byte_us: total.value_at_quantile(0.99) as f64 / 1_000.0,
-        completed: total.len(),
-        failed,
-    })
-}
-
-/// One connection: connect, send a ping, read the one-byte answer, read to EOF, close. Returns
-/// when the first byte came back.
-async fn ping(source: Ipv4Addr, target: SocketAddr) -> anyhow::Result<Instant> {
-    let mut stream = connect_from(source, target).await?;
-    stream.write_u8(PING).await?;
-    let answer = stream.read_u8().await?;
-    let first_byte = Instant::now();
-    ensure!(answer == PING, "unexpected answer {answer}");
-    let mut rest = [0u8; 16];
-    ensure!(stream.read(&mut rest).await? == 0, "data after the ping");
-    Ok(first_byte)
 }
 
 /// Time from connecting to the first byte back for `count` sequential pings (new-stream setup).

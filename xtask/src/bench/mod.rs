@@ -2,12 +2,14 @@
 //!
 //! Every bench measures its baseline in the same run, alternates its contenders (A B C A B C ...)
 //! over several rounds, reports medians with min/max, prints a Markdown table and writes
-//! `<out>/<bench>.json`; `all` also writes `<out>/summary.md`. The load generator is in-process
-//! ([`load`]), pinned to CPU 0; relays run on CPU 1 (see `shared/STYLE.md` section 9).
+//! `<out>/<bench>.json` and `<out>/<bench>.md`, and `<out>/summary.md` over the benches run.
+//! Relays run on CPU 1; `bench proxy`'s load generator and sink are processes of their own
+//! ([`procs`]) on CPU 0, the other benches' generators run in-process ([`load`]) on CPU 0.
 
 mod load;
 mod operator;
 mod pod_proxier;
+mod procs;
 mod proxy;
 mod report;
 mod rstream;
@@ -32,6 +34,10 @@ pub struct Args {
     /// A short smoke run: small transfers, short phases, few rounds.
     #[arg(long)]
     quick: bool,
+    /// bench proxy: also profile each relay (perf record, strace -c) into xtask/bench-profile/,
+    /// the files the report's bound notes cite.
+    #[arg(long)]
+    profile: bool,
     /// Where JSON and summary.md go (relative paths are under the workspace root).
     #[arg(long, default_value = "target/bench")]
     out: PathBuf,
@@ -51,6 +57,8 @@ enum Which {
 pub struct Settings {
     rounds: usize,
     quick: bool,
+    /// Profile the relays (`--profile`).
+    profile: bool,
     /// The open-file limit in force (children inherit it).
     fd_limit: u64,
 }
@@ -88,6 +96,10 @@ const BENCHES: [(&str, Which, Bench, Contenders); 5] = [
 const RELEASE_ENV: &str = "NETKIT_BENCH_RELEASE";
 
 pub fn run(args: &Args) -> anyhow::Result<()> {
+    // A generator or sink process started by a bench (see `procs`).
+    if procs::run_role()? {
+        return Ok(());
+    }
     // `cargo xtask` is a debug build: a debug load generator would measure itself, not the relays.
     if cfg!(debug_assertions) && std::env::var_os(RELEASE_ENV).is_none() {
         return rerun_in_release();
@@ -95,6 +107,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
     let settings = Settings {
         rounds: args.rounds.unwrap_or(if args.quick { 2 } else { 5 }).max(1),
         quick: args.quick,
+        profile: args.profile,
         fd_limit: system::raise_fd_limit(),
     };
     let out = crate::workspace_root().join(&args.out);
@@ -124,7 +137,14 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
             Err(error) => return Err(error.context(format!("bench {name}"))),
         }
     }
-    if args.bench == Which::All {
+    // Every run writes its summary (for `all`, every bench's), and each bench's Markdown.
+    for report in &reports {
+        std::fs::write(
+            out.join(format!("{}.md", report.bench)),
+            report::markdown(report),
+        )?;
+    }
+    {
         let summary = report::summary_markdown(&reports, &failures);
         let path = out.join("summary.md");
         std::fs::create_dir_all(&out)?;

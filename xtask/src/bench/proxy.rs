@@ -1,21 +1,25 @@
 //! `bench proxy`: the same workloads direct, through proxy-core (`examples/tcp_relay`, with the
-//! Prometheus observer the binaries use) and through HAProxy (`mode tcp`) twice: with
-//! `option splice-auto` and with forced splicing (`option splice-request` +
-//! `option splice-response`), both with proxy-core's pipe size. The better HAProxy of each figure
-//! is the peer. Relays run one thread on the relay CPU (proxy-core tokio's current-thread runtime,
-//! one event loop as HAProxy's `nbthread 1`); a scaling phase gives proxy-core two worker threads
-//! and HAProxy `nbthread 2`, unpinned. Rounds run the contenders in a random
-//! order.
+//! Prometheus observer the binaries use) and through HAProxy (`mode tcp`) in two configurations,
+//! each reported on its own: `option splice-auto`, and forced splicing (`option splice-request` +
+//! `option splice-response`), both with proxy-core's pipe size.
+//!
+//! The generator and the sink are processes of their own ([`procs`]), pinned to the generator
+//! CPU; one-thread relays run pinned to the relay CPU. Every run has a warm-up, then a measured
+//! window, and the CPU time of the relay, the generator and the sink is read at both ends of the
+//! window: the primary figures are what each relay costs (CPU seconds per GiB, CPU ms per 1 000
+//! connections), with the throughput and rate beside them. Rounds run the contenders in a random
+//! order. The prose of the report is `proxy_notes.md`, filled with this run's figures.
 
 use std::collections::BTreeMap;
 use std::net::{Ipv4Addr, SocketAddr};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
 use anyhow::Context as _;
 
-use super::load::{self, Direction, Sink};
+use super::load::{self, Sink};
+use super::procs::{self, Measured, SinkProcess, WindowCpu, Work};
 use super::report::{self, Figure, Goal, Metric, Recorder};
 use super::system::{self, GENERATOR_CPU, RELAY_CPU, Service};
 use super::{Outcome, Settings};
@@ -24,27 +28,35 @@ const DIRECT: &str = "direct";
 const PROXY_CORE: &str = "proxy-core";
 const HAPROXY_AUTO: &str = "haproxy splice-auto";
 const HAPROXY_FORCED: &str = "haproxy forced splice";
-/// The better of the two HAProxy contenders, per figure.
-const HAPROXY: &str = "haproxy (better)";
 const PROXY_CORE_2T: &str = "proxy-core 2 threads";
+/// Another build of `tcp_relay` (e.g. before a change), when `NETKIT_BENCH_BASELINE_RELAY`
+/// names one: measured in the same rounds, so before and after share the run's noise.
+const PROXY_CORE_BASELINE: &str = "proxy-core baseline";
+const BASELINE_ENV: &str = "NETKIT_BENCH_BASELINE_RELAY";
 const HAPROXY_AUTO_2T: &str = "haproxy splice-auto nbthread 2";
 const HAPROXY_FORCED_2T: &str = "haproxy forced splice nbthread 2";
-/// The better of the two HAProxy contenders with two threads, per figure.
-const HAPROXY_2T: &str = "haproxy nbthread 2 (better)";
 
 /// Pipe size of both relays' splice paths (proxy-core's default).
 const PIPE_SIZE: usize = 1 << 20;
 
 const GIB: f64 = (1u64 << 30) as f64;
 
+/// The prose of the report, with `{placeholders}` filled by [`notes`].
+const NOTES_TEMPLATE: &str = include_str!("proxy_notes.md");
+
+/// Where `--profile` writes its files, relative to the workspace root (committed with the
+/// report; the bound notes cite them).
+pub const PROFILE_DIR: &str = "xtask/bench-profile";
+
 /// How much each workload does; `--quick` shrinks everything.
 struct Workload {
-    bulk_bytes: u64,
+    warmup: Duration,
+    measure: Duration,
     latency_rate: u32,
     latency_duration: Duration,
     latency_message: usize,
     connection_concurrency: usize,
-    connection_duration: Duration,
+    open_rates: [u32; 2],
     idle_connections: usize,
 }
 
@@ -63,68 +75,61 @@ impl Workload {
         // (the client and the sink's side); HAProxy wants the limit to cover 2.5 x maxconn.
         let fitting_idle = idle_maxconn(settings.fd_limit);
         Self {
-            bulk_bytes: if quick { 64 << 20 } else { 2 << 30 },
+            warmup: Duration::from_millis(if quick { 300 } else { 1_000 }),
+            measure: Duration::from_millis(if quick { 1_000 } else { 5_000 }),
             latency_rate: 5_000,
             latency_duration: Duration::from_millis(if quick { 600 } else { 4_000 }),
             latency_message: 1024,
             connection_concurrency: 16,
-            connection_duration: Duration::from_millis(if quick { 400 } else { 2_000 }),
+            open_rates: [2_000, 5_000],
             idle_connections: wanted_idle.min(fitting_idle) as usize,
         }
     }
 }
 
-const BULK: [(usize, Direction, Metric); 4] = [
-    (
-        1,
-        Direction::Upload,
-        Metric::higher("bulk 1 stream, upload", "Gbit/s"),
-    ),
-    (
-        1,
-        Direction::Download,
-        Metric::higher("bulk 1 stream, download", "Gbit/s"),
-    ),
-    (
-        8,
-        Direction::Upload,
-        Metric::higher("bulk 8 streams, upload", "Gbit/s"),
-    ),
-    (
-        8,
-        Direction::Download,
-        Metric::higher("bulk 8 streams, download", "Gbit/s"),
-    ),
+/// Bulk runs: streams, download?, name.
+const BULK: [(usize, bool, &str); 4] = [
+    (1, false, "bulk 1 stream, upload"),
+    (1, true, "bulk 1 stream, download"),
+    (8, false, "bulk 8 streams, upload"),
+    (8, true, "bulk 8 streams, download"),
 ];
-const SCALING: [(Direction, Metric); 2] = [
-    (
-        Direction::Upload,
-        Metric::higher("bulk 8 streams, upload, 2 relay threads", "Gbit/s"),
-    ),
-    (
-        Direction::Download,
-        Metric::higher("bulk 8 streams, download, 2 relay threads", "Gbit/s"),
-    ),
+const SCALING: [(bool, &str); 2] = [
+    (false, "bulk 8 streams, upload, 2 relay threads"),
+    (true, "bulk 8 streams, download, 2 relay threads"),
 ];
-const CPU_PER_GIB: Metric = Metric::lower("relay CPU per GiB relayed (all bulk runs)", "CPU s/GiB");
+/// Over every one-thread bulk run of a round: the goal's figure.
+const CPU_PER_GIB: Metric =
+    Metric::lower("relay CPU per GiB (all 1-thread bulk runs)", "CPU s/GiB");
 const LATENCY_P50: Metric = Metric::lower("1 KiB echo at 5k msg/s, p50", "µs");
 const LATENCY_P99: Metric = Metric::lower("1 KiB echo at 5k msg/s, p99", "µs");
 const LATENCY_P999: Metric = Metric::lower("1 KiB echo at 5k msg/s, p99.9", "µs");
-const CONNECTION_RATE: Metric =
-    Metric::higher("connection rate (connect, 1 B each way, close)", "conn/s");
-const CONNECTION_P99: Metric = Metric::lower("connect to first byte, p99", "µs");
-const CONNECTION_CPU: Metric = Metric::lower("relay CPU per 1000 connections", "CPU ms");
-/// The generator and the sink share this process: what each relay costs the other side.
-const GENERATOR_CPU_PER_CONNECTION: Metric =
-    Metric::lower("generator and sink CPU per 1000 connections", "CPU ms");
+const CLOSED_PHASE: &str = "connections, closed loop of 16";
 const IDLE_RSS: Metric = Metric::lower("relay RSS per idle connection", "KiB");
 const IDLE_FDS: Metric = Metric::lower("relay descriptors per idle connection", "fds");
 
-/// A relay (or none, for direct) that the generator sends its workloads through.
+/// A metric whose name is made at run time (figures per phase and party).
+fn metric(name: String, unit: &'static str, higher_is_better: bool) -> Metric {
+    let name: &'static str = Box::leak(name.into_boxed_str());
+    if higher_is_better {
+        Metric::higher(name, unit)
+    } else {
+        Metric::lower(name, unit)
+    }
+}
+
+/// The open-loop phase at `rate` connections per second.
+fn open_phase(rate: u32) -> String {
+    format!("connections, open loop at {rate}/s")
+}
+
+/// A relay (or none, for direct) that the generator sends its workloads through, and the sink
+/// process behind it.
 struct Contender {
     name: &'static str,
     addr: SocketAddr,
     process: Option<Service>,
+    sink_pid: u32,
 }
 
 impl Contender {
@@ -132,18 +137,39 @@ impl Contender {
         self.process.as_ref().map(Service::pid)
     }
 
-    fn cpu_seconds(&self) -> anyhow::Result<Option<f64>> {
-        self.pid().map(system::cpu_seconds).transpose()
-    }
-
     fn check_running(&mut self) -> anyhow::Result<()> {
         self.process.as_mut().map_or(Ok(()), Service::check_running)
     }
+
+    /// One generator job through this contender, with every party's CPU in its window.
+    fn run(&mut self, work: Work, workload: &Workload) -> anyhow::Result<(Measured, WindowCpu)> {
+        let result = procs::run_generator(
+            self.addr,
+            Some(GENERATOR_CPU),
+            work,
+            workload.warmup,
+            workload.measure,
+            self.pid(),
+            self.sink_pid,
+            &mut |_| Ok(()),
+        )
+        .with_context(|| format!("{work:?} through {}", self.name))?;
+        self.check_running()?;
+        Ok(result)
+    }
+}
+
+/// The two sinks: one on the generator CPU behind the relays, one on the relay CPU for direct
+/// (a baseline with a core on each end).
+struct Sinks {
+    relayed: SinkProcess,
+    direct: SinkProcess,
 }
 
 /// How to start each relay.
 struct Relays {
     tcp_relay: PathBuf,
+    baseline: Option<PathBuf>,
     haproxy: Option<PathBuf>,
     dir: PathBuf,
     fd_limit: u64,
@@ -153,14 +179,24 @@ struct Relays {
 #[derive(Clone, Copy)]
 enum Kind {
     Direct,
-    ProxyCore { threads: usize },
+    ProxyCore { threads: usize, baseline: bool },
     Haproxy { threads: usize, forced: bool },
 }
 
 fn kind(name: &str) -> Kind {
     match name {
-        PROXY_CORE => Kind::ProxyCore { threads: 1 },
-        PROXY_CORE_2T => Kind::ProxyCore { threads: 2 },
+        PROXY_CORE => Kind::ProxyCore {
+            threads: 1,
+            baseline: false,
+        },
+        PROXY_CORE_BASELINE => Kind::ProxyCore {
+            threads: 1,
+            baseline: true,
+        },
+        PROXY_CORE_2T => Kind::ProxyCore {
+            threads: 2,
+            baseline: false,
+        },
         HAPROXY_AUTO => Kind::Haproxy {
             threads: 1,
             forced: false,
@@ -185,6 +221,9 @@ impl Relays {
     /// The contenders of the one-thread phases.
     fn names(&self) -> Vec<&'static str> {
         let mut names = vec![DIRECT, PROXY_CORE];
+        if self.baseline.is_some() {
+            names.push(PROXY_CORE_BASELINE);
+        }
         if self.haproxy.is_some() {
             names.extend([HAPROXY_AUTO, HAPROXY_FORCED]);
         }
@@ -200,8 +239,23 @@ impl Relays {
         names
     }
 
-    fn start(&self, name: &'static str, upstream: SocketAddr) -> anyhow::Result<Contender> {
-        self.start_with(name, upstream, false)
+    /// A contender towards the sink processes.
+    fn start(&self, name: &'static str, sinks: &Sinks) -> anyhow::Result<Contender> {
+        if matches!(kind(name), Kind::Direct) {
+            return Ok(Contender {
+                name,
+                addr: sinks.direct.addr,
+                process: None,
+                sink_pid: sinks.direct.pid(),
+            });
+        }
+        let (addr, process) = self.start_with(name, sinks.relayed.addr, false)?;
+        Ok(Contender {
+            name,
+            addr,
+            process,
+            sink_pid: sinks.relayed.pid(),
+        })
     }
 
     /// `idle_only`: HAProxy is configured for idle connections only (`maxconn` up to the
@@ -211,32 +265,28 @@ impl Relays {
         name: &'static str,
         upstream: SocketAddr,
         idle_only: bool,
-    ) -> anyhow::Result<Contender> {
+    ) -> anyhow::Result<(SocketAddr, Option<Service>)> {
         let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, system::free_port()?));
         let mut service = match kind(name) {
-            Kind::Direct => {
-                return Ok(Contender {
-                    name,
-                    addr: upstream,
-                    process: None,
-                });
+            Kind::Direct => return Ok((upstream, None)),
+            Kind::ProxyCore { threads, baseline } => {
+                let program = match &self.baseline {
+                    Some(program) if baseline => program,
+                    _ => &self.tcp_relay,
+                };
+                self.start_proxy_core(program, addr, upstream, threads)?
             }
-            Kind::ProxyCore { threads } => self.start_proxy_core(addr, upstream, threads)?,
             Kind::Haproxy { threads, forced } => {
                 self.start_haproxy(addr, upstream, threads, forced, idle_only)?
             }
         };
         service.wait_listening(addr, Duration::from_secs(10))?;
-        Ok(Contender {
-            name,
-            addr,
-            process: Some(service),
-        })
+        Ok((addr, Some(service)))
     }
 
     /// One thread: pinned to the relay CPU. Two threads: unpinned (both CPUs, shared with the
     /// generator).
-    fn command(&self, threads: usize, program: &std::path::Path) -> Command {
+    fn command(&self, threads: usize, program: &Path) -> Command {
         if threads == 1 {
             system::pinned_command(RELAY_CPU, program)
         } else {
@@ -246,11 +296,12 @@ impl Relays {
 
     fn start_proxy_core(
         &self,
+        program: &Path,
         listen: SocketAddr,
         upstream: SocketAddr,
         threads: usize,
     ) -> anyhow::Result<Service> {
-        let mut cmd = self.command(threads, &self.tcp_relay);
+        let mut cmd = self.command(threads, program);
         cmd.arg("--listen")
             .arg(listen.to_string())
             .arg("--upstream")
@@ -358,11 +409,23 @@ pub fn contenders(_settings: &Settings) -> Vec<(&'static str, String)> {
         )
     };
     vec![
-        (DIRECT, "generator to sink on loopback, no relay".to_owned()),
+        (
+            DIRECT,
+            format!(
+                "no relay: the generator process (CPU {GENERATOR_CPU}) to a sink process of its own on CPU {RELAY_CPU} (the relays' CPU, idle in this contender): one loopback hop, a core on each end"
+            ),
+        ),
         (
             PROXY_CORE,
             format!(
                 "examples/tcp_relay, --threads 1 (current-thread runtime: one event loop, as nbthread 1) pinned to CPU {RELAY_CPU}, automatic copy mode, {PIPE_SIZE}-byte pipes, no TCP keepalive (as HAProxy), the binaries' Prometheus observer"
+            ),
+        ),
+        (
+            PROXY_CORE_BASELINE,
+            format!(
+                "as proxy-core, but the tcp_relay binary named by {BASELINE_ENV} ({}); present only when that is set",
+                std::env::var(BASELINE_ENV).unwrap_or_default()
             ),
         ),
         (
@@ -380,11 +443,6 @@ pub fn contenders(_settings: &Settings) -> Vec<(&'static str, String)> {
             ),
         ),
         (
-            HAPROXY,
-            "the better of the two HAProxy configurations above, per figure (named in its note)"
-                .to_owned(),
-        ),
-        (
             PROXY_CORE_2T,
             "examples/tcp_relay, --threads 2 (multi-thread runtime, 2 workers), unpinned, otherwise as proxy-core".to_owned(),
         ),
@@ -398,10 +456,6 @@ pub fn contenders(_settings: &Settings) -> Vec<(&'static str, String)> {
                 "option splice-request + option splice-response",
                 "nbthread 2, unpinned",
             ),
-        ),
-        (
-            HAPROXY_2T,
-            "the better of the two nbthread 2 HAProxy configurations, per figure".to_owned(),
         ),
     ]
 }
@@ -431,28 +485,84 @@ pub fn run(settings: &Settings) -> anyhow::Result<Outcome> {
     let dir = tempfile::Builder::new()
         .prefix("netkit-bench-proxy-")
         .tempdir()?;
+    let baseline = std::env::var_os(BASELINE_ENV).map(PathBuf::from);
     let relays = Relays {
         tcp_relay,
+        baseline,
         haproxy,
         dir: dir.path().to_path_buf(),
         fd_limit: settings.fd_limit,
     };
+    let workload = Workload::new(settings);
+    let mut recorder = Recorder::default();
+    let mut busy = Busy::default();
+    let sinks = Sinks {
+        relayed: SinkProcess::start(Some(GENERATOR_CPU), &relays.dir, "sink-relayed")?,
+        direct: SinkProcess::start(Some(RELAY_CPU), &relays.dir, "sink-direct")?,
+    };
+    {
+        let mut contenders = relays
+            .names()
+            .into_iter()
+            .map(|name| relays.start(name, &sinks))
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        bulk(
+            settings,
+            &workload,
+            &mut contenders,
+            &mut recorder,
+            &mut busy,
+        )?;
+        connections(
+            settings,
+            &workload,
+            &mut contenders,
+            &mut recorder,
+            &mut busy,
+        )?;
+        latency(
+            settings,
+            &workload,
+            &mut contenders,
+            &mut recorder,
+            &mut busy,
+        )?;
+        if settings.profile {
+            profile(&workload, &mut contenders, &mut notes)?;
+        }
+    }
+    {
+        let mut contenders = relays
+            .scaling_names()
+            .into_iter()
+            .map(|name| relays.start(name, &sinks))
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        scaling(
+            settings,
+            &workload,
+            &mut contenders,
+            &mut recorder,
+            &mut busy,
+        )?;
+    }
+    drop(sinks);
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
-    // Generator and sink live on this thread (and its blocking helpers) on the generator CPU.
-    let recorder = system::with_cpu(GENERATOR_CPU, || {
-        runtime.block_on(measure(settings, &relays, &mut notes))
+    // The idle phase's generator and sink live on this thread, on the generator CPU.
+    system::with_cpu(GENERATOR_CPU, || {
+        runtime.block_on(idle_memory(settings, &workload, &relays, &mut recorder))
     })??;
     drop(runtime);
-    let mut figures = recorder.finish(&[DIRECT]);
-    for figure in &mut figures {
-        add_peer(figure, HAPROXY, &[HAPROXY_AUTO, HAPROXY_FORCED]);
-        add_peer(figure, HAPROXY_2T, &[HAPROXY_AUTO_2T, HAPROXY_FORCED_2T]);
-    }
+    let references: &[&str] = if relays.baseline.is_some() {
+        &[DIRECT, HAPROXY_FORCED, HAPROXY_AUTO, PROXY_CORE_BASELINE]
+    } else {
+        &[DIRECT, HAPROXY_FORCED, HAPROXY_AUTO]
+    };
+    let figures = recorder.finish(references);
     let goals = goals(&figures);
-    notes.extend(explanations(settings));
-    notes.extend(bounds(&figures));
+    notes.push(busy.note());
+    notes.extend(self::notes(settings, &workload, &figures));
     notes.extend(configuration(&relays));
     Ok(Outcome {
         figures,
@@ -461,98 +571,290 @@ pub fn run(settings: &Settings) -> anyhow::Result<Outcome> {
     })
 }
 
-async fn measure(
-    settings: &Settings,
-    relays: &Relays,
-    notes: &mut Vec<String>,
-) -> anyhow::Result<Recorder> {
-    let workload = Workload::new(settings);
-    let sink = Sink::start().await?;
-    let mut recorder = Recorder::default();
-    let mut contenders = Vec::new();
-    for name in relays.names() {
-        contenders.push(relays.start(name, sink.addr())?);
-    }
-    bulk(settings, &workload, &mut contenders, &mut recorder).await?;
-    latency(settings, &workload, &mut contenders, &mut recorder).await?;
-    connection_rate(settings, &workload, &mut contenders, &mut recorder, notes).await?;
-    drop(contenders);
-    let mut contenders = Vec::new();
-    for name in relays.scaling_names() {
-        contenders.push(relays.start(name, sink.addr())?);
-    }
-    scaling(settings, &workload, &mut contenders, &mut recorder).await?;
-    drop(contenders);
-    idle_memory(settings, &workload, relays, &mut recorder).await?;
-    Ok(recorder)
+/// CPU busy (CPU seconds per second of window) of each party, per phase and contender, for the
+/// report's note: which process was the bottleneck.
+#[derive(Default)]
+struct Busy {
+    /// (phase, contender) -> samples of (relay, generator, sink).
+    samples: BTreeMap<(String, &'static str), Vec<(Option<f64>, f64, f64)>>,
 }
 
-/// Bulk transfers, alternating contenders within each round; also the relays' CPU per GiB.
-async fn bulk(
+impl Busy {
+    fn add(&mut self, phase: &str, contender: &'static str, cpu: WindowCpu, seconds: f64) {
+        self.samples
+            .entry((phase.to_owned(), contender))
+            .or_default()
+            .push((
+                cpu.relay.map(|r| r / seconds),
+                cpu.generator / seconds,
+                cpu.sink / seconds,
+            ));
+    }
+
+    fn note(&self) -> String {
+        let mut phases: BTreeMap<&str, Vec<String>> = BTreeMap::new();
+        for ((phase, contender), samples) in &self.samples {
+            let mut relay: Vec<f64> = samples.iter().filter_map(|s| s.0).collect();
+            let mut generator: Vec<f64> = samples.iter().map(|s| s.1).collect();
+            let mut sink: Vec<f64> = samples.iter().map(|s| s.2).collect();
+            let shown = |values: &mut Vec<f64>| {
+                median(values).map_or_else(|| "—".to_owned(), |m| format!("{m:.2}"))
+            };
+            phases.entry(phase).or_default().push(format!(
+                "{contender} {}/{}/{}",
+                shown(&mut relay),
+                shown(&mut generator),
+                shown(&mut sink)
+            ));
+        }
+        let text: Vec<String> = phases
+            .into_iter()
+            .map(|(phase, entries)| format!("{phase}: {}", entries.join(", ")))
+            .collect();
+        format!(
+            "CPU busy in each measured window, relay/generator/sink in CPU seconds per second (1.00 is a whole CPU; median of rounds; — for direct, which has no relay): {}.",
+            text.join("; ")
+        )
+    }
+}
+
+/// Records the cost of every party for one run: CPU per `amount` of work (`per` of it).
+#[allow(clippy::too_many_arguments)] // One figure per party, named alike.
+fn record_costs(
+    recorder: &mut Recorder,
+    phase: &str,
+    contender: &'static str,
+    cpu: WindowCpu,
+    amount: f64,
+    scale: f64,
+    per: &str,
+    unit: &'static str,
+) {
+    if amount <= 0.0 {
+        return;
+    }
+    let parties = [
+        ("relay", cpu.relay),
+        ("generator", Some(cpu.generator)),
+        ("sink", Some(cpu.sink)),
+    ];
+    for (party, seconds) in parties {
+        let figure = metric(format!("{phase}: {party} CPU per {per}"), unit, false);
+        match seconds {
+            Some(seconds) if seconds >= system::MIN_CPU_SECONDS => {
+                recorder.record(figure, contender, seconds * scale / amount);
+            }
+            Some(_) => recorder.note(figure, contender, "too little CPU time to resolve"),
+            None => recorder.note(figure, contender, "no relay process"),
+        }
+    }
+}
+
+/// Bulk transfers: throughput and every party's CPU per GiB, per run and over a round's runs.
+fn bulk(
     settings: &Settings,
     workload: &Workload,
     contenders: &mut [Contender],
     recorder: &mut Recorder,
+    busy: &mut Busy,
 ) -> anyhow::Result<()> {
-    // (contender, round) -> (CPU seconds, bytes) summed over that round's bulk runs.
-    let mut cpu: BTreeMap<(&'static str, usize), (f64, f64)> = BTreeMap::new();
-    for (streams, direction, metric) in BULK {
-        eprintln!("proxy: {}", metric.name);
+    // (contender, round) -> (relay CPU seconds, bytes) over that round's bulk runs.
+    let mut per_round: BTreeMap<(&'static str, usize), (f64, f64)> = BTreeMap::new();
+    for (streams, download, phase) in BULK {
+        eprintln!("proxy: {phase}");
+        let throughput = metric(phase.to_owned(), "Gbit/s", true);
         for round in 0..settings.rounds {
             for index in shuffled(contenders.len()) {
                 let contender = &mut contenders[index];
-                let cpu_before = contender.cpu_seconds()?;
-                let elapsed =
-                    load::bulk(contender.addr, direction, streams, workload.bulk_bytes).await?;
-                contender.check_running()?;
-                let gbits = workload.bulk_bytes as f64 * 8.0 / elapsed.as_secs_f64() / 1e9;
-                recorder.record(metric, contender.name, gbits);
-                if let (Some(before), Some(after)) = (cpu_before, contender.cpu_seconds()?) {
-                    let entry = cpu.entry((contender.name, round)).or_default();
-                    entry.0 += after - before;
-                    entry.1 += workload.bulk_bytes as f64;
+                let (measured, cpu) = contender.run(Work::Bulk { download, streams }, workload)?;
+                let bytes = measured.bytes as f64;
+                recorder.record(
+                    throughput,
+                    contender.name,
+                    bytes * 8.0 / measured.seconds / 1e9,
+                );
+                record_costs(
+                    recorder,
+                    phase,
+                    contender.name,
+                    cpu,
+                    bytes / GIB,
+                    1.0,
+                    "GiB",
+                    "CPU s/GiB",
+                );
+                busy.add(phase, contender.name, cpu, measured.seconds);
+                if let Some(relay) = cpu.relay {
+                    let entry = per_round.entry((contender.name, round)).or_default();
+                    entry.0 += relay;
+                    entry.1 += bytes;
                 }
             }
         }
     }
     recorder.note(CPU_PER_GIB, DIRECT, "no relay process");
-    for contender in contenders.iter() {
-        let rounds = cpu.iter().filter(|((name, _), _)| *name == contender.name);
-        for (_, (seconds, bytes)) in rounds {
-            if *seconds >= system::MIN_CPU_SECONDS {
-                recorder.record(CPU_PER_GIB, contender.name, seconds / (bytes / GIB));
-            } else {
-                recorder.note(
-                    CPU_PER_GIB,
+    for ((name, _), (seconds, bytes)) in per_round {
+        recorder.record(CPU_PER_GIB, name, seconds / (bytes / GIB));
+    }
+    Ok(())
+}
+
+/// Eight streams through relays with two worker threads each.
+fn scaling(
+    settings: &Settings,
+    workload: &Workload,
+    contenders: &mut [Contender],
+    recorder: &mut Recorder,
+    busy: &mut Busy,
+) -> anyhow::Result<()> {
+    for (download, phase) in SCALING {
+        eprintln!("proxy: {phase}");
+        let throughput = metric(phase.to_owned(), "Gbit/s", true);
+        for _ in 0..settings.rounds {
+            for index in shuffled(contenders.len()) {
+                let contender = &mut contenders[index];
+                let work = Work::Bulk {
+                    download,
+                    streams: 8,
+                };
+                let (measured, cpu) = contender.run(work, workload)?;
+                let bytes = measured.bytes as f64;
+                recorder.record(
+                    throughput,
                     contender.name,
-                    "too little CPU time to resolve",
+                    bytes * 8.0 / measured.seconds / 1e9,
                 );
+                record_costs(
+                    recorder,
+                    phase,
+                    contender.name,
+                    cpu,
+                    bytes / GIB,
+                    1.0,
+                    "GiB",
+                    "CPU s/GiB",
+                );
+                busy.add(phase, contender.name, cpu, measured.seconds);
             }
         }
     }
     Ok(())
 }
 
-/// Eight streams through relays with two worker threads each.
-async fn scaling(
+/// Connection rate: a closed loop of 16 (capacity under this machine's hand-offs) and open loops
+/// at fixed offered rates (latency and cost at a given load).
+fn connections(
     settings: &Settings,
     workload: &Workload,
     contenders: &mut [Contender],
     recorder: &mut Recorder,
+    busy: &mut Busy,
 ) -> anyhow::Result<()> {
-    for (direction, metric) in SCALING {
-        eprintln!("proxy: {}", metric.name);
+    let mut phases = vec![(
+        CLOSED_PHASE.to_owned(),
+        Work::Closed {
+            concurrency: workload.connection_concurrency,
+        },
+    )];
+    for rate in workload.open_rates {
+        phases.push((open_phase(rate), Work::Open { rate }));
+    }
+    let mut failures: BTreeMap<(String, &str), (u64, u64, u64)> = BTreeMap::new();
+    for (phase, work) in phases {
+        eprintln!("proxy: {phase}");
+        let rate = metric(format!("{phase}: completed connections"), "conn/s", true);
+        let p50 = metric(format!("{phase}: connect to first byte, p50"), "µs", false);
+        let p99 = metric(format!("{phase}: connect to first byte, p99"), "µs", false);
         for _ in 0..settings.rounds {
             for index in shuffled(contenders.len()) {
                 let contender = &mut contenders[index];
-                let elapsed = load::bulk(contender.addr, direction, 8, workload.bulk_bytes).await?;
-                contender.check_running()?;
-                let gbits = workload.bulk_bytes as f64 * 8.0 / elapsed.as_secs_f64() / 1e9;
-                recorder.record(metric, contender.name, gbits);
+                let (measured, cpu) = contender.run(work, workload)?;
+                recorder.record(
+                    rate,
+                    contender.name,
+                    measured.completed as f64 / measured.seconds,
+                );
+                recorder.record(p50, contender.name, measured.p50_us);
+                recorder.record(p99, contender.name, measured.p99_us);
+                let thousands = measured.completed as f64 / 1e3;
+                record_costs(
+                    recorder,
+                    &phase,
+                    contender.name,
+                    cpu,
+                    thousands,
+                    1e3,
+                    "1000 connections",
+                    "CPU ms",
+                );
+                if let Work::Open { .. } = work {
+                    let relay_busy =
+                        metric(format!("{phase}: relay CPU busy"), "% of a core", false);
+                    match cpu.relay {
+                        Some(relay) => recorder.record(
+                            relay_busy,
+                            contender.name,
+                            relay * 100.0 / measured.seconds,
+                        ),
+                        None => recorder.note(relay_busy, contender.name, "no relay process"),
+                    }
+                }
+                busy.add(&phase, contender.name, cpu, measured.seconds);
+                let entry = failures.entry((phase.clone(), contender.name)).or_default();
+                entry.0 += measured.completed;
+                entry.1 += measured.failed;
+                entry.2 += measured.late_starts;
             }
         }
     }
+    for ((phase, name), (completed, failed, late)) in failures {
+        if failed > 0 || late > 0 {
+            eprintln!(
+                "proxy: {phase} through {name}: {failed} failed or timed out, {late} started over 2 ms late, {completed} completed"
+            );
+        }
+    }
     Ok(())
+}
+
+fn latency(
+    settings: &Settings,
+    workload: &Workload,
+    contenders: &mut [Contender],
+    recorder: &mut Recorder,
+    busy: &mut Busy,
+) -> anyhow::Result<()> {
+    eprintln!("proxy: latency");
+    let work = Work::Latency {
+        rate: workload.latency_rate,
+        size: workload.latency_message,
+    };
+    let timing = Workload {
+        warmup: Duration::ZERO,
+        measure: workload.latency_duration,
+        ..Workload::new(settings)
+    };
+    for _ in 0..settings.rounds {
+        for index in shuffled(contenders.len()) {
+            let contender = &mut contenders[index];
+            let (measured, cpu) = contender.run(work, &timing)?;
+            recorder.record(LATENCY_P50, contender.name, measured.p50_us);
+            recorder.record(LATENCY_P99, contender.name, measured.p99_us);
+            recorder.record(LATENCY_P999, contender.name, measured.p999_us);
+            busy.add(
+                "1 KiB echo at 5k msg/s",
+                contender.name,
+                cpu,
+                measured.seconds,
+            );
+        }
+    }
+    Ok(())
+}
+
+fn median(values: &mut [f64]) -> Option<f64> {
+    values.sort_by(f64::total_cmp);
+    (!values.is_empty()).then(|| report::median_of_sorted(values))
 }
 
 /// The indices `0..len` in a random order (a new one at each call), so that no contender always
@@ -563,39 +865,6 @@ pub(super) fn shuffled(len: usize) -> Vec<usize> {
     let mut indices: Vec<usize> = (0..len).collect();
     indices.sort_by_key(|index| state.hash_one(index));
     indices
-}
-
-/// Adds `peer`: a copy of whichever of `candidates` has the better median in `figure`, with a
-/// note naming it, and every series' ratio against it.
-fn add_peer(figure: &mut Figure, peer: &str, candidates: &[&str]) {
-    let better = figure
-        .series
-        .iter()
-        .filter(|series| candidates.contains(&series.contender.as_str()))
-        .filter(|series| series.median.is_some())
-        .max_by(|a, b| {
-            let (a, b) = (a.median.unwrap_or(0.0), b.median.unwrap_or(0.0));
-            if figure.higher_is_better {
-                a.total_cmp(&b)
-            } else {
-                b.total_cmp(&a)
-            }
-        })
-        .cloned();
-    let Some(mut series) = better else { return };
-    series.note = Some(format!("= {}, the better HAProxy here", series.contender));
-    series.contender = peer.to_owned();
-    series.ratios.clear();
-    let base = series.median.filter(|median| *median != 0.0);
-    figure.series.push(series);
-    figure.references.push(peer.to_owned());
-    if let Some(base) = base {
-        for series in &mut figure.series {
-            if let Some(median) = series.median {
-                series.ratios.insert(format!("vs {peer}"), median / base);
-            }
-        }
-    }
 }
 
 /// What each contender ran on and with, for the report.
@@ -642,121 +911,9 @@ fn configuration(relays: &Relays) -> Vec<String> {
             pipe_budget >> 20
         ),
         format!(
-            "{HAPROXY_AUTO}: nbthread 1, mode tcp, option splice-auto, tune.pipesize {PIPE_SIZE}, maxpipes = maxconn, no option tcpka (its default); {HAPROXY_FORCED}: the same with option splice-request + option splice-response instead; the nbthread 2 variants differ only in nbthread. \"{HAPROXY}\" is, per figure, whichever of the two has the better median."
+            "{HAPROXY_AUTO}: nbthread 1, mode tcp, option splice-auto, tune.pipesize {PIPE_SIZE}, maxpipes = maxconn, no option tcpka (its default); {HAPROXY_FORCED}: the same with option splice-request + option splice-response instead; the nbthread 2 variants differ only in nbthread."
         ),
     ]
-}
-
-async fn latency(
-    settings: &Settings,
-    workload: &Workload,
-    contenders: &mut [Contender],
-    recorder: &mut Recorder,
-) -> anyhow::Result<()> {
-    eprintln!("proxy: latency");
-    for _ in 0..settings.rounds {
-        for index in shuffled(contenders.len()) {
-            let contender = &mut contenders[index];
-            let result = load::latency(
-                contender.addr,
-                workload.latency_rate,
-                workload.latency_duration,
-                workload.latency_message,
-            )
-            .await
-            .with_context(|| format!("latency through {}", contender.name))?;
-            contender.check_running()?;
-            recorder.record(LATENCY_P50, contender.name, result.p50_us);
-            recorder.record(LATENCY_P99, contender.name, result.p99_us);
-            recorder.record(LATENCY_P999, contender.name, result.p999_us);
-        }
-    }
-    Ok(())
-}
-
-async fn connection_rate(
-    settings: &Settings,
-    workload: &Workload,
-    contenders: &mut [Contender],
-    recorder: &mut Recorder,
-    notes: &mut Vec<String>,
-) -> anyhow::Result<()> {
-    eprintln!("proxy: connection rate");
-    recorder.note(CONNECTION_CPU, DIRECT, "no relay process");
-    let mut failures: BTreeMap<&str, (u64, u64)> = BTreeMap::new();
-    // Per contender and round: the CPU seconds per second the relay and the generator used.
-    let mut busy: BTreeMap<&str, (Vec<f64>, Vec<f64>)> = BTreeMap::new();
-    for _ in 0..settings.rounds {
-        for index in shuffled(contenders.len()) {
-            let contender = &mut contenders[index];
-            let cpu_before = contender.cpu_seconds()?;
-            let generator_before = system::cpu_seconds(std::process::id())?;
-            let started = std::time::Instant::now();
-            let result = load::connection_rate(
-                contender.addr,
-                workload.connection_concurrency,
-                workload.connection_duration,
-            )
-            .await
-            .with_context(|| format!("connection rate through {}", contender.name))?;
-            let generator_seconds = system::cpu_seconds(std::process::id())? - generator_before;
-            let wall = started.elapsed().as_secs_f64();
-            contender.check_running()?;
-            busy.entry(contender.name)
-                .or_default()
-                .1
-                .push(generator_seconds / wall);
-            if generator_seconds >= system::MIN_CPU_SECONDS && result.completed > 0 {
-                recorder.record(
-                    GENERATOR_CPU_PER_CONNECTION,
-                    contender.name,
-                    generator_seconds * 1e3 / (result.completed as f64 / 1e3),
-                );
-            }
-            recorder.record(CONNECTION_RATE, contender.name, result.per_second);
-            recorder.record(CONNECTION_P99, contender.name, result.p99_first_byte_us);
-            if let (Some(before), Some(after)) = (cpu_before, contender.cpu_seconds()?) {
-                let seconds = after - before;
-                busy.entry(contender.name)
-                    .or_default()
-                    .0
-                    .push(seconds / wall);
-                if seconds >= system::MIN_CPU_SECONDS && result.completed > 0 {
-                    let per_thousand = seconds * 1e3 / (result.completed as f64 / 1e3);
-                    recorder.record(CONNECTION_CPU, contender.name, per_thousand);
-                }
-            }
-            let entry = failures.entry(contender.name).or_default();
-            entry.0 += result.completed;
-            entry.1 += result.failed;
-        }
-    }
-    let shown: Vec<String> = busy
-        .iter_mut()
-        .map(|(name, (relay, generator))| {
-            let relay = median(relay).map_or("—".to_owned(), |m| format!("{m:.2}"));
-            let generator = median(generator).map_or("—".to_owned(), |m| format!("{m:.2}"));
-            format!("{name}: relay {relay}, generator and sink {generator}")
-        })
-        .collect();
-    notes.push(format!(
-        "CPU busy during the connection-rate runs (CPU seconds per second, median of rounds; 1.00 is one CPU): {}.",
-        shown.join("; ")
-    ));
-    for (name, (completed, failed)) in failures {
-        if failed > 0 {
-            notes.push(format!(
-                "connection rate through {name}: {failed} of {} connections failed or timed out",
-                completed + failed
-            ));
-        }
-    }
-    Ok(())
-}
-
-fn median(values: &mut [f64]) -> Option<f64> {
-    values.sort_by(f64::total_cmp);
-    (!values.is_empty()).then(|| report::median_of_sorted(values))
 }
 
 /// RSS per idle connection, each round in fresh relay processes so earlier runs' allocations do
@@ -780,18 +937,19 @@ async fn idle_memory(
         for index in shuffled(names.len()) {
             let name = names[index];
             let sink = Sink::start().await?;
-            let mut contender = relays.start_with(name, sink.addr(), true)?;
-            let pid = contender.pid().context("relay without a process")?;
+            let (addr, service) = relays.start_with(name, sink.addr(), true)?;
+            let mut service = service.context("relay without a process")?;
+            let pid = service.pid();
             let before = system::rss_kib(pid)?;
             let fds_before = system::fd_count(pid)?;
-            let held = load::hold_idle(contender.addr, workload.idle_connections, &sink)
+            let held = load::hold_idle(addr, workload.idle_connections, &sink)
                 .await
                 .with_context(|| format!("idle connections through {name}"))?;
             // Let the relay go quiet (deferred frees, lazy setup) before reading its memory.
             tokio::time::sleep(Duration::from_millis(300)).await;
             let after = system::rss_kib(pid)?;
             let fds_after = system::fd_count(pid)?;
-            contender.check_running()?;
+            service.check_running()?;
             drop(held);
             let per_connection =
                 after.saturating_sub(before) as f64 / workload.idle_connections as f64;
@@ -804,39 +962,92 @@ async fn idle_memory(
     Ok(())
 }
 
+/// How a ratio is judged against its bound.
+#[derive(Clone, Copy)]
+enum Bound {
+    AtLeast(f64),
+    AtMost(f64),
+    Below(f64),
+}
+
 fn goals(figures: &[Figure]) -> Vec<Goal> {
-    let find = |metric: Metric| figures.iter().find(|f| f.name == metric.name);
+    let find = |name: &str| figures.iter().find(|f| f.name == name);
     let mut goals = Vec::new();
-    for (streams, _, metric) in BULK {
-        let Some(figure) = find(metric) else { continue };
-        if streams == 1 {
-            goals.push(ratio_goal(figure, PROXY_CORE, DIRECT, 0.5));
-            goals.push(ratio_goal(figure, PROXY_CORE, HAPROXY, 1.2));
-        } else {
-            goals.push(ratio_goal(figure, PROXY_CORE, HAPROXY, 1.0));
+    for phase in std::iter::once(CLOSED_PHASE.to_owned()).chain([2_000, 5_000].map(open_phase)) {
+        let name = format!("{phase}: relay CPU per 1000 connections");
+        for haproxy in [HAPROXY_FORCED, HAPROXY_AUTO] {
+            goals.push(ratio_goal(
+                find(&name),
+                &name,
+                PROXY_CORE,
+                haproxy,
+                Bound::AtMost(0.9),
+            ));
         }
     }
-    for (_, metric) in SCALING {
-        let Some(figure) = find(metric) else { continue };
-        goals.push(ratio_goal(figure, PROXY_CORE_2T, HAPROXY_2T, 1.0));
+    let per_gib = find(CPU_PER_GIB.name);
+    goals.push(ratio_goal(
+        per_gib,
+        CPU_PER_GIB.name,
+        PROXY_CORE,
+        HAPROXY_FORCED,
+        Bound::AtMost(1.0),
+    ));
+    goals.push(ratio_goal(
+        per_gib,
+        CPU_PER_GIB.name,
+        PROXY_CORE,
+        HAPROXY_AUTO,
+        Bound::Below(1.0),
+    ));
+    for (streams, _, phase) in BULK {
+        let figure = find(phase);
+        if streams == 1 {
+            goals.push(ratio_goal(
+                figure,
+                phase,
+                PROXY_CORE,
+                DIRECT,
+                Bound::AtLeast(0.5),
+            ));
+        }
+        for haproxy in [HAPROXY_FORCED, HAPROXY_AUTO] {
+            goals.push(ratio_goal(
+                figure,
+                phase,
+                PROXY_CORE,
+                haproxy,
+                Bound::AtLeast(1.0),
+            ));
+        }
     }
-    if let Some(figure) = find(LATENCY_P99) {
-        let added = |name: &str| Some(figure.median(name)? - figure.median(DIRECT)?);
-        let (ours, theirs) = (added(PROXY_CORE), added(HAPROXY));
-        goals.push(Goal {
-            goal: "added p99 latency <= HAProxy's".to_owned(),
-            measured: format!(
-                "proxy-core {} µs, haproxy {} µs over direct",
-                shown(ours),
-                shown(theirs)
-            ),
-            met: ours.zip(theirs).map(|(o, t)| o <= t),
-        });
+    for (_, phase) in SCALING {
+        for haproxy in [HAPROXY_FORCED_2T, HAPROXY_AUTO_2T] {
+            goals.push(ratio_goal(
+                find(phase),
+                phase,
+                PROXY_CORE_2T,
+                haproxy,
+                Bound::AtLeast(1.0),
+            ));
+        }
     }
-    if let Some(figure) = find(CONNECTION_RATE) {
-        goals.push(ratio_goal(figure, PROXY_CORE, HAPROXY, 1.0));
+    if let Some(figure) = find(LATENCY_P99.name) {
+        for haproxy in [HAPROXY_FORCED, HAPROXY_AUTO] {
+            let added = |name: &str| Some(figure.median(name)? - figure.median(DIRECT)?);
+            let (ours, theirs) = (added(PROXY_CORE), added(haproxy));
+            goals.push(Goal {
+                goal: format!("added p99 latency <= {haproxy}'s"),
+                measured: format!(
+                    "proxy-core {} µs, {haproxy} {} µs over direct",
+                    shown(ours),
+                    shown(theirs)
+                ),
+                met: ours.zip(theirs).map(|(o, t)| o <= t),
+            });
+        }
     }
-    if let Some(figure) = find(IDLE_RSS) {
+    if let Some(figure) = find(IDLE_RSS.name) {
         let ours = figure.median(PROXY_CORE);
         goals.push(Goal {
             goal: "<= 8 KiB RSS per idle relayed connection".to_owned(),
@@ -847,7 +1058,7 @@ fn goals(figures: &[Figure]) -> Vec<Goal> {
             met: ours.map(|kib| kib <= 8.0),
         });
     }
-    if let Some(figure) = find(IDLE_FDS) {
+    if let Some(figure) = find(IDLE_FDS.name) {
         let ours = figure.median(PROXY_CORE);
         goals.push(Goal {
             goal: "2 descriptors per idle relayed connection (no pipe before data)".to_owned(),
@@ -861,16 +1072,26 @@ fn goals(figures: &[Figure]) -> Vec<Goal> {
     goals
 }
 
-/// `ours`'s median at least `at_least` times the reference's.
-fn ratio_goal(figure: &Figure, ours: &str, reference: &str, at_least: f64) -> Goal {
+/// `ours`'s median against `reference`'s in one figure, judged by `bound`.
+fn ratio_goal(
+    figure: Option<&Figure>,
+    name: &str,
+    ours: &str,
+    reference: &str,
+    bound: Bound,
+) -> Goal {
     let ratio = figure
-        .median(ours)
-        .zip(figure.median(reference))
+        .and_then(|figure| figure.median(ours).zip(figure.median(reference)))
         .map(|(ours, theirs)| ours / theirs);
+    let (relation, met) = match bound {
+        Bound::AtLeast(x) => (format!(">= {x:.2}x"), ratio.map(|r| r >= x)),
+        Bound::AtMost(x) => (format!("<= {x:.2}x"), ratio.map(|r| r <= x)),
+        Bound::Below(x) => (format!("< {x:.2}x"), ratio.map(|r| r < x)),
+    };
     Goal {
-        goal: format!("{}: {ours} >= {at_least:.2}x {reference}", figure.name),
+        goal: format!("{name}: {ours} {relation} {reference}"),
         measured: ratio.map_or_else(|| "not measured".to_owned(), |r| format!("{r:.2}x")),
-        met: ratio.map(|r| r >= at_least),
+        met,
     }
 }
 
@@ -878,78 +1099,359 @@ fn shown(value: Option<f64>) -> String {
     value.map_or_else(|| "?".to_owned(), |v| format!("{v:+.0}"))
 }
 
-fn explanations(settings: &Settings) -> Vec<String> {
-    let workload = Workload::new(settings);
-    vec![
+/// The report's prose: `proxy_notes.md` with this run's settings filled in, one note per
+/// paragraph; then what bounds the figures, from the `--profile` files, or nothing where there is
+/// no profile to cite.
+fn notes(settings: &Settings, workload: &Workload, figures: &[Figure]) -> Vec<String> {
+    let idle_limit = if workload.idle_connections < 10_000 && !settings.quick {
         format!(
-            "Bulk: {} MiB per run, split evenly over the streams; Gbit/s of payload, checked end to end.",
-            workload.bulk_bytes >> 20
+            " Fewer than 10 000 because the open-file limit here is {} and cannot be raised further, and HAProxy refuses to start unless the limit covers 2.5 descriptors per maxconn (it runs this phase with maxconn = this count and maxpipes 0).",
+            settings.fd_limit
+        )
+    } else {
+        String::new()
+    };
+    let values = [
+        ("warmup", format!("{:?}", workload.warmup)),
+        ("measure", format!("{:?}", workload.measure)),
+        ("generator_cpu", GENERATOR_CPU.to_string()),
+        ("relay_cpu", RELAY_CPU.to_string()),
+        ("latency_rate", workload.latency_rate.to_string()),
+        (
+            "latency_duration",
+            format!("{:?}", workload.latency_duration),
         ),
-        "Relay CPU: utime+stime of the relay process from /proc/<pid>/stat over a round's bulk runs, per GiB of payload; and over each connection-rate run, per 1000 connections (what a relay pays per connection, whatever the generator and the other CPU limit the rate to).".to_owned(),
-        format!(
-            "Latency: open loop, one connection, {} msg/s for {:?}, measured from each message's scheduled send time (HDR histogram, first 5% dropped as warm-up).",
-            workload.latency_rate, workload.latency_duration
+        ("concurrency", workload.connection_concurrency.to_string()),
+        (
+            "open_rates",
+            workload.open_rates.map(|r| r.to_string()).join(" and "),
         ),
-        format!(
-            "Connection rate: {} concurrent loops for {:?}, sources spread over 127.0.0.2-251; the sink closes first.",
-            workload.connection_concurrency, workload.connection_duration
+        ("idle_connections", workload.idle_connections.to_string()),
+        ("idle_limit", idle_limit),
+        ("profile_dir", PROFILE_DIR.to_owned()),
+    ];
+    let mut text = NOTES_TEMPLATE.to_owned();
+    for (key, value) in values {
+        text = text.replace(&format!("{{{key}}}"), &value);
+    }
+    let mut notes: Vec<String> = text
+        .split("\n\n")
+        .filter(|paragraph| !paragraph.trim_start().starts_with("<!--"))
+        .map(|paragraph| paragraph.split_whitespace().collect::<Vec<_>>().join(" "))
+        .filter(|paragraph| !paragraph.is_empty())
+        .collect();
+    notes.extend(bounds(figures));
+    notes
+}
+
+/// What bounds each figure, read from the committed `--profile` files (each note names its
+/// file); a relay without a profile gets no note.
+fn bounds(figures: &[Figure]) -> Vec<String> {
+    let root = crate::workspace_root();
+    let read = |contender: &str, kind: &str| {
+        let path = profile_file(contender, kind);
+        std::fs::read_to_string(root.join(&path))
+            .ok()
+            .map(|text| (path, text))
+    };
+    let mut notes = Vec::new();
+    let closed_cpu = format!("{CLOSED_PHASE}: relay CPU per 1000 connections");
+    let mut syscalls = Vec::new();
+    for contender in [
+        PROXY_CORE,
+        PROXY_CORE_BASELINE,
+        HAPROXY_FORCED,
+        HAPROXY_AUTO,
+    ] {
+        if let Some((path, text)) = read(contender, "connections.strace")
+            && let Some((total, calls)) = strace_per_connection(&text)
+        {
+            let top: Vec<String> = calls
+                .iter()
+                .take(12)
+                .map(|(name, count)| format!("{name} {count:.2}"))
+                .collect();
+            syscalls.push(format!(
+                "{contender} {total:.1} syscalls per connection ({}; from {path})",
+                top.join(", ")
+            ));
+        }
+    }
+    if !syscalls.is_empty() {
+        notes.push(format!(
+            "Bound, CPU per connection (this run: proxy-core {} HAProxy forced splice, {} splice-auto): per connection the relays pay the kernel for their syscalls, each with its loopback delivery. {}.",
+            versus(figures, &closed_cpu, PROXY_CORE, HAPROXY_FORCED),
+            versus(figures, &closed_cpu, PROXY_CORE, HAPROXY_AUTO),
+            syscalls.join("; ")
+        ));
+    }
+    for (kind, what, figure) in [
+        (
+            "connections.perf",
+            "CPU per connection",
+            closed_cpu.as_str(),
         ),
-        format!(
-            "Idle RSS: VmRSS of a fresh relay before and after {} connections, each accepted and connected upstream (the sink holds them all) but never carrying a byte; kernel socket memory is not in RSS.{}",
-            workload.idle_connections,
-            if workload.idle_connections < 10_000 && !settings.quick {
+        ("bulk-upload.perf", "CPU per GiB", CPU_PER_GIB.name),
+    ] {
+        let mut tops = Vec::new();
+        for contender in [PROXY_CORE, HAPROXY_FORCED] {
+            if let Some((path, text)) = read(contender, kind) {
+                tops.push(format!(
+                    "{contender}, from {path}: {}",
+                    perf_top(&text, 8).join(", ")
+                ));
+            }
+        }
+        if !tops.is_empty() {
+            notes.push(format!(
+                "Bound, {what} (this run: proxy-core {} HAProxy forced splice): where the relay's cycles go, top entries of perf report: {}.",
+                versus(figures, figure, PROXY_CORE, HAPROXY_FORCED),
+                tops.join("; ")
+            ));
+        }
+    }
+    notes
+}
+
+/// The slug of a contender in profile file names.
+fn slug(name: &str) -> String {
+    name.replace(' ', "-")
+}
+
+/// Profile file `kind` (`connections.perf`, `bulk-upload.perf`, `connections.strace`) of
+/// `contender`, relative to the workspace root.
+fn profile_file(contender: &str, kind: &str) -> String {
+    format!("{PROFILE_DIR}/{}-{kind}.txt", slug(contender))
+}
+
+/// A profiler attached to a relay while a generator's window is open.
+struct Attached {
+    child: std::process::Child,
+}
+
+impl Attached {
+    fn start(program: &str, args: &[String]) -> anyhow::Result<Self> {
+        let child = Command::new(program)
+            .args(args)
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .with_context(|| format!("starting {program}"))?;
+        Ok(Self { child })
+    }
+
+    /// SIGINT (both perf and strace then write what they have) and wait.
+    fn stop(mut self) -> anyhow::Result<()> {
+        let status = Command::new("kill")
+            .arg("-INT")
+            .arg(self.child.id().to_string())
+            .status()?;
+        anyhow::ensure!(status.success(), "kill -INT failed");
+        self.child.wait()?;
+        Ok(())
+    }
+}
+
+/// `cargo xtask bench proxy --profile`: for each relay, `perf record -g` over a closed-loop
+/// connection window and a one-stream upload window, `perf report --stdio` of each, and
+/// `strace -c -f` over an open-loop window at 1 000 connections/s; files under [`PROFILE_DIR`].
+fn profile(
+    workload: &Workload,
+    contenders: &mut [Contender],
+    notes: &mut Vec<String>,
+) -> anyhow::Result<()> {
+    crate::envtest::install_packages(&["linux-perf", "strace"], "bench --profile")?;
+    let dir = crate::workspace_root().join(PROFILE_DIR);
+    std::fs::create_dir_all(&dir)?;
+    let scratch = tempfile::tempdir()?;
+    for contender in contenders.iter_mut() {
+        let Some(pid) = contender.pid() else { continue };
+        eprintln!("proxy: profiling {}", contender.name);
+        let works = [
+            (
+                "connections.perf",
+                Work::Closed {
+                    concurrency: workload.connection_concurrency,
+                },
+            ),
+            (
+                "bulk-upload.perf",
+                Work::Bulk {
+                    download: false,
+                    streams: 1,
+                },
+            ),
+            ("connections.strace", Work::Open { rate: 1_000 }),
+        ];
+        for (kind, work) in works {
+            let data = scratch
+                .path()
+                .join(format!("{}-{kind}.data", slug(contender.name)));
+            let output = crate::workspace_root().join(profile_file(contender.name, kind));
+            let strace = kind.ends_with("strace");
+            let mut attached = None;
+            let mut hook = |opening: bool| -> anyhow::Result<()> {
+                if opening {
+                    let args: Vec<String> = if strace {
+                        vec![
+                            "-c".into(),
+                            "-f".into(),
+                            "-o".into(),
+                            output.display().to_string(),
+                            "-p".into(),
+                            pid.to_string(),
+                        ]
+                    } else {
+                        vec![
+                            "record".into(),
+                            "-g".into(),
+                            "-q".into(),
+                            "-o".into(),
+                            data.display().to_string(),
+                            "-p".into(),
+                            pid.to_string(),
+                        ]
+                    };
+                    attached = Some(Attached::start(
+                        if strace { "strace" } else { "perf" },
+                        &args,
+                    )?);
+                } else if let Some(attached) = attached.take() {
+                    attached.stop()?;
+                }
+                Ok(())
+            };
+            let (measured, cpu) = procs::run_generator(
+                contender.addr,
+                Some(GENERATOR_CPU),
+                work,
+                workload.warmup,
+                workload.measure,
+                Some(pid),
+                contender.sink_pid,
+                &mut hook,
+            )?;
+            contender.check_running()?;
+            let amount = match work {
+                Work::Bulk { .. } => format!(
+                    "{:.2} GiB moved in the window ({:.2} Gbit/s)",
+                    measured.bytes as f64 / GIB,
+                    measured.bytes as f64 * 8.0 / measured.seconds / 1e9
+                ),
+                _ => format!(
+                    "{} connections completed in the window ({:.0}/s)",
+                    measured.completed,
+                    measured.completed as f64 / measured.seconds
+                ),
+            };
+            let header = format!(
+                "# {} under {work:?}, {:.1} s window: {amount}; relay CPU {:.2} s, generator {:.2} s, sink {:.2} s (with the profiler attached)\n",
+                contender.name,
+                measured.seconds,
+                cpu.relay.unwrap_or(0.0),
+                cpu.generator,
+                cpu.sink,
+            );
+            let body = if strace {
+                std::fs::read_to_string(&output).unwrap_or_default()
+            } else {
+                let report = Command::new("perf")
+                    .arg("report")
+                    .arg("-i")
+                    .arg(&data)
+                    .args([
+                        "--stdio",
+                        "--no-children",
+                        "-g",
+                        "none",
+                        "--percent-limit",
+                        "0.3",
+                        "--sort",
+                        "dso,symbol",
+                    ])
+                    .output()
+                    .context("perf report")?;
+                String::from_utf8_lossy(&report.stdout).into_owned()
+            };
+            let body: String = body
+                .lines()
+                .filter(|line| !line.trim().is_empty())
+                .map(|line| format!("{line}\n"))
+                .collect();
+            let command = if strace {
                 format!(
-                    " Fewer than 10 000 because the open-file limit here is {} and cannot be raised further (setrlimit above the hard limit is refused), and HAProxy refuses to start unless the limit covers 2.5 descriptors per maxconn (it runs this phase with maxconn = this count and maxpipes 0); the relay and this generator need two per idle connection.",
-                    settings.fd_limit
+                    "# strace -c -f -p <relay pid>, stopped with SIGINT when the window closed\n# connections: {}\n",
+                    measured.completed
                 )
             } else {
-                String::new()
-            }
-        ),
-        "Scaling: 8 streams, as the bulk runs, through relays with two worker threads (proxy-core) or nbthread 2 (HAProxy), unpinned.".to_owned(),
-    ]
+                "# perf record -g -p <relay pid> over the window; perf report --stdio --no-children -g none --percent-limit 0.3 --sort dso,symbol\n".to_owned()
+            };
+            std::fs::write(&output, format!("{header}{command}{body}"))
+                .with_context(|| format!("writing {}", output.display()))?;
+        }
+    }
+    notes.push(format!(
+        "--profile: perf and strace files of this run are under {PROFILE_DIR}/ (one set per relay)."
+    ));
+    Ok(())
 }
 
-/// What bounds the figures proxy-core does not reach, from profiles of the relay taken during
-/// this bench (`perf record -g -p <relay>`, cpu-clock sampling, Debian linux-perf) and syscall
-/// counts (`strace -c -f -p <relay>` over 2000 sequential pings, one thread), with this run's
-/// figures in the text so that every statement can be checked against the tables. Issue 13.
-fn bounds(figures: &[Figure]) -> Vec<String> {
-    let [up, down, eight_up, eight_down] = BULK.map(|(_, _, metric)| metric);
-    let [scaled_up, scaled_down] = SCALING.map(|(_, metric)| metric);
-    let vs = |metric: Metric, ours: &str, reference: &str| versus(figures, metric, ours, reference);
-    vec![
-        format!(
-            "Bound, bulk one stream (goal 0.5x direct; this run: proxy-core up {}, down {}; HAProxy forced splice up {}, down {}): the relay is not CPU-bound. Over the bulk runs it spends 96% of its cycles in the kernel (splice pipe -> socket 68%, which includes the loopback delivery into the receiving socket run in softirq on the relay's CPU, about 26%; splice socket -> pipe 16%) and 3% in user space; at 0.27-0.30 CPU s/GiB and 12-15 Gbit/s its CPU is busy 40-50% of the time (HAProxy forced splice: 0.25-0.29 CPU s/GiB; the difference is kernel time, the relay's own code being 3%). A single stream through any relay crosses one more loopback TCP hop, with a cross-CPU wake-up (an IPI, costly in this VM) at each hand-off, while the generator's CPU still does every copy in and out. HAProxy with forced splice, which makes the same two splice calls per chunk through a pipe of the same size, lands in the same band, so the ceiling is the kernel's loopback path, not the relay's code. Bound, bulk one stream (goal 1.2x HAProxy; this run: up {}, down {}): proxy-core is 1.5-1.9x HAProxy splice-auto, but against forced splice with proxy-core's pipe size it is at parity (0.93-1.38x in three earlier full runs of 2026-12-02): when 96% of both relays' cycles are the same kernel calls, no change in the relay's 3% of user space can make it 1.2x faster.",
-            vs(up, PROXY_CORE, DIRECT),
-            vs(down, PROXY_CORE, DIRECT),
-            vs(up, HAPROXY_FORCED, DIRECT),
-            vs(down, HAPROXY_FORCED, DIRECT),
-            vs(up, PROXY_CORE, HAPROXY_FORCED),
-            vs(down, PROXY_CORE, HAPROXY_FORCED),
-        ),
-        format!(
-            "Bound, connection rate (goal 1.0x HAProxy; this run: {}; 0.92-0.98x in four earlier runs of 2026-12-02 with the current-thread runtime proxy-core runs here, 0.85-0.95x in seven with a multi-thread runtime of one worker): neither CPU is saturated.{CONNECTION_RATE_PROFILE}",
-            vs(CONNECTION_RATE, PROXY_CORE, HAPROXY),
-        ),
-        format!(
-            "Bound, 8 streams (goal 1.0x HAProxy, one relay thread and two; this run, one thread: up {}, down {}; two threads: up {}, down {}): the generator and sink copy every byte in and out through the socket API and saturate their CPU. With one relay thread the relay's CPU is busy about a third of the time (relay CPU per GiB x throughput). With two threads everything is unpinned and the generator and sink take about 1.3 of the 2 CPUs (perf record -a -g over 3 rounds of the scaling phase: 64% of all samples in this process, nearly all kernel copy and loopback); the relays share the rest (proxy-core 2 threads about 0.55 CPU, HAProxy forced splice nbthread 2 about 0.49 CPU during their runs) and both splice. Within that ceiling the two are at parity: 0.84-1.11x over five earlier runs, the lowest with each median inside the other's min-max.",
-            vs(eight_up, PROXY_CORE, HAPROXY),
-            vs(eight_down, PROXY_CORE, HAPROXY),
-            vs(scaled_up, PROXY_CORE_2T, HAPROXY_2T),
-            vs(scaled_down, PROXY_CORE_2T, HAPROXY_2T),
-        ),
-        "Idle connections: 10 000 do not fit this machine's hard open-file limit of 20 000 (setrlimit above it is refused even as root here): a relay needs 2 descriptors per connection plus its own, the generator 2 more (client and sink side), and HAProxy 2.5 per maxconn, so every contender holds the count shown in the note above.".to_owned(),
-    ]
+/// Syscalls per connection from a `--profile` strace file: (total, the top calls with their
+/// count per connection).
+fn strace_per_connection(text: &str) -> Option<(f64, Vec<(String, f64)>)> {
+    let connections: f64 = text
+        .lines()
+        .find_map(|line| line.strip_prefix("# connections: "))?
+        .trim()
+        .parse()
+        .ok()?;
+    if connections <= 0.0 {
+        return None;
+    }
+    let mut calls = Vec::new();
+    let mut total = None;
+    for line in text.lines().filter(|line| !line.starts_with('#')) {
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        // % time, seconds, usecs/call, calls, [errors], syscall
+        if fields.len() < 5 || fields[0].parse::<f64>().is_err() {
+            continue;
+        }
+        let Ok(count) = fields[3].parse::<f64>() else {
+            continue;
+        };
+        let name = fields[fields.len() - 1].to_owned();
+        if name == "total" {
+            total = Some(count / connections);
+        } else {
+            calls.push((name, count / connections));
+        }
+    }
+    calls.sort_by(|a, b| b.1.total_cmp(&a.1));
+    Some((total?, calls))
 }
 
-/// The profile behind the connection-rate bound (perf and strace on this machine, 2026-12-02).
-const CONNECTION_RATE_PROFILE: &str = " At about 6 300 connections/s the relay uses about half a CPU and the generator and sink about half of theirs (see the CPU-busy note), so the closed loop of 16 connections is bound by the hand-offs between the two CPUs (each a cross-CPU wake-up, an IPI and a vCPU wake from halt in this VM), and every microsecond either side spends per connection lengthens each hand-off. Per connection the relay pays 1.1-1.2x HAProxy's CPU time and costs the generator 1.0-1.1x (the two CPU-per-1000-connections figures). A system-wide profile (perf record -a -g over 4 rounds of this phase) put the relay's samples per connection within 1% of HAProxy's: 83% kernel (connect, close and sendto, each with the loopback delivery in softirq), about 7% user space. strace -f -p over 20 s: proxy-core issues 23 syscalls per connection with keepalive off (accept4 1.14 including EAGAIN, socket, connect, getsockopt SO_ERROR, setsockopt TCP_NODELAY, epoll_ctl 4 = 2 ADD + 2 DEL before close, recvfrom 4, sendto 2, shutdown, close 2, and an eventfd write on 35% of connections when arming the connect timer wakes the driver); HAProxy 2.6 issues 21 (+0.5 clock_gettime): level-triggered epoll with one MOD, close removes the socket, no SO_ERROR read, timers in user space. Two changes measured here made no difference beyond the noise: keepalive off (4 setsockopt fewer; kept, for equal work) and reading the client's first bytes before connecting upstream as HAProxy does (0.85-0.94x; not kept). Running one event loop on the main thread (tokio's current-thread runtime, as HAProxy nbthread 1) instead of a worker beside the main thread moved the ratio up by a few hundredths, about the noise between runs, without changing the syscalls (strace -c -f over 2000 sequential connections: 25 per connection in both, 5 of them epoll_wait); the hand-off between the two runtime threads is gone. What remains is tokio's epoll registration and timer model, which the relay cannot change without an event loop of its own.";
+/// The top `count` entries of a `--profile` perf report: (share, where).
+fn perf_top(text: &str, count: usize) -> Vec<String> {
+    text.lines()
+        .filter(|line| !line.starts_with('#'))
+        .filter_map(|line| {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            let share = fields.first()?.strip_suffix('%')?;
+            share.parse::<f64>().ok()?;
+            // share, dso, [k] or [.], symbol
+            let dso = fields.get(1)?;
+            let symbol = fields.get(3..)?.join(" ");
+            Some(format!("{share}% {symbol} ({dso})"))
+        })
+        .take(count)
+        .collect()
+}
 
 /// `ours` against `reference` in one figure of this run: the ratio of medians, and whether each
 /// median falls inside the other's min-max (then the run cannot tell the two apart).
-fn versus(figures: &[Figure], metric: Metric, ours: &str, reference: &str) -> String {
-    let Some(figure) = figures.iter().find(|f| f.name == metric.name) else {
+fn versus(figures: &[Figure], name: &str, ours: &str, reference: &str) -> String {
+    let Some(figure) = figures.iter().find(|f| f.name == name) else {
         return "not measured".to_owned();
     };
     let series = |name: &str| figure.series.iter().find(|s| s.contender == name);
@@ -976,7 +1478,8 @@ mod tests {
 
     #[test]
     fn versus_gives_the_ratio_and_says_when_the_ranges_overlap() {
-        let [up, down, ..] = BULK.map(|(_, _, metric)| metric);
+        let up = Metric::higher("up", "Gbit/s");
+        let down = Metric::higher("down", "Gbit/s");
         let mut recorder = Recorder::default();
         for (ours, theirs) in [(10.0, 9.0), (12.0, 11.0), (11.0, 12.5)] {
             recorder.record(up, PROXY_CORE, ours);
@@ -988,12 +1491,15 @@ mod tests {
         }
         let figures = recorder.finish(&[DIRECT]);
         assert_eq!(
-            versus(&figures, up, PROXY_CORE, HAPROXY_FORCED),
+            versus(&figures, up.name, PROXY_CORE, HAPROXY_FORCED),
             "1.00x, each median inside the other's min-max"
         );
-        assert_eq!(versus(&figures, down, PROXY_CORE, HAPROXY_FORCED), "0.51x");
         assert_eq!(
-            versus(&figures, CONNECTION_RATE, PROXY_CORE, HAPROXY),
+            versus(&figures, down.name, PROXY_CORE, HAPROXY_FORCED),
+            "0.51x"
+        );
+        assert_eq!(
+            versus(&figures, "rate", PROXY_CORE, HAPROXY_FORCED),
             "not measured"
         );
     }
@@ -1028,20 +1534,40 @@ mod tests {
     }
 
     #[test]
-    fn peer_is_the_better_haproxy() {
+    fn strace_counts_per_connection() {
+        let text = "# header\n# connections: 100\n% time     seconds  usecs/call     calls    errors syscall\n------ ----------- ----------- --------- --------- ----------------\n 40.00    0.004000          20       200           close\n 30.00    0.003000          15       400       100 recvfrom\n------ ----------- ----------- --------- --------- ----------------\n100.00    0.007000                   600       100 total\n";
+        let (total, calls) = strace_per_connection(text).unwrap();
+        assert_eq!(total, 6.0);
+        assert_eq!(calls[0], ("recvfrom".to_owned(), 4.0));
+        assert_eq!(calls[1], ("close".to_owned(), 2.0));
+    }
+
+    #[test]
+    fn perf_top_reads_shares_and_symbols() {
+        let text = "# comment\n    12.50%  [kernel.kallsyms]  [k] tcp_sendmsg\n     3.10%  tcp_relay          [.] proxy_core::copy::copy_tcp\n";
+        assert_eq!(
+            perf_top(text, 1),
+            vec!["12.50% tcp_sendmsg ([kernel.kallsyms])".to_owned()]
+        );
+        assert_eq!(perf_top(text, 5).len(), 2);
+    }
+
+    #[test]
+    fn ratio_goals_judge_each_bound() {
         let mut recorder = Recorder::default();
-        let metric = Metric::higher("rate", "conn/s");
-        recorder.record(metric, PROXY_CORE, 120.0);
-        recorder.record(metric, HAPROXY_AUTO, 100.0);
-        recorder.record(metric, HAPROXY_FORCED, 80.0);
-        let mut figures = recorder.finish(&[]);
-        add_peer(&mut figures[0], HAPROXY, &[HAPROXY_AUTO, HAPROXY_FORCED]);
-        assert_eq!(figures[0].median(HAPROXY), Some(100.0));
-        let ratio = figures[0]
-            .series
-            .iter()
-            .find(|s| s.contender == PROXY_CORE)
-            .and_then(|s| s.ratios.get("vs haproxy (better)").copied());
-        assert_eq!(ratio, Some(1.2));
+        let metric = Metric::lower("cost", "CPU ms");
+        recorder.record(metric, PROXY_CORE, 90.0);
+        recorder.record(metric, HAPROXY_FORCED, 100.0);
+        let figures = recorder.finish(&[]);
+        let goal =
+            |bound| ratio_goal(figures.first(), "cost", PROXY_CORE, HAPROXY_FORCED, bound).met;
+        assert_eq!(goal(Bound::AtMost(0.9)), Some(true));
+        assert_eq!(goal(Bound::AtMost(0.89)), Some(false));
+        assert_eq!(goal(Bound::Below(0.9)), Some(false));
+        assert_eq!(goal(Bound::AtLeast(0.95)), Some(false));
+        assert_eq!(
+            ratio_goal(None, "cost", PROXY_CORE, HAPROXY_AUTO, Bound::AtMost(1.0)).met,
+            None
+        );
     }
 }

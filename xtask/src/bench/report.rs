@@ -329,11 +329,7 @@ fn goals_and_notes(report: &Report, out: &mut String) {
     if !report.goals.is_empty() {
         let _ = writeln!(out, "\n| goal | measured | met |\n|---|---|---|");
         for goal in &report.goals {
-            let met = match goal.met {
-                Some(true) => "yes",
-                Some(false) => "NO",
-                None => "not judged",
-            };
+            let met = met_text(goal.met);
             let _ = writeln!(out, "| {} | {} | {met} |", goal.goal, goal.measured);
         }
     }
@@ -355,17 +351,35 @@ fn shown_median(series: &Series) -> String {
     }
 }
 
-/// One table over every bench: each contender's figure with its configuration next to it, its
-/// baseline in the same run, and the ratio. A figure that is a model says so.
+/// Every bench in one file: each goal with its status (computed from the figures, never typed),
+/// then one table of every contender's figure with its baseline in the same run and the ratio,
+/// each contender's configuration, and per bench how it ran and its notes. A figure that is a
+/// model says so.
 pub fn summary_markdown(reports: &[Report], failures: &[(String, String)]) -> String {
-    let mut out = String::from("# cargo xtask bench all\n\n");
+    let mut out = String::from("# cargo xtask bench\n\n");
     let _ = writeln!(
         out,
-        "Medians of alternated rounds with min–max; ratios against the first baseline of the figure measured in the same run. A number marked (model) was derived, not measured.\n"
+        "Medians of alternated rounds with min–max; ratios against the first baseline of the figure measured in the same run. A number marked (model) was derived, not measured. Each goal's status below is computed from the figures of this run.\n"
     );
     let _ = writeln!(
         out,
-        "| bench | figure | contender | configuration | median (min–max) | baseline | ratio |\n|---|---|---|---|---:|---|---:|"
+        "## Goals\n\n| bench | goal | measured | met |\n|---|---|---|---|"
+    );
+    for report in reports {
+        for goal in &report.goals {
+            let _ = writeln!(
+                out,
+                "| {} | {} | {} | {} |",
+                report.bench,
+                goal.goal,
+                goal.measured,
+                met_text(goal.met)
+            );
+        }
+    }
+    let _ = writeln!(
+        out,
+        "\n## Figures\n\n| bench | figure | contender | median (min–max) | baseline | ratio |\n|---|---|---|---:|---|---:|"
     );
     for report in reports {
         for figure in &report.figures {
@@ -398,21 +412,25 @@ pub fn summary_markdown(reports: &[Report], failures: &[(String, String)]) -> St
                 {
                     value = note.clone();
                 }
-                let configuration = report
-                    .contenders
-                    .get(&series.contender)
-                    .map(String::as_str)
-                    .unwrap_or("see the bench's notes");
                 let _ = writeln!(
                     out,
-                    "| {} | {} ({}) | {} | {configuration} | {value} | {baseline_text} | {ratio} |",
+                    "| {} | {} ({}) | {} | {value} | {baseline_text} | {ratio} |",
                     report.bench, figure.name, figure.unit, series.contender,
                 );
             }
         }
     }
-    // Per bench: how it ran, its goals, and the notes that say how each figure was taken and,
-    // for a missed goal, what bounds it.
+    let _ = writeln!(
+        out,
+        "\n## Contenders\n\n| bench | contender | configuration |\n|---|---|---|"
+    );
+    for report in reports {
+        for (contender, configuration) in &report.contenders {
+            let _ = writeln!(out, "| {} | {contender} | {configuration} |", report.bench);
+        }
+    }
+    // Per bench: how it ran and the notes that say how each figure was taken and, where a
+    // profile backs it, what bounds it.
     for report in reports {
         let _ = writeln!(
             out,
@@ -424,12 +442,25 @@ pub fn summary_markdown(reports: &[Report], failures: &[(String, String)]) -> St
             report.machine.load_at_start,
             report.machine.load_at_end
         );
-        goals_and_notes(report, &mut out);
+        if !report.notes.is_empty() {
+            out.push('\n');
+            for note in &report.notes {
+                let _ = writeln!(out, "- {note}");
+            }
+        }
     }
     for (bench, error) in failures {
         let _ = writeln!(out, "\n**{bench} failed:** {error}");
     }
     out
+}
+
+fn met_text(met: Option<bool>) -> &'static str {
+    match met {
+        Some(true) => "yes",
+        Some(false) => "NO",
+        None => "not judged",
+    }
 }
 
 /// Writes `value` as pretty JSON to `path`, creating its directory.
@@ -528,17 +559,17 @@ mod tests {
         };
         let text = summary_markdown(&[report], &[]);
         assert!(
-            text.contains("| relay >= 1.00x direct | 0.50x | NO |"),
+            text.contains("| demo | relay >= 1.00x direct | 0.50x | NO |"),
             "{text}"
         );
         assert!(text.contains("\n- Bound: the loopback path.\n"), "{text}");
         assert!(
-            text.contains("| demo | speed (Gbit/s) | relay | one thread | 1.00 (1.00–1.00) | direct 2.00 | 0.50x |"),
+            text.contains(
+                "| demo | speed (Gbit/s) | relay | 1.00 (1.00–1.00) | direct 2.00 | 0.50x |"
+            ),
             "{text}"
         );
-        assert!(
-            text.contains("| seed | see the bench's notes | 0.500 (model) |"),
-            "{text}"
-        );
+        assert!(text.contains("| demo | relay | one thread |"), "{text}");
+        assert!(text.contains("| seed | 0.500 (model) |"), "{text}");
     }
 }

