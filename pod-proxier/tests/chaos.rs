@@ -436,11 +436,11 @@ async fn with_version(roles: &Api<Role>, mut role: Role) -> Role {
     role
 }
 
-/// The value of `leader{controller="pod-proxier"}` on `/metrics`, if it answers.
+/// The value of `leader_election_master_status{name="pod-proxier"}` on `/metrics`, if it answers.
 async fn leader_gauge(px: &Proxier) -> Option<i64> {
     let (_, text) = harness::get_text(px.metrics, "/metrics").await.ok()?;
     text.lines()
-        .find(|l| l.starts_with(r#"leader{controller="pod-proxier"}"#))
+        .find(|l| l.starts_with(r#"leader_election_master_status{name="pod-proxier"}"#))
         .and_then(|l| l.split_whitespace().last())
         .and_then(|v| v.parse().ok())
 }

@@ -298,7 +298,8 @@ pub async fn http_status(addr: &str, path: &str) -> u16 {
         .unwrap_or(0)
 }
 
-/// The value of `leader{controller="<controller>"}` on `http://addr/metrics`, if it answers.
+/// The value of `leader_election_master_status{name="<controller>"}` on `http://addr/metrics`, if
+/// it answers.
 pub async fn leader_gauge(addr: &str, controller: &str) -> Option<i64> {
     let Ok(mut s) = tokio::net::TcpStream::connect(addr).await else {
         return None;
@@ -310,7 +311,7 @@ pub async fn leader_gauge(addr: &str, controller: &str) -> Option<i64> {
         .await
         .ok()?
         .ok()?;
-    let prefix = format!("leader{{controller=\"{controller}\"}}");
+    let prefix = format!("leader_election_master_status{{name=\"{controller}\"}}");
     out.lines()
         .find(|l| l.starts_with(&prefix))
         .and_then(|l| l.split_whitespace().last())
