@@ -1380,10 +1380,7 @@ fn profile(
                 .map(|line| format!("{line}\n"))
                 .collect();
             let command = if strace {
-                format!(
-                    "# strace -c -f -p <relay pid>, stopped with SIGINT when the window closed\n# connections: {}\n",
-                    measured.completed
-                )
+                "# strace -c -f -p <relay pid>, stopped with SIGINT when the window closed; per connection means per upstream connect (strace attaches after the window opens and slows the relay)\n".to_owned()
             } else {
                 "# perf record -g -p <relay pid> over the window; perf report --stdio --no-children -g none --percent-limit 0.3 --sort dso,symbol\n".to_owned()
             };
@@ -1398,17 +1395,10 @@ fn profile(
 }
 
 /// Syscalls per connection from a `--profile` strace file: (total, the top calls with their
-/// count per connection).
+/// count per connection). Each relayed connection makes exactly one upstream `connect`, so the
+/// `connect` count is the number of connections strace saw (strace attaches after the window
+/// opens and slows the relay, so the generator's count would not match).
 fn strace_per_connection(text: &str) -> Option<(f64, Vec<(String, f64)>)> {
-    let connections: f64 = text
-        .lines()
-        .find_map(|line| line.strip_prefix("# connections: "))?
-        .trim()
-        .parse()
-        .ok()?;
-    if connections <= 0.0 {
-        return None;
-    }
     let mut calls = Vec::new();
     let mut total = None;
     for line in text.lines().filter(|line| !line.starts_with('#')) {
@@ -1422,13 +1412,21 @@ fn strace_per_connection(text: &str) -> Option<(f64, Vec<(String, f64)>)> {
         };
         let name = fields[fields.len() - 1].to_owned();
         if name == "total" {
-            total = Some(count / connections);
+            total = Some(count);
         } else {
-            calls.push((name, count / connections));
+            calls.push((name, count));
         }
     }
+    let connections = calls
+        .iter()
+        .find(|(name, _)| name == "connect")
+        .map(|(_, count)| *count)
+        .filter(|count| *count > 0.0)?;
+    for call in &mut calls {
+        call.1 /= connections;
+    }
     calls.sort_by(|a, b| b.1.total_cmp(&a.1));
-    Some((total?, calls))
+    Some((total? / connections, calls))
 }
 
 /// The top `count` entries of a `--profile` perf report: (share, where).
@@ -1439,9 +1437,15 @@ fn perf_top(text: &str, count: usize) -> Vec<String> {
             let fields: Vec<&str> = line.split_whitespace().collect();
             let share = fields.first()?.strip_suffix('%')?;
             share.parse::<f64>().ok()?;
-            // share, dso, [k] or [.], symbol
+            // share, dso, [k] or [.], symbol, then the IPC columns ("-" when not sampled)
             let dso = fields.get(1)?;
-            let symbol = fields.get(3..)?.join(" ");
+            let symbol = fields
+                .get(3..)?
+                .iter()
+                .take_while(|field| **field != "-")
+                .copied()
+                .collect::<Vec<_>>()
+                .join(" ");
             Some(format!("{share}% {symbol} ({dso})"))
         })
         .take(count)
@@ -1535,16 +1539,18 @@ mod tests {
 
     #[test]
     fn strace_counts_per_connection() {
-        let text = "# header\n# connections: 100\n% time     seconds  usecs/call     calls    errors syscall\n------ ----------- ----------- --------- --------- ----------------\n 40.00    0.004000          20       200           close\n 30.00    0.003000          15       400       100 recvfrom\n------ ----------- ----------- --------- --------- ----------------\n100.00    0.007000                   600       100 total\n";
+        let text = "# header\n# connections: 999\n% time     seconds  usecs/call     calls    errors syscall\n------ ----------- ----------- --------- --------- ----------------\n 40.00    0.004000          20       200           close\n 30.00    0.003000          15       400       100 recvfrom\n 30.00    0.003000          15       100       100 connect\n------ ----------- ----------- --------- --------- ----------------\n100.00    0.010000                   700       200 total\n";
         let (total, calls) = strace_per_connection(text).unwrap();
-        assert_eq!(total, 6.0);
+        assert_eq!(total, 7.0);
         assert_eq!(calls[0], ("recvfrom".to_owned(), 4.0));
         assert_eq!(calls[1], ("close".to_owned(), 2.0));
+        assert_eq!(calls[2], ("connect".to_owned(), 1.0));
+        assert!(strace_per_connection("100.00 0.1 1 700 0 total\n").is_none());
     }
 
     #[test]
     fn perf_top_reads_shares_and_symbols() {
-        let text = "# comment\n    12.50%  [kernel.kallsyms]  [k] tcp_sendmsg\n     3.10%  tcp_relay          [.] proxy_core::copy::copy_tcp\n";
+        let text = "# comment\n    12.50%  [kernel.kallsyms]  [k] tcp_sendmsg   -      -   \n     3.10%  tcp_relay          [.] proxy_core::copy::copy_tcp\n";
         assert_eq!(
             perf_top(text, 1),
             vec!["12.50% tcp_sendmsg ([kernel.kallsyms])".to_owned()]
