@@ -1539,7 +1539,7 @@ mod tests {
 
     #[test]
     fn strace_counts_per_connection() {
-        let text = "# header\n# connections: 999\n% time     seconds  usecs/call     calls    errors syscall\n------ ----------- ----------- --------- --------- ----------------\n 40.00    0.004000          20       200           close\n 30.00    0.003000          15       400       100 recvfrom\n 30.00    0.003000          15       100       100 connect\n------ ----------- ----------- --------- --------- ----------------\n100.00    0.010000                   700       200 total\n";
+        let text = "# header\n# connections: 999\n% time     seconds  usecs/call     calls    errors syscall\n------ ----------- ----------- --------- --------- ----------------\n 40.00    0.004000          20       200           close\n 30.00    0.003000          15       400       100 recvfrom\n 30.00    0.003000          15       100       100 connect\n------ ----------- ----------- --------- --------- ----------------\n100.00    0.010000          14       700       200 total\n";
         let (total, calls) = strace_per_connection(text).unwrap();
         assert_eq!(total, 7.0);
         assert_eq!(calls[0], ("recvfrom".to_owned(), 4.0));
