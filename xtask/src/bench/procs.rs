@@ -153,6 +153,7 @@ impl SinkProcess {
 /// Runs one generator job against `target` on `cpu`; reads the CPU time of `relay` (if any),
 /// the sink and the generator when the window opens and closes, then calls `hook` (`true` at
 /// the opening: a profiler attaches there).
+#[allow(clippy::too_many_arguments)] // One job, and the processes whose CPU its window reads.
 pub fn run_generator(
     target: SocketAddr,
     cpu: Option<usize>,

@@ -571,12 +571,15 @@ pub fn run(settings: &Settings) -> anyhow::Result<Outcome> {
     })
 }
 
+/// One window's busy fractions: relay (none for direct), generator, sink.
+type BusySample = (Option<f64>, f64, f64);
+
 /// CPU busy (CPU seconds per second of window) of each party, per phase and contender, for the
 /// report's note: which process was the bottleneck.
 #[derive(Default)]
 struct Busy {
     /// (phase, contender) -> samples of (relay, generator, sink).
-    samples: BTreeMap<(String, &'static str), Vec<(Option<f64>, f64, f64)>>,
+    samples: BTreeMap<(String, &'static str), Vec<BusySample>>,
 }
 
 impl Busy {
@@ -1540,7 +1543,9 @@ mod tests {
     #[test]
     fn strace_counts_per_connection() {
         let text = "# header\n# connections: 999\n% time     seconds  usecs/call     calls    errors syscall\n------ ----------- ----------- --------- --------- ----------------\n 40.00    0.004000          20       200           close\n 30.00    0.003000          15       400       100 recvfrom\n 30.00    0.003000          15       100       100 connect\n------ ----------- ----------- --------- --------- ----------------\n100.00    0.010000          14       700       200 total\n";
-        let (total, calls) = strace_per_connection(text).unwrap();
+        let Some((total, calls)) = strace_per_connection(text) else {
+            panic!("no counts parsed");
+        };
         assert_eq!(total, 7.0);
         assert_eq!(calls[0], ("recvfrom".to_owned(), 4.0));
         assert_eq!(calls[1], ("close".to_owned(), 2.0));
