@@ -95,16 +95,42 @@ async fn scenarios(env: &Env<'_>, report: &mut ChartReport) -> anyhow::Result<()
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    let families = metrics
+    // The names dashboards look for: process_* and the build info from the start,
+    // controller-runtime's once a controller has worked; the old unprefixed names never.
+    let families: Vec<&str> = metrics
         .as_ref()
-        .map(|m| m.lines().filter(|l| l.starts_with("# TYPE")).count())
-        .unwrap_or(0);
+        .map(|m| {
+            m.lines()
+                .filter_map(|l| l.strip_prefix("# TYPE ")?.split(' ').next())
+                .collect()
+        })
+        .unwrap_or_default();
+    let required = [
+        "rstream_operator_build_info",
+        "process_cpu_seconds",
+        "process_resident_memory_bytes",
+        "process_open_fds",
+    ];
+    let missing: Vec<&str> = (required.iter().copied())
+        .filter(|name| !families.contains(name))
+        .collect();
+    let old: Vec<&str> = ["reconcile", "reconcile_duration_seconds", "leader"]
+        .into_iter()
+        .filter(|name| families.contains(name))
+        .collect();
+    let controller_runtime: Vec<&str> = (families.iter().copied())
+        .filter(|f| f.starts_with("controller_runtime_") || f.starts_with("leader_election_"))
+        .collect();
     report.record(
-        "the manager's /metrics through the chart's metrics Service (what the optional ServiceMonitor scrapes)",
-        families > 0,
+        "the manager's /metrics through the chart's metrics Service (what the optional ServiceMonitor scrapes) has process_*, the build info and no pre-controller-runtime names",
+        metrics.is_ok() && missing.is_empty() && old.is_empty(),
         started,
         match &metrics {
-            Ok(_) => format!("{families} metric families from {addr}"),
+            Ok(_) => format!(
+                "{} metric families from {addr}; missing {missing:?}; old names {old:?}; \
+                 controller-runtime's so far {controller_runtime:?}",
+                families.len()
+            ),
             Err(e) => format!("{addr}: {e}"),
         },
     );
