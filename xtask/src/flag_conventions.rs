@@ -32,7 +32,11 @@ const BINARIES: &[Binary] = &[
         duration: Some("--drain-timeout"),
         listen: "--metrics-addr",
         bad_config: &[(
-            &["--enable-v2", "--port-range-start=9100", "--port-range-end=9000"],
+            &[
+                "--enable-v2",
+                "--port-range-start=9100",
+                "--port-range-end=9000",
+            ],
             "--port-range",
         )],
     },
