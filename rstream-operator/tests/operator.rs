@@ -1396,6 +1396,8 @@ async fn e2e(prefix: &str) -> E2e {
             .arg(format!("--health-bind-address={agent_health}"))
             .arg(format!("--target-override={backend}"))
             .arg(format!("--ca-file={}", ca.display()))
+            // As the manager runs it in a Pod: the log fields below are the JSON contract.
+            .arg("--log-format=json")
             .stderr(std::fs::File::create(&agent_log).unwrap()),
     );
     let online = wait_condition(&tunnels, "web", "TunnelReady", "True", "TunnelOnline", WAIT).await;
