@@ -320,7 +320,7 @@ const KUSTOMIZE: &[(&str, &str)] = &[
 #[derive(clap::Args)]
 pub struct Args {
     /// Write the chart repository instead: each chart checked against its crate, packaged, and
-    /// indexed under <target>/charts/ (see chart_repo.rs).
+    /// indexed under `<target>/charts/` (see `chart_repo.rs`).
     #[arg(long)]
     package: bool,
 }
