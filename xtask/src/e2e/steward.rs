@@ -450,14 +450,26 @@ async fn scenarios(
         ),
     );
 
-    // 4. Delete the leader Pod and edit the slice by hand: the other replica takes over and
-    //    repairs it within one lease duration.
+    // 4. Delete the leader Pod; once the other replica holds the Lease, edit the slice by
+    //    hand: the new leader repairs it within one lease duration. (Edited before the
+    //    takeover, the old leader may still repair it during its shutdown delay, legitimately,
+    //    as it still holds the Lease: that would not show the takeover.)
     let started = Instant::now();
     let (Some(old_leader), duration) = cluster.lease().await? else {
         bail!("no leader in the Lease");
     };
     let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
     pods.delete(&old_leader, &DeleteParams::default()).await?;
+    let limit = Duration::from_secs(u64::try_from(duration.max(1)).unwrap_or(15) + 30);
+    let mut takeover: Option<(Duration, String)> = None;
+    while started.elapsed() < limit && takeover.is_none() {
+        if let (Some(holder), _) = cluster.lease().await?
+            && holder != old_leader
+        {
+            takeover = Some((started.elapsed(), holder));
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     let bogus = "10.244.0.250";
     let slices: Api<EndpointSlice> = Api::namespaced(client.clone(), "default");
     slices
@@ -468,25 +480,14 @@ async fn scenarios(
         )
         .await?;
     let edited = Instant::now();
-    let limit = Duration::from_secs(u64::try_from(duration.max(1)).unwrap_or(15) + 30);
-    let mut takeover: Option<(Duration, String)> = None;
     // (when, the Lease holder then, what was published): repaired means equal to the ready
     // steward Pods again, not merely rid of the bogus address.
     let mut repaired: Option<(Duration, Option<String>, String)> = None;
-    while started.elapsed() < limit && (takeover.is_none() || repaired.is_none()) {
+    while takeover.is_some() && edited.elapsed() < limit && repaired.is_none() {
         let (holder, _) = cluster.lease().await?;
-        if takeover.is_none()
-            && let Some(holder) = &holder
-            && holder != &old_leader
-        {
-            takeover = Some((started.elapsed(), holder.clone()));
-        }
         let published = cluster.published().await?;
         let want = cluster.expected("pod-ip").await?;
-        if repaired.is_none()
-            && published.both_equal(&want)
-            && !published.slices.iter().any(|(ip, _)| ip == bogus)
-        {
+        if published.both_equal(&want) && !published.slices.iter().any(|(ip, _)| ip == bogus) {
             repaired = Some((edited.elapsed(), holder, published.describe()));
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
