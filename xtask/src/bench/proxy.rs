@@ -653,6 +653,33 @@ fn record_costs(
     }
 }
 
+/// Records one bulk run (its throughput, every party's CPU per GiB, the busy share) and returns
+/// the bytes it moved.
+fn record_bulk_run(
+    recorder: &mut Recorder,
+    busy: &mut Busy,
+    phase: &str,
+    throughput: Metric,
+    contender: &'static str,
+    measured: &Measured,
+    cpu: WindowCpu,
+) -> f64 {
+    let bytes = measured.bytes as f64;
+    recorder.record(throughput, contender, bytes * 8.0 / measured.seconds / 1e9);
+    record_costs(
+        recorder,
+        phase,
+        contender,
+        cpu,
+        bytes / GIB,
+        1.0,
+        "GiB",
+        "CPU s/GiB",
+    );
+    busy.add(phase, contender, cpu, measured.seconds);
+    bytes
+}
+
 /// Bulk transfers: throughput and every party's CPU per GiB, per run and over a round's runs.
 fn bulk(
     settings: &Settings,
@@ -670,23 +697,15 @@ fn bulk(
             for index in shuffled(contenders.len()) {
                 let contender = &mut contenders[index];
                 let (measured, cpu) = contender.run(Work::Bulk { download, streams }, workload)?;
-                let bytes = measured.bytes as f64;
-                recorder.record(
+                let bytes = record_bulk_run(
+                    recorder,
+                    busy,
+                    phase,
                     throughput,
                     contender.name,
-                    bytes * 8.0 / measured.seconds / 1e9,
-                );
-                record_costs(
-                    recorder,
-                    phase,
-                    contender.name,
+                    &measured,
                     cpu,
-                    bytes / GIB,
-                    1.0,
-                    "GiB",
-                    "CPU s/GiB",
                 );
-                busy.add(phase, contender.name, cpu, measured.seconds);
                 if let Some(relay) = cpu.relay {
                     let entry = per_round.entry((contender.name, round)).or_default();
                     entry.0 += relay;
@@ -721,23 +740,15 @@ fn scaling(
                     streams: 8,
                 };
                 let (measured, cpu) = contender.run(work, workload)?;
-                let bytes = measured.bytes as f64;
-                recorder.record(
+                record_bulk_run(
+                    recorder,
+                    busy,
+                    phase,
                     throughput,
                     contender.name,
-                    bytes * 8.0 / measured.seconds / 1e9,
-                );
-                record_costs(
-                    recorder,
-                    phase,
-                    contender.name,
+                    &measured,
                     cpu,
-                    bytes / GIB,
-                    1.0,
-                    "GiB",
-                    "CPU s/GiB",
                 );
-                busy.add(phase, contender.name, cpu, measured.seconds);
             }
         }
     }
