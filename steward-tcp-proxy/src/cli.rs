@@ -7,7 +7,8 @@ use std::time::Duration;
 
 use clap::{Parser, ValueEnum};
 use k8s_reconcile::app::{
-    LogFormat, parse_duration, parse_listen_addr, parse_positive_duration, validate_dns_label,
+    ClientArgs, LogArgs, parse_duration, parse_listen_addr, parse_positive_duration,
+    validate_dns_label,
 };
 use proxy_core::http_connect::HttpProxy;
 use proxy_core::upstream::Upstream;
@@ -22,7 +23,9 @@ const MAX_THREADS: usize = 1024;
 #[command(
     name = "steward-tcp-proxy",
     version,
-    about = "Points the tenant cluster's `kubernetes` EndpointSlice at this proxy and relays TCP to the real API server"
+    about = "Points the tenant cluster's `kubernetes` EndpointSlice at this proxy and relays TCP to the real API server",
+    mut_arg("log_format", |a| a.env("STEWARD_LOG_FORMAT")),
+    mut_arg("log_level", |a| a.env("STEWARD_LOG_LEVEL"))
 )]
 pub struct Args {
     /// Address to accept relayed connections on. `:6443` means every interface of both families,
@@ -67,9 +70,8 @@ pub struct Args {
     #[arg(long, env = "STEWARD_ENDPOINT_MODE", value_enum, default_value_t = EndpointMode::PodIp)]
     pub endpoint_mode: EndpointMode,
 
-    /// kubeconfig for running outside the cluster (default: in-cluster, then $KUBECONFIG).
-    #[arg(long, env = "KUBECONFIG")]
-    pub kubeconfig: Option<PathBuf>,
+    #[command(flatten)]
+    pub client: ClientArgs,
 
     /// Address of `/healthz` and `/readyz`.
     #[arg(long, env = "STEWARD_HEALTH_ADDR", default_value = ":8080", value_parser = parse_listen_addr)]
@@ -122,13 +124,8 @@ pub struct Args {
     #[arg(long, env = "STEWARD_THREADS")]
     pub threads: Option<NonZeroUsize>,
 
-    /// Log format.
-    #[arg(long, env = "STEWARD_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
-    pub log_format: LogFormat,
-
-    /// Log level or filter (`info`, `warn,steward_tcp_proxy=debug`); RUST_LOG wins when set.
-    #[arg(long, env = "STEWARD_LOG_LEVEL", default_value = "info", value_parser = k8s_reconcile::app::parse_log_level)]
-    pub log_level: String,
+    #[command(flatten)]
+    pub log: LogArgs,
 
     /// Certificate (PEM) to terminate TLS with; with --tls-key-file this turns on TLS-termination
     /// mode (reloaded when the files change). Without it, TLS passes through untouched.

@@ -21,10 +21,10 @@ use anyhow::Context as _;
 use k8s_openapi::api::core::v1::{Endpoints, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_reconcile::ControllerBuilder;
-use k8s_reconcile::app;
+use k8s_reconcile::app::{self, App};
 use k8s_reconcile::leader::LeaseConfig;
 use k8s_reconcile::metrics::ControllerMetrics;
-use k8s_reconcile::ops::{self, Health};
+use k8s_reconcile::ops::Health;
 use k8s_reconcile::permissions::{self, MissingPermissions};
 use kube::api::Api;
 use kube::runtime::reflector::ObjectRef;
@@ -46,29 +46,33 @@ use crate::tls::TerminatingAcceptor;
 
 /// Readiness check: the upstream accepts TCP connections.
 const UPSTREAM_CHECK: &str = "upstream";
-/// Readiness check: false once SIGTERM arrived, so load balancers stop sending first.
-const SHUTDOWN_CHECK: &str = "shutdown";
 
 fn main() -> ExitCode {
     let args: Args = app::parse_args();
     if let Err(problem) = args.validate() {
         return app::usage_error(&problem);
     }
-    app::init_logging(args.log_format, Some(&args.log_level));
+    args.log.init();
     app::block_on_threads("steward-tcp-proxy", args.threads, run(args))
 }
 
 async fn run(args: Args) -> anyhow::Result<()> {
-    let shutdown = ops::shutdown_on_signals()?;
-    let health = Health::new();
-    health.set(SHUTDOWN_CHECK, true, "running");
-    let mut registry = app::metrics_registry("steward-tcp-proxy", env!("CARGO_PKG_VERSION"));
-    let observer = Arc::new(PrometheusObserver::register(&mut registry));
-    let endpoint_metrics = EndpointsMetrics::register(&mut registry);
+    let mut builder = App::builder("steward-tcp-proxy", env!("CARGO_PKG_VERSION"));
+    let registry = builder.registry();
+    let observer = Arc::new(PrometheusObserver::register(registry));
+    let endpoint_metrics = EndpointsMetrics::register(registry);
     let missing_permissions =
         MissingPermissions::register(registry.sub_registry_with_prefix("steward"));
-    let controller_metrics = ControllerMetrics::register(&mut registry);
-    let registry = Arc::new(registry);
+    let controller_metrics = ControllerMetrics::register(registry);
+    builder
+        .health()
+        .set(UPSTREAM_CHECK, false, "not checked yet");
+    let app = builder
+        .serve_ops([args.health_addr, args.metrics_addr])
+        .start()
+        .await?;
+    let health = app.health().clone();
+    let shutdown = app.shutdown().clone();
 
     // Data plane first: a proxy that cannot relay must not point the cluster at itself.
     let relay_config = RelayConfig::default()
@@ -90,14 +94,6 @@ async fn run(args: Args) -> anyhow::Result<()> {
     )?;
     tracing::info!(listen = %relay.local_addr(), upstream = %relay.upstream().describe(), mode = if args.tls_cert_file.is_some() { "tls-termination" } else { "passthrough" }, "relaying");
 
-    let ops_stop = CancellationToken::new();
-    app::serve_ops(
-        [args.health_addr, args.metrics_addr],
-        &health,
-        &registry,
-        &ops_stop,
-    )
-    .await?;
     spawn_upstream_check(
         relay.upstream().clone(),
         args.connect_timeout,
@@ -105,23 +101,23 @@ async fn run(args: Args) -> anyhow::Result<()> {
         shutdown.clone(),
     );
 
-    let client = app::kube_client(args.kubeconfig.as_deref())
+    let client = args
+        .client
+        .client()
         .await
         .context("for a local control plane, see `cargo xtask cluster`")?;
     let controller = endpoints_controller(
         &args,
         client,
-        health.clone(),
+        health,
         endpoint_metrics,
         controller_metrics,
         missing_permissions,
     )
     .await?;
-    let controller_stop = shutdown.child_token();
-    let controller_task = tokio::spawn(controller.run(controller_stop));
+    let controller_task = tokio::spawn(controller.run(shutdown.child_token()));
 
     shutdown.cancelled().await;
-    health.set(SHUTDOWN_CHECK, false, "shutting down: draining connections");
     if !args.shutdown_delay.is_zero() {
         // Connections kube-proxy still sends here are served until the endpoints move on.
         tracing::info!(delay = ?args.shutdown_delay, "not ready, still accepting before the drain");
@@ -139,7 +135,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         Ok(result) => result.context("endpoints controller")?,
         Err(err) => tracing::error!(error = %err, "endpoints controller task failed"),
     }
-    ops_stop.cancel();
+    app.finish().await;
     Ok(())
 }
 
@@ -281,7 +277,6 @@ fn spawn_upstream_check(
     health: Health,
     stop: CancellationToken,
 ) {
-    health.set(UPSTREAM_CHECK, false, "not checked yet");
     tokio::spawn(async move {
         let name = upstream.describe();
         loop {

@@ -17,6 +17,27 @@ pub enum LogFormat {
     Json,
 }
 
+/// `--log-format` and `--log-level`, the logging flags of every binary: flatten them into its
+/// arguments with `#[command(flatten)]`, and name their environment variables in the binary
+/// (`#[command(mut_arg("log_level", |a| a.env("MY_BINARY_LOG_LEVEL")))]`), since each binary
+/// keeps its own prefix.
+#[derive(Clone, Debug, PartialEq, Eq, clap::Args)]
+pub struct LogArgs {
+    /// Log format.
+    #[arg(long, value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
+    /// Log level or filter (RUST_LOG wins when set).
+    #[arg(long, default_value = "info", value_parser = parse_log_level)]
+    pub log_level: String,
+}
+
+impl LogArgs {
+    /// Installs the global subscriber these flags ask for ([`init_logging`]).
+    pub fn init(&self) {
+        init_logging(self.log_format, Some(&self.log_level));
+    }
+}
+
 /// The value parser of every binary's `--log-level`: a level (`info`) or a whole filter
 /// (`warn,pod_proxier=debug`). A value the filter parser refuses is a usage error, instead of a
 /// silent fall-back to `info`.

@@ -8,6 +8,9 @@
 //!   parse with [`parse_args`].
 //! * [`rest`]: a binary's REST API: a server bounded against slow and abusive clients, strict
 //!   query and form fields, request bodies under a size limit.
+//! * [`builder`]: [`App::builder`], which owns the metrics registry, the readiness checks, the
+//!   operations server and the shutdown signal; [`LogArgs`] and [`ClientArgs`], the flags every
+//!   binary flattens into its own.
 //! * [`process`]: the leader identity, the async runtime, exit codes, the one way a fatal
 //!   error chain is printed, the Kubernetes client and the operations servers.
 //!
@@ -15,28 +18,51 @@
 //!
 //! ```no_run
 //! use std::process::ExitCode;
-//! use k8s_reconcile::app::{self, LogFormat};
+//! use k8s_reconcile::app::{self, App, ClientArgs, LogArgs};
 //!
-//! async fn run() -> Result<(), k8s_reconcile::Error> {
-//!     let shutdown = k8s_reconcile::ops::shutdown_on_signals()?;
-//!     shutdown.cancelled().await;
+//! /// My binary.
+//! #[derive(clap::Parser)]
+//! #[command(
+//!     name = "my-binary",
+//!     mut_arg("log_format", |a| a.env("MY_BINARY_LOG_FORMAT")),
+//!     mut_arg("log_level", |a| a.env("MY_BINARY_LOG_LEVEL"))
+//! )]
+//! struct Args {
+//!     #[command(flatten)]
+//!     log: LogArgs,
+//!     #[command(flatten)]
+//!     client: ClientArgs,
+//!     /// Where /healthz, /readyz and /metrics are served.
+//!     #[arg(long, default_value = ":8080", value_parser = app::parse_listen_addr)]
+//!     metrics_addr: std::net::SocketAddr,
+//! }
+//!
+//! async fn run(args: Args) -> Result<(), k8s_reconcile::Error> {
+//!     let builder = App::builder("my-binary", env!("CARGO_PKG_VERSION"));
+//!     let app = builder.serve_ops([args.metrics_addr]).start().await?;
+//!     let _client = args.client.client().await?;
+//!     app.shutdown().cancelled().await;
+//!     app.finish().await;
 //!     Ok(())
 //! }
 //!
 //! fn main() -> ExitCode {
-//!     app::init_logging(LogFormat::Text, None);
-//!     app::block_on("my-binary", run())
+//!     let args: Args = app::parse_args();
+//!     args.log.init();
+//!     app::block_on("my-binary", run(args))
 //! }
 //! ```
 
+pub mod builder;
 pub mod flags;
 pub mod logging;
 pub mod process;
 pub mod rest;
 pub mod values;
 
+pub use builder::{App, AppBuilder, ClientArgs};
 pub use flags::{go_bool_flags, parse_args, try_parse_args_from};
-pub use logging::{LogFormat, init_logging, parse_log_level};
+pub use logging::{LogArgs, LogFormat, init_logging, parse_log_level};
 pub use process::{
     EXIT_FAILURE, EXIT_USAGE, block_on, block_on_threads, error_chain, exit_with, kube_client,
     leader_identity, metrics_registry, own_namespace, serve_ops, usage_error,

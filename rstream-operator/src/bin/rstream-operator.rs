@@ -1,14 +1,11 @@
 //! The rstream-operator manager.
 
-use std::path::PathBuf;
 use std::process::ExitCode;
-use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Parser;
-use k8s_reconcile::app::{self, LogFormat};
+use k8s_reconcile::app::{self, App, ClientArgs, LogArgs};
 use k8s_reconcile::metrics::ControllerMetrics;
-use k8s_reconcile::ops::{self, Health};
 use rstream_operator::manager::{self, ManagerOptions};
 
 /// Default agent image (the original operator's).
@@ -20,7 +17,12 @@ const DEFAULT_AGENT_IMAGE: &str = concat!(
 /// Manages rstream tunnels from RstreamConnection and RstreamTunnel resources. Boolean flags take
 /// Go's forms (`--leader-elect`, `--leader-elect=true`, `--leader-elect=false`).
 #[derive(Debug, Parser)]
-#[command(name = "rstream-operator", version)]
+#[command(
+    name = "rstream-operator",
+    version,
+    mut_arg("log_format", |a| a.env("RSTREAM_LOG_FORMAT")),
+    mut_arg("log_level", |a| a.env("RSTREAM_LOG_LEVEL"))
+)]
 struct Args {
     /// Address of /metrics (also /healthz, /readyz); "0" disables it.
     #[arg(long, env = "RSTREAM_METRICS_BIND_ADDRESS", default_value = ":8080", value_parser = app::parse_optional_listen_addr)]
@@ -55,16 +57,10 @@ struct Args {
     /// Watch only this namespace (default: the whole cluster, needed for cross-namespace targets).
     #[arg(long, env = "WATCH_NAMESPACE")]
     namespace: Option<String>,
-    /// kubeconfig for running outside the cluster (default: $KUBECONFIG, which may list several
-    /// files, then ~/.kube/config, then in-cluster).
-    #[arg(long)]
-    kubeconfig: Option<PathBuf>,
-    /// Log format.
-    #[arg(long, env = "RSTREAM_LOG_FORMAT", value_enum, default_value = "text")]
-    log_format: LogFormat,
-    /// Log level or filter (RUST_LOG wins when set).
-    #[arg(long, env = "RSTREAM_LOG_LEVEL", default_value = "info", value_parser = app::parse_log_level)]
-    log_level: String,
+    #[command(flatten)]
+    client: ClientArgs,
+    #[command(flatten)]
+    log: LogArgs,
 }
 
 /// A value that is not blank, trimmed.
@@ -77,22 +73,17 @@ fn non_empty(value: &str) -> Result<String, String> {
 }
 
 async fn run(args: Args) -> anyhow::Result<()> {
-    let shutdown = ops::shutdown_on_signals()?;
-    let client = app::kube_client(args.kubeconfig.as_deref()).await?;
-
-    let mut registry = app::metrics_registry("rstream-operator", env!("CARGO_PKG_VERSION"));
-    let metrics = ControllerMetrics::register(&mut registry);
-    let registry = Arc::new(registry);
-    let health = Health::new();
-    let servers = app::serve_ops(
-        [args.metrics_bind_address, args.health_probe_bind_address]
-            .into_iter()
-            .flatten(),
-        &health,
-        &registry,
-        &shutdown,
-    )
-    .await?;
+    let mut builder = App::builder("rstream-operator", env!("CARGO_PKG_VERSION"));
+    let metrics = ControllerMetrics::register(builder.registry());
+    let app = builder
+        .serve_ops(
+            [args.metrics_bind_address, args.health_probe_bind_address]
+                .into_iter()
+                .flatten(),
+        )
+        .start()
+        .await?;
+    let client = args.client.client().await?;
 
     let leader_election = args.leader_elect.then(|| {
         let namespace = (args.leader_election_namespace.clone())
@@ -110,18 +101,22 @@ async fn run(args: Args) -> anyhow::Result<()> {
         namespace: args.namespace.clone().filter(|n| !n.is_empty()),
     };
     tracing::info!(agent_image = %options.agent_image, leader_elect = args.leader_elect, "starting the manager");
-    let result = manager::run(client, options, health, metrics, shutdown.clone()).await;
-    shutdown.cancel();
-    for server in servers {
-        let _ = server.await;
-    }
+    let result = manager::run(
+        client,
+        options,
+        app.health().clone(),
+        metrics,
+        app.shutdown().clone(),
+    )
+    .await;
+    app.finish().await;
     tracing::info!("stopped");
     Ok(result?)
 }
 
 fn main() -> ExitCode {
     let args: Args = app::parse_args();
-    app::init_logging(args.log_format, Some(&args.log_level));
+    args.log.init();
     app::block_on("rstream-operator", run(args))
 }
 

@@ -1,0 +1,226 @@
+//! The one way a binary builds its process: [`App::builder`] owns the metrics registry, the
+//! readiness checks, the operations server and the shutdown signal, so a binary's own code only
+//! registers its metrics and runs its work.
+//!
+//! ```no_run
+//! use k8s_reconcile::app::{App, ClientArgs};
+//!
+//! async fn run(client_args: ClientArgs) -> Result<(), k8s_reconcile::Error> {
+//!     let mut builder = App::builder("my-binary", "0.1.0");
+//!     let _reconciles = k8s_reconcile::metrics::ControllerMetrics::register(builder.registry());
+//!     let app = builder
+//!         .serve_ops(["0.0.0.0:8080".parse().expect("an address")])
+//!         .start()
+//!         .await?;
+//!     let _client = client_args.client().await?;
+//!     // ... the binary's work, until SIGTERM:
+//!     app.shutdown().cancelled().await;
+//!     app.finish().await;
+//!     Ok(())
+//! }
+//! ```
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use prometheus_client::registry::Registry;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+use crate::Error;
+use crate::ops::{self, Health};
+
+/// Readiness check the builder adds: false from the first SIGTERM/SIGINT, so Services and load
+/// balancers stop sending new work while the binary drains.
+pub const SHUTDOWN_CHECK: &str = "shutdown";
+
+/// `--kubeconfig`, the client flag of every binary that talks to Kubernetes; flatten it into the
+/// binary's arguments (`#[command(flatten)]`).
+#[derive(Clone, Debug, Default, PartialEq, Eq, clap::Args)]
+pub struct ClientArgs {
+    /// kubeconfig for running outside a cluster (default: $KUBECONFIG, which may list several
+    /// files, then ~/.kube/config, then the in-cluster ServiceAccount).
+    #[arg(long)]
+    pub kubeconfig: Option<PathBuf>,
+}
+
+impl ClientArgs {
+    /// A client from these flags ([`super::kube_client`]).
+    pub async fn client(&self) -> Result<kube::Client, Error> {
+        super::kube_client(self.kubeconfig.as_deref()).await
+    }
+}
+
+/// What a binary registers before it starts: metrics, readiness checks and the operations
+/// addresses. Made by [`App::builder`].
+#[derive(Debug)]
+pub struct AppBuilder {
+    registry: Registry,
+    health: Health,
+    ops: Vec<SocketAddr>,
+}
+
+impl AppBuilder {
+    /// The registry every metric of the binary goes into; it already holds the `process_*`
+    /// metrics and `<binary>_build_info` ([`super::metrics_registry`]).
+    pub fn registry(&mut self) -> &mut Registry {
+        &mut self.registry
+    }
+
+    /// The readiness checks `/readyz` will report; parts of the binary take clones.
+    pub fn health(&self) -> &Health {
+        &self.health
+    }
+
+    /// Serve `/healthz`, `/readyz` and `/metrics` on each of `addrs` (a repeated address is
+    /// served once; none at all is allowed).
+    #[must_use]
+    pub fn serve_ops(mut self, addrs: impl IntoIterator<Item = SocketAddr>) -> Self {
+        for addr in addrs {
+            if !self.ops.contains(&addr) {
+                self.ops.push(addr);
+            }
+        }
+        self
+    }
+
+    /// Installs the SIGTERM/SIGINT handler and binds every operations address: a taken port
+    /// stops the start here, before the binary does any work. Call it inside the runtime.
+    pub async fn start(self) -> Result<App, Error> {
+        let shutdown = ops::shutdown_on_signals()?;
+        let health = self.health;
+        health.set(SHUTDOWN_CHECK, true, "running");
+        {
+            let health = health.clone();
+            let shutdown = shutdown.clone();
+            tokio::spawn(async move {
+                shutdown.cancelled().await;
+                health.set(SHUTDOWN_CHECK, false, "shutting down");
+            });
+        }
+        let registry = Arc::new(self.registry);
+        // The operations servers outlive the work: /readyz says "shutting down" during a drain
+        // and /metrics still shows it.
+        let ops_stop = CancellationToken::new();
+        let mut servers = Vec::with_capacity(self.ops.len());
+        for addr in self.ops {
+            let router = ops::router(health.clone(), Arc::clone(&registry));
+            match ops::serve(addr, router, ops_stop.clone()).await {
+                Ok(server) => servers.push(server),
+                Err(error) => {
+                    ops_stop.cancel();
+                    return Err(error);
+                }
+            }
+            tracing::info!(%addr, "serving /healthz, /readyz and /metrics");
+        }
+        Ok(App {
+            health,
+            registry,
+            shutdown,
+            ops_stop,
+            servers,
+        })
+    }
+}
+
+/// A started binary: its readiness checks, registry, shutdown signal and running operations
+/// servers. End it with [`App::finish`] once the work has stopped.
+#[derive(Debug)]
+pub struct App {
+    health: Health,
+    registry: Arc<Registry>,
+    shutdown: CancellationToken,
+    ops_stop: CancellationToken,
+    servers: Vec<JoinHandle<()>>,
+}
+
+impl App {
+    /// A builder for the binary `binary` at `version` (for `<binary>_build_info`).
+    pub fn builder(binary: &str, version: &str) -> AppBuilder {
+        AppBuilder {
+            registry: super::metrics_registry(binary, version),
+            health: Health::new(),
+            ops: Vec::new(),
+        }
+    }
+
+    /// The readiness checks `/readyz` reports.
+    pub fn health(&self) -> &Health {
+        &self.health
+    }
+
+    /// The metrics registry, as served.
+    pub fn registry(&self) -> &Arc<Registry> {
+        &self.registry
+    }
+
+    /// Cancelled on the first SIGTERM or SIGINT (or by the binary, to stop on its own).
+    pub fn shutdown(&self) -> &CancellationToken {
+        &self.shutdown
+    }
+
+    /// Stops the operations servers and waits for them; call it after the work has ended.
+    pub async fn finish(self) {
+        self.shutdown.cancel();
+        self.ops_stop.cancel();
+        for server in self.servers {
+            if let Err(error) = server.await {
+                tracing::warn!(%error, "an operations server ended badly");
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_taken_ops_port_stops_the_start_and_the_others_close() {
+        let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let free = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let free_addr = free.local_addr().unwrap();
+        drop(free);
+        let started = App::builder("t", "0")
+            .serve_ops([free_addr, taken.local_addr().unwrap()])
+            .start()
+            .await;
+        assert!(matches!(started, Err(Error::Serve { .. })), "{started:?}");
+        // The server bound before the failure is stopped, so its port is free again.
+        let mut rebound = None;
+        for _ in 0..100 {
+            if let Ok(listener) = std::net::TcpListener::bind(free_addr) {
+                rebound = Some(listener);
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+        assert!(rebound.is_some(), "{free_addr} still taken after a failed start");
+    }
+
+    #[tokio::test]
+    async fn readiness_turns_false_at_shutdown_and_finish_stops_serving() {
+        let free = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = free.local_addr().unwrap();
+        drop(free);
+        let app = App::builder("t", "0")
+            .serve_ops([addr, addr])
+            .start()
+            .await
+            .unwrap();
+        assert!(app.health().check(SHUTDOWN_CHECK).unwrap().ok);
+        app.shutdown().cancel();
+        let mut waited = 0;
+        while app.health().ready() && waited < 100 {
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+            waited += 1;
+        }
+        assert!(!app.health().ready(), "still ready after the shutdown signal");
+        assert!(tokio::net::TcpStream::connect(addr).await.is_ok());
+        app.finish().await;
+        assert!(tokio::net::TcpStream::connect(addr).await.is_err());
+    }
+}
