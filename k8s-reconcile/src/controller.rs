@@ -529,7 +529,7 @@ async fn reconcile_one<R: Reconciler>(
                 | kube::runtime::finalizer::Error::CleanupFailed(e) => {
                     ReconcileFailure::Reconciler(e)
                 }
-                other => ReconcileFailure::Framework(Error::Finalizer(other.to_string())),
+                other => ReconcileFailure::Framework(Error::Finalizer(Box::new(other))),
             })
         }
     };

@@ -51,5 +51,5 @@ pub enum Error {
     },
     /// Adding or removing a finalizer failed.
     #[error("finalizer: {0}")]
-    Finalizer(String),
+    Finalizer(#[source] Box<dyn std::error::Error + Send + Sync + 'static>),
 }

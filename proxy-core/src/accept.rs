@@ -44,8 +44,14 @@ pub enum AcceptError {
     #[error(transparent)]
     Connect(#[from] ConnectError),
     /// A handshake with the client or the upstream failed.
-    #[error("handshake failed: {0}")]
-    Handshake(String),
+    #[error("handshake failed: {stage}: {cause}")]
+    Handshake {
+        /// Which step failed (`client hello`, `TLS to the upstream`, ...).
+        stage: String,
+        /// Why.
+        #[source]
+        cause: Box<dyn std::error::Error + Send + Sync + 'static>,
+    },
 }
 
 /// Prepares both legs of one connection. Called once per accepted client, under the listener's

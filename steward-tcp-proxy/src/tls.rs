@@ -232,13 +232,19 @@ impl StreamAcceptor for TerminatingAcceptor {
         config: &'a RelayConfig,
     ) -> BoxFuture<'a, Result<Accepted, AcceptError>> {
         Box::pin(async move {
-            let handshake = |what: &str, e: &dyn std::fmt::Display| {
-                AcceptError::Handshake(format!("{what}: {e}"))
-            };
+            fn handshake(
+                stage: &str,
+                cause: impl Into<Box<dyn std::error::Error + Send + Sync + 'static>>,
+            ) -> AcceptError {
+                AcceptError::Handshake {
+                    stage: stage.to_owned(),
+                    cause: cause.into(),
+                }
+            }
             let _ = client.set_nodelay(true);
             let start = LazyConfigAcceptor::new(rustls::server::Acceptor::default(), client)
                 .await
-                .map_err(|e| handshake("client hello", &e))?;
+                .map_err(|e| handshake("client hello", e))?;
             let offered: Vec<Vec<u8>> = start
                 .client_hello()
                 .alpn()
@@ -251,14 +257,14 @@ impl StreamAcceptor for TerminatingAcceptor {
             let upstream = TlsConnector::from(Arc::new(client_config))
                 .connect(self.upstream_name.clone(), upstream_tcp)
                 .await
-                .map_err(|e| handshake("TLS to the upstream", &e))?;
+                .map_err(|e| handshake("TLS to the upstream", e))?;
             let chosen = upstream.get_ref().1.alpn_protocol().map(<[u8]>::to_vec);
             let server = server_config(Arc::clone(&self.cert), chosen)
-                .map_err(|e| handshake("server configuration", &e))?;
+                .map_err(|e| handshake("server configuration", e))?;
             let client = start
                 .into_stream(Arc::new(server))
                 .await
-                .map_err(|e| handshake("client handshake", &e))?;
+                .map_err(|e| handshake("client handshake", e))?;
             Ok(Accepted {
                 client: Box::new(client),
                 upstream: Box::new(upstream),
