@@ -211,3 +211,46 @@ impl Ca {
         (cert.pem(), key.serialize_pem())
     }
 }
+
+/// The plane every test but the fight shares: no built-in endpoint reconciler.
+static PLANE: tokio::sync::OnceCell<ControlPlane> = tokio::sync::OnceCell::const_new();
+/// Tests that write `default/kubernetes` take turns.
+pub static KUBERNETES_ENDPOINTS: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+pub async fn plane() -> &'static ControlPlane {
+    PLANE
+        .get_or_init(|| async {
+            ControlPlane::builder()
+                .apiserver_arg("--endpoint-reconciler-type=none")
+                .start()
+                .await
+                .unwrap()
+        })
+        .await
+}
+
+/// The name of the next object added on a watch (bookmarks are skipped).
+pub async fn next_added(
+    events: &mut (
+             impl futures::Stream<
+        Item = Result<kube::api::WatchEvent<k8s_openapi::api::core::v1::ConfigMap>, kube::Error>,
+    > + Unpin
+         ),
+    timeout: std::time::Duration,
+) -> String {
+    tokio::time::timeout(timeout, async {
+        loop {
+            match futures::TryStreamExt::try_next(events)
+                .await
+                .unwrap()
+                .expect("the watch stays open")
+            {
+                kube::api::WatchEvent::Added(cm) => return kube::ResourceExt::name_any(&cm),
+                kube::api::WatchEvent::Bookmark(_) => continue,
+                other => panic!("unexpected watch event {other:?}"),
+            }
+        }
+    })
+    .await
+    .expect("an ADDED event in time")
+}

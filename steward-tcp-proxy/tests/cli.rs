@@ -1,0 +1,159 @@
+//! steward's flags on the binary: usage errors, Go's boolean forms and `:port` on both families.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::net::{Ipv4Addr, SocketAddr};
+use std::process::Command;
+use std::time::Duration;
+
+use k8s_reconcile::testing::eventually;
+use kube::api::{Api, ListParams};
+
+mod support;
+
+use support::*;
+
+#[test]
+fn bad_flags_exit_with_status_2_and_a_clear_message() {
+    let cases: &[(&[&str], &str)] = &[
+        (&["--upstream-addr=nohost"], "host:port"),
+        (
+            &["--upstream-addr=h:1", "--reconcile-interval=30"],
+            "missing unit",
+        ),
+        (
+            &["--upstream-addr=h:1", "--service-name=Bad_Name"],
+            "not a valid Service name",
+        ),
+        (
+            &["--upstream-addr=h:1", "--endpoint-mode=node-ip"],
+            "node-ip",
+        ),
+        (
+            &["--upstream-addr=h:1", "--tls-cert-file=/x.pem"],
+            "--tls-key-file",
+        ),
+        (&[], "--upstream-addr"),
+    ];
+    for (args, message) in cases {
+        let output = Command::new(BIN)
+            .args(*args)
+            .env_remove("UPSTREAM_ADDR")
+            .output()
+            .unwrap();
+        assert_eq!(output.status.code(), Some(2), "{args:?}");
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(stderr.contains(message), "{args:?}: {stderr}");
+    }
+    let help = Command::new(BIN).arg("--help").output().unwrap();
+    assert!(help.status.success());
+}
+
+/// Sends a plain HTTP request to `addr`, a relay in front of the (TLS) API server, and returns
+/// the answer: the API server's "HTTP request to an HTTPS server" proves the bytes got there.
+async fn plain_http_through(addr: SocketAddr) -> String {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    stream
+        .write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .await
+        .unwrap();
+    let mut answer = Vec::new();
+    tokio::time::timeout(Duration::from_secs(10), stream.read_to_end(&mut answer))
+        .await
+        .unwrap()
+        .unwrap();
+    String::from_utf8_lossy(&answer).into_owned()
+}
+
+#[tokio::test]
+async fn colon_port_listens_on_both_families_and_boolean_flags_take_gos_forms() {
+    let plane = plane().await;
+    let ns = plane.create_namespace("steward-dual").await.unwrap();
+    let (listen, health, metrics) = (free_port(), free_port(), free_port());
+    let texts = [
+        format!(":{listen}"),
+        format!(":{health}"),
+        format!(":{metrics}"),
+    ];
+    let proxy = Proxy::start_with(
+        plane.kubeconfig_path(),
+        &apiserver_addr(plane),
+        &[
+            &format!("--service-namespace={ns}"),
+            "--service-name=absent",
+            // Go's boolean forms, as the original's callers pass them.
+            "--leader-elect=false",
+            "--upstream-insecure=false",
+        ],
+        &[("STEWARD_LEADER_ELECT", "True")],
+        Some([&texts[0], &texts[1], &texts[2]]),
+    );
+    let v6 = |port| SocketAddr::from((std::net::Ipv6Addr::LOCALHOST, port));
+    let v4 = |port| SocketAddr::from((Ipv4Addr::LOCALHOST, port));
+    eventually("listening", Duration::from_secs(10), || async {
+        tokio::net::TcpStream::connect(v4(listen)).await.is_ok()
+    })
+    .await;
+    // The relay, over IPv6 only and over IPv4, reaches the API server.
+    for addr in [v6(listen), v4(listen)] {
+        let answer = plain_http_through(addr).await;
+        assert!(
+            answer.contains("HTTP request to an HTTPS server"),
+            "through {addr}: {answer}\n{}",
+            proxy.logs()
+        );
+    }
+    // The operations servers too.
+    for (port, path) in [(health, "/healthz"), (metrics, "/metrics")] {
+        for addr in [v6(port), v4(port)] {
+            eventually(
+                &format!("{path} on {addr}"),
+                Duration::from_secs(5),
+                || async {
+                    proxy
+                        .get(addr, path)
+                        .await
+                        .is_some_and(|(code, _)| code == 200)
+                },
+            )
+            .await;
+        }
+    }
+    // --leader-elect=false beat the environment's True: no Lease is taken.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let leases = Api::<k8s_openapi::api::coordination::v1::Lease>::namespaced(
+        plane.client().await.unwrap(),
+        &ns,
+    )
+    .list(&ListParams::default())
+    .await
+    .unwrap();
+    assert!(leases.items.is_empty(), "{:?}", leases.items);
+}
+
+#[test]
+fn a_bad_boolean_is_a_usage_error_naming_the_value() {
+    let out = Command::new(BIN)
+        .args(["--upstream-addr=h:1", "--leader-elect=maybe"])
+        .env_remove("STEWARD_LEADER_ELECT")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("--leader-elect") && stderr.contains("\"maybe\" is not a boolean"),
+        "{stderr}"
+    );
+    // The environment variable takes Go's spellings too: `T` is true, and asks for TLS mode.
+    let out = Command::new(BIN)
+        .arg("--upstream-addr=h:1")
+        .env("STEWARD_UPSTREAM_INSECURE", "T")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("--upstream-insecure needs TLS-termination mode"),
+        "{stderr}"
+    );
+}
