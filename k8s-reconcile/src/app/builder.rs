@@ -198,7 +198,10 @@ mod tests {
             }
             tokio::time::sleep(std::time::Duration::from_millis(20)).await;
         }
-        assert!(rebound.is_some(), "{free_addr} still taken after a failed start");
+        assert!(
+            rebound.is_some(),
+            "{free_addr} still taken after a failed start"
+        );
     }
 
     #[tokio::test]
@@ -218,7 +221,10 @@ mod tests {
             tokio::time::sleep(std::time::Duration::from_millis(10)).await;
             waited += 1;
         }
-        assert!(!app.health().ready(), "still ready after the shutdown signal");
+        assert!(
+            !app.health().ready(),
+            "still ready after the shutdown signal"
+        );
         assert!(tokio::net::TcpStream::connect(addr).await.is_ok());
         app.finish().await;
         assert!(tokio::net::TcpStream::connect(addr).await.is_err());
