@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use clap::{Parser, ValueEnum};
 use k8s_reconcile::app::{
-    ClientArgs, LogArgs, parse_duration, parse_listen_addr, parse_positive_duration,
-    validate_dns_label,
+    ClientArgs, LogArgs, OpsBindFailure, OptionalListenAddr, parse_duration, parse_listen_addr,
+    parse_optional_listen_addr, parse_positive_duration, validate_dns_label,
 };
 use proxy_core::http_connect::HttpProxy;
 use proxy_core::upstream::Upstream;
@@ -73,13 +73,19 @@ pub struct Args {
     #[command(flatten)]
     pub client: ClientArgs,
 
-    /// Address of `/healthz` and `/readyz`.
-    #[arg(long, env = "STEWARD_HEALTH_ADDR", default_value = ":8080", value_parser = parse_listen_addr)]
-    pub health_addr: SocketAddr,
+    /// Address of `/healthz` and `/readyz` (also `/metrics`); "0" turns it off.
+    #[arg(long, env = "STEWARD_HEALTH_ADDR", default_value = ":8080", value_parser = parse_optional_listen_addr)]
+    pub health_addr: OptionalListenAddr,
 
-    /// Address of `/metrics`.
-    #[arg(long, env = "STEWARD_METRICS_ADDR", default_value = ":9090", value_parser = parse_listen_addr)]
-    pub metrics_addr: SocketAddr,
+    /// Address of `/metrics` (also `/healthz`, `/readyz`); "0" turns it off.
+    #[arg(long, env = "STEWARD_METRICS_ADDR", default_value = ":9090", value_parser = parse_optional_listen_addr)]
+    pub metrics_addr: OptionalListenAddr,
+
+    /// What a taken --health-addr or --metrics-addr port does: `exit` (stop the start) or `log`
+    /// (log it and relay without that server; for hostNetwork Pods on nodes where another program
+    /// may hold the port).
+    #[arg(long, env = "STEWARD_OPS_BIND_FAILURE", value_enum, default_value_t = OpsBindFailure::Exit)]
+    pub ops_bind_failure: OpsBindFailure,
 
     /// Only the holder of a Lease in the service namespace writes the endpoints; every replica relays.
     #[arg(long, env = "STEWARD_LEADER_ELECT")]
@@ -197,7 +203,8 @@ impl Args {
             ("--health-addr", self.health_addr),
             ("--metrics-addr", self.metrics_addr),
         ] {
-            if addr == self.listen_addr {
+            if addr == Some(self.listen_addr) {
+                let addr = self.listen_addr;
                 return Err(format!("{flag} {addr} is the same as --listen-addr"));
             }
         }

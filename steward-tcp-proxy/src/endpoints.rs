@@ -54,6 +54,9 @@ pub const NO_ENDPOINTS_WRITE: &str = "the kubernetes Endpoints object is not wri
     EndpointSlices still are); asked again every 5m";
 /// What steward does without permission to record Events.
 pub const NO_EVENTS: &str = "no Events are recorded; warnings go to the log only";
+/// What a role without `delete` on EndpointSlices (the original's) costs.
+pub const NO_PRUNE: &str = "other EndpointSlices of the kubernetes Service are left in place, \
+                            not pruned";
 
 /// What writing the `kubernetes` Endpoints needs (the applier reads, then applies); the write
 /// first, as the one a user misses.
@@ -70,6 +73,11 @@ pub fn endpoints_watch_access() -> [ResourceAccess; 2] {
         ResourceAccess::new("list", "endpoints", KUBERNETES_NAMESPACE).name(KUBERNETES_SERVICE),
         ResourceAccess::new("watch", "endpoints", KUBERNETES_NAMESPACE).name(KUBERNETES_SERVICE),
     ]
+}
+
+/// What pruning stale `kubernetes` EndpointSlices needs (the original's role lacks it).
+pub fn slice_prune_access() -> ResourceAccess {
+    ResourceAccess::new("delete", "endpointslices", KUBERNETES_NAMESPACE).group("discovery.k8s.io")
 }
 
 /// What recording an Event about the proxy Service needs.
@@ -259,6 +267,9 @@ pub struct EndpointsReconciler {
     endpoints_denied: Mutex<Option<(ResourceAccess, Instant)>>,
     /// The permission Events need, when it is missing.
     events_denied: Option<ResourceAccess>,
+    /// Pruning other slices is denied: they are left alone rather than refused one 403 per
+    /// reconcile.
+    prune_denied: bool,
 }
 
 impl EndpointsReconciler {
@@ -279,6 +290,7 @@ impl EndpointsReconciler {
             permissions,
             endpoints_denied: Mutex::new(None),
             events_denied: None,
+            prune_denied: false,
         }
     }
 
@@ -301,6 +313,16 @@ impl EndpointsReconciler {
             self.permissions.deny(access, NO_EVENTS);
         }
         self.events_denied = denied;
+        self
+    }
+
+    /// Starts with deleting EndpointSlices denied: stale slices are then not pruned.
+    #[must_use]
+    pub fn prune_denied(mut self, denied: Option<ResourceAccess>) -> Self {
+        if let Some(access) = &denied {
+            self.permissions.deny(access, NO_PRUNE);
+        }
+        self.prune_denied = denied.is_some();
         self
     }
 
@@ -483,7 +505,7 @@ impl Reconciler for EndpointsReconciler {
         };
         // The Endpoints object is written apart, so that a role without it still manages slices.
         let options = EndpointsOptions {
-            delete_other_slices: true,
+            delete_other_slices: !self.prune_denied,
             write_endpoints: false,
         };
         let written = match apply_service_endpoints(ctx.applier(), &spec, options).await {

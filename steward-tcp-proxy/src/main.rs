@@ -68,7 +68,8 @@ async fn run(args: Args) -> anyhow::Result<()> {
         .health()
         .set(UPSTREAM_CHECK, false, "not checked yet");
     let app = builder
-        .serve_ops([args.health_addr, args.metrics_addr])
+        .serve_ops([args.health_addr, args.metrics_addr].into_iter().flatten())
+        .ops_bind_failure(args.ops_bind_failure)
         .start()
         .await?;
     let health = app.health().clone();
@@ -186,6 +187,7 @@ async fn endpoints_controller(
     let cannot_watch =
         permissions::first_denied(&client, &endpoints::endpoints_watch_access()).await;
     let cannot_record = permissions::first_denied(&client, &[endpoints::events_access(&ns)]).await;
+    let cannot_prune = permissions::first_denied(&client, &[endpoints::slice_prune_access()]).await;
     if let Some(access) = &cannot_watch {
         permissions.deny(
             access,
@@ -202,7 +204,8 @@ async fn endpoints_controller(
         permissions,
     )
     .endpoints_denied(cannot_write)
-    .events_denied(cannot_record);
+    .events_denied(cannot_record)
+    .prune_denied(cannot_prune);
     let mut builder = ControllerBuilder::new(client.clone(), "endpoints", reconciler)
         .namespaced(&ns)
         .watcher_config(

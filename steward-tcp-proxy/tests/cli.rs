@@ -157,3 +157,112 @@ fn a_bad_boolean_is_a_usage_error_naming_the_value() {
         "{stderr}"
     );
 }
+
+#[tokio::test]
+async fn a_taken_ops_port_stops_the_start_unless_told_to_log_it_and_zero_turns_a_server_off() {
+    let plane = plane().await;
+    let ns = plane.create_namespace("steward-ops").await.unwrap();
+    let taken = std::net::TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).unwrap();
+    let taken_port = taken.local_addr().unwrap().port();
+    let common = [
+        format!("--service-namespace={ns}"),
+        "--service-name=absent".to_owned(),
+    ];
+    let with = |extra: &[&str]| -> Vec<String> {
+        common
+            .iter()
+            .cloned()
+            .chain(extra.iter().map(|s| (*s).to_owned()))
+            .collect()
+    };
+    let (listen, metrics) = (free_port(), free_port());
+    let texts = |health: String| {
+        [
+            format!("127.0.0.1:{listen}"),
+            health,
+            format!("127.0.0.1:{metrics}"),
+        ]
+    };
+
+    // By default the taken health port stops the start, naming the address.
+    let t = texts(format!("127.0.0.1:{taken_port}"));
+    let args = with(&[]);
+    let mut proxy = Proxy::start_with(
+        plane.kubeconfig_path(),
+        &apiserver_addr(plane),
+        &args.iter().map(String::as_str).collect::<Vec<_>>(),
+        &[],
+        Some([&t[0], &t[1], &t[2]]),
+    );
+    let mut status = None;
+    for _ in 0..500 {
+        status = proxy.child.try_wait().unwrap();
+        if status.is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let status = status.expect("steward still runs with its health port taken");
+    assert_eq!(status.code(), Some(1), "{}", proxy.logs());
+    assert!(
+        proxy.logs().contains(&format!("127.0.0.1:{taken_port}")),
+        "{}",
+        proxy.logs()
+    );
+
+    // With --ops-bind-failure=log it relays and serves /metrics on the other port.
+    let args = with(&["--ops-bind-failure=log"]);
+    let proxy = Proxy::start_with(
+        plane.kubeconfig_path(),
+        &apiserver_addr(plane),
+        &args.iter().map(String::as_str).collect::<Vec<_>>(),
+        &[],
+        Some([&t[0], &t[1], &t[2]]),
+    );
+    let metrics_addr = SocketAddr::from((Ipv4Addr::LOCALHOST, metrics));
+    eventually(
+        "/metrics served beside the taken port",
+        Duration::from_secs(10),
+        || async {
+            proxy
+                .get(metrics_addr, "/metrics")
+                .await
+                .is_some_and(|(code, _)| code == 200)
+        },
+    )
+    .await;
+    let answer = plain_http_through(SocketAddr::from((Ipv4Addr::LOCALHOST, listen))).await;
+    assert!(
+        answer.contains("HTTP request to an HTTPS server"),
+        "{answer}"
+    );
+    assert!(
+        proxy.logs().contains("running without them"),
+        "{}",
+        proxy.logs()
+    );
+    drop(proxy);
+
+    // --health-addr=0 serves no health port at all, and the rest runs.
+    let args = with(&[]);
+    let proxy = Proxy::start_with(
+        plane.kubeconfig_path(),
+        &apiserver_addr(plane),
+        &args.iter().map(String::as_str).collect::<Vec<_>>(),
+        &[],
+        Some([&t[0], "0", &t[2]]),
+    );
+    eventually("/metrics served", Duration::from_secs(10), || async {
+        proxy
+            .get(metrics_addr, "/metrics")
+            .await
+            .is_some_and(|(code, _)| code == 200)
+    })
+    .await;
+    let servers = proxy
+        .logs()
+        .matches("serving /healthz, /readyz and /metrics")
+        .count();
+    assert_eq!(servers, 1, "{}", proxy.logs());
+    drop(taken);
+}

@@ -185,6 +185,19 @@ async fn under_the_originals_narrower_cluster_role_the_slice_is_managed_without_
         .kubeconfig_as(&Identity::service_account(&ns, "steward-tcp-proxy"))
         .await
         .unwrap();
+    // A stale slice of the kubernetes Service, which the full role would prune: the narrow one
+    // has no delete, so it must be left alone, not tried.
+    let slices: Api<EndpointSlice> = Api::namespaced(client.clone(), "default");
+    let stale: EndpointSlice = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": "kubernetes-stale", "labels": {
+            "kubernetes.io/service-name": "kubernetes",
+            "endpointslice.kubernetes.io/managed-by": "steward-tcp-proxy"}},
+        "addressType": "IPv4",
+        "endpoints": [{"addresses": ["10.0.0.99"]}],
+        "ports": [{"name": "https", "port": 6443, "protocol": "TCP"}],
+    }))
+    .unwrap();
+    slices.create(&PostParams::default(), &stale).await.unwrap();
     let proxy = Proxy::start(
         &kubeconfig,
         &apiserver_addr(plane),
@@ -203,7 +216,6 @@ async fn under_the_originals_narrower_cluster_role_the_slice_is_managed_without_
     )
     .await;
     // Drift is still repaired, several times over (and the 1 s resync reconciles all along).
-    let slices: Api<EndpointSlice> = Api::namespaced(client.clone(), "default");
     for n in 0..3 {
         slices
             .patch(
@@ -233,6 +245,7 @@ async fn under_the_originals_narrower_cluster_role_the_slice_is_managed_without_
     let metrics = proxy.metrics_text().await;
     for line in [
         r#"steward_missing_permission{verb="patch",resource="endpoints",namespace="default"} 1"#,
+        r#"steward_missing_permission{verb="delete",resource="endpointslices.discovery.k8s.io",namespace="default"} 1"#,
         &format!(
             r#"steward_missing_permission{{verb="create",resource="events.events.k8s.io",namespace="{ns}"}} 1"#
         ),
@@ -257,6 +270,23 @@ async fn under_the_originals_narrower_cluster_role_the_slice_is_managed_without_
         .collect();
     assert!(forbidden.len() <= 1, "403s for steward: {forbidden:?}");
     eprintln!("forbidden requests by steward under the narrow role: {forbidden:?}");
+    let deletes: Vec<_> = plane
+        .requests_by(&user)
+        .await
+        .unwrap()
+        .into_iter()
+        .filter(|e| e.verb == "delete")
+        .map(|e| e.request_uri)
+        .collect();
+    assert!(deletes.is_empty(), "steward tried deletes: {deletes:?}");
+    assert!(
+        slices.get_opt("kubernetes-stale").await.unwrap().is_some(),
+        "the stale slice went"
+    );
+    slices
+        .delete("kubernetes-stale", &Default::default())
+        .await
+        .unwrap();
 }
 
 #[tokio::test]
@@ -302,6 +332,19 @@ async fn a_forbidden_endpoints_write_closes_the_gate_after_one_403() {
         .kubeconfig_as(&Identity::service_account(&ns, "steward-tcp-proxy"))
         .await
         .unwrap();
+    // A stale slice of the kubernetes Service, which the full role would prune: the narrow one
+    // has no delete, so it must be left alone, not tried.
+    let slices: Api<EndpointSlice> = Api::namespaced(client.clone(), "default");
+    let stale: EndpointSlice = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": "kubernetes-stale", "labels": {
+            "kubernetes.io/service-name": "kubernetes",
+            "endpointslice.kubernetes.io/managed-by": "steward-tcp-proxy"}},
+        "addressType": "IPv4",
+        "endpoints": [{"addresses": ["10.0.0.99"]}],
+        "ports": [{"name": "https", "port": 6443, "protocol": "TCP"}],
+    }))
+    .unwrap();
+    slices.create(&PostParams::default(), &stale).await.unwrap();
     let proxy = Proxy::start(
         &kubeconfig,
         &apiserver_addr(plane),

@@ -308,6 +308,20 @@ const WRONG: &[(&str, &[&str], &str)] = &[
         ],
         "serviceMonitor.enabled needs the metrics endpoint",
     ),
+    (
+        "steward-tcp-proxy",
+        &[
+            STEWARD_UPSTREAM,
+            "metricsPort=0",
+            "serviceMonitor.enabled=true",
+        ],
+        "serviceMonitor.enabled needs the metrics endpoint",
+    ),
+    (
+        "steward-tcp-proxy",
+        &[STEWARD_UPSTREAM, "opsBindFailure=ignore"],
+        "opsBindFailure",
+    ),
 ];
 
 /// kustomize trees and the namespace their unnamespaced objects land in.

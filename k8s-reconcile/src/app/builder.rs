@@ -52,6 +52,17 @@ impl ClientArgs {
     }
 }
 
+/// What a taken operations port does at [`AppBuilder::start`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum OpsBindFailure {
+    /// Stop the start with the error: the default, as a taken port is usually a mistake.
+    #[default]
+    Exit,
+    /// Log the error and run without that server, for a host-network Pod on nodes where
+    /// another program may hold the port: the work matters more than its probes and metrics.
+    Log,
+}
+
 /// What a binary registers before it starts: metrics, readiness checks and the operations
 /// addresses. Made by [`App::builder`].
 #[derive(Debug)]
@@ -59,6 +70,7 @@ pub struct AppBuilder {
     registry: Registry,
     health: Health,
     ops: Vec<SocketAddr>,
+    bind_failure: OpsBindFailure,
 }
 
 impl AppBuilder {
@@ -85,8 +97,16 @@ impl AppBuilder {
         self
     }
 
+    /// What a taken operations port does ([`OpsBindFailure::Exit`] unless set).
+    #[must_use]
+    pub fn ops_bind_failure(mut self, failure: OpsBindFailure) -> Self {
+        self.bind_failure = failure;
+        self
+    }
+
     /// Installs the SIGTERM/SIGINT handler and binds every operations address: a taken port
-    /// stops the start here, before the binary does any work. Call it inside the runtime.
+    /// stops the start here, before the binary does any work (or is logged, with
+    /// [`OpsBindFailure::Log`]). Call it inside the runtime.
     pub async fn start(self) -> Result<App, Error> {
         let shutdown = ops::shutdown_on_signals()?;
         let health = self.health;
@@ -107,13 +127,22 @@ impl AppBuilder {
         for addr in self.ops {
             let router = ops::router(health.clone(), Arc::clone(&registry));
             match ops::serve(addr, router, ops_stop.clone()).await {
-                Ok(server) => servers.push(server),
+                Ok(server) => {
+                    servers.push(server);
+                    tracing::info!(%addr, "serving /healthz, /readyz and /metrics");
+                }
+                Err(error) if self.bind_failure == OpsBindFailure::Log => {
+                    tracing::error!(
+                        %addr,
+                        error = %super::error_chain(&error),
+                        "not serving /healthz, /readyz and /metrics here; running without them"
+                    );
+                }
                 Err(error) => {
                     ops_stop.cancel();
                     return Err(error);
                 }
             }
-            tracing::info!(%addr, "serving /healthz, /readyz and /metrics");
         }
         Ok(App {
             health,
@@ -143,6 +172,7 @@ impl App {
             registry: super::metrics_registry(binary, version),
             health: Health::new(),
             ops: Vec::new(),
+            bind_failure: OpsBindFailure::Exit,
         }
     }
 
@@ -202,6 +232,22 @@ mod tests {
             rebound.is_some(),
             "{free_addr} still taken after a failed start"
         );
+    }
+
+    #[tokio::test]
+    async fn with_log_a_taken_ops_port_is_skipped_and_the_others_serve() {
+        let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let free = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let free_addr = free.local_addr().unwrap();
+        drop(free);
+        let app = App::builder("t", "0")
+            .serve_ops([taken.local_addr().unwrap(), free_addr])
+            .ops_bind_failure(OpsBindFailure::Log)
+            .start()
+            .await
+            .unwrap();
+        assert!(tokio::net::TcpStream::connect(free_addr).await.is_ok());
+        app.finish().await;
     }
 
     #[tokio::test]

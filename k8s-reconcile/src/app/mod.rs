@@ -60,7 +60,7 @@ pub mod process;
 pub mod rest;
 pub mod values;
 
-pub use builder::{App, AppBuilder, ClientArgs};
+pub use builder::{App, AppBuilder, ClientArgs, OpsBindFailure};
 pub use flags::{go_bool_flags, parse_args, try_parse_args_from};
 pub use logging::{LogArgs, LogFormat, init_logging, parse_log_level};
 pub use process::{

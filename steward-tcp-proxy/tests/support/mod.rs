@@ -46,8 +46,11 @@ impl Proxy {
         listen: Option<[&str; 3]>,
     ) -> Self {
         let [listen, health, metrics] = match listen {
+            // "0" (a server turned off) has no port.
             Some(texts) => texts.map(|t| {
-                let port = t.rsplit_once(':').unwrap().1.parse::<u16>().unwrap();
+                let port = t
+                    .rsplit_once(':')
+                    .map_or(0, |(_, p)| p.parse::<u16>().unwrap());
                 (t.to_owned(), SocketAddr::from((Ipv4Addr::LOCALHOST, port)))
             }),
             None => [(); 3].map(|()| {
