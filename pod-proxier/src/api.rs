@@ -13,7 +13,7 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use http::HeaderMap;
-use serde_json::{Value, json};
+use serde_json::Value;
 
 use crate::config::Settings;
 use crate::crd::MappingKind;
@@ -101,7 +101,7 @@ async fn banner() -> &'static str {
 }
 
 async fn health() -> Response {
-    error::ok(json!("pong"))
+    error::ok("pong")
 }
 
 async fn openapi(State(state): Shared) -> Response {
@@ -456,7 +456,7 @@ async fn list_v1(
     let caller = state.auth.authenticate(&headers).await?;
     Fields::parse(query.as_deref().unwrap_or(""), &[], "query")?;
     let views = visible(&state, &caller, MappingKind::Pod, None).await?;
-    Ok(error::ok(json!(views)))
+    Ok(error::ok(views))
 }
 
 fn v2_enabled(state: &AppState) -> Result<(), ApiError> {
@@ -484,7 +484,7 @@ async fn list_v2(
         in_scope(&state.settings, ns)?;
     }
     let views = visible(&state, &caller, MappingKind::Service, namespace).await?;
-    Ok(error::ok(json!(views)))
+    Ok(error::ok(views))
 }
 
 async fn get_v2(
@@ -520,7 +520,7 @@ async fn get_v2(
         .map(|m| MappingView::of(m, now))
         .collect();
     match views.into_iter().next() {
-        Some(view) => Ok(error::ok(json!(view))),
+        Some(view) => Ok(error::ok(view)),
         None => Err(ApiError::NotFound {
             msg: format!(
                 "service {service} has no published port (no port named {:?}, or not reconciled yet)",

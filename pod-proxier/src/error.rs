@@ -4,7 +4,7 @@
 use axum::Json;
 use axum::response::{IntoResponse, Response};
 use http::StatusCode;
-use serde_json::{Value, json};
+use serde::Serialize;
 
 use k8s_reconcile::app::rest::RequestError;
 use k8s_reconcile::auth::AuthError;
@@ -132,12 +132,24 @@ impl ApiError {
     }
 }
 
+/// The `{"code","msg","data"}` envelope of every answer. The fields are in the order the
+/// answers have always had on the wire (alphabetical, as a `serde_json` map wrote them).
+#[derive(Debug, Serialize)]
+struct Envelope<'a, T> {
+    code: i64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    data: Option<T>,
+    msg: &'a str,
+}
+
 /// A JSON envelope with `status`.
-pub fn envelope(status: StatusCode, code: i64, msg: &str, data: Option<Value>) -> Response {
-    let mut body = json!({"code": code, "msg": msg});
-    if let (Some(data), Some(map)) = (data, body.as_object_mut()) {
-        map.insert("data".to_owned(), data);
-    }
+pub fn envelope<T: Serialize>(
+    status: StatusCode,
+    code: i64,
+    msg: &str,
+    data: Option<T>,
+) -> Response {
+    let body = Envelope { code, data, msg };
     let mut response = (status, Json(body)).into_response();
     if status == StatusCode::UNAUTHORIZED {
         response.headers_mut().insert(
@@ -149,14 +161,14 @@ pub fn envelope(status: StatusCode, code: i64, msg: &str, data: Option<Value>) -
 }
 
 /// A success envelope.
-pub fn ok(data: Value) -> Response {
+pub fn ok<T: Serialize>(data: T) -> Response {
     envelope(StatusCode::OK, CODE_OK, MSG_OK, Some(data))
 }
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let data = match &self {
-            ApiError::NotFound { data, .. } => data.clone().map(Value::String),
+            ApiError::NotFound { data, .. } => data.clone(),
             _ => None,
         };
         if matches!(

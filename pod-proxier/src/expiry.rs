@@ -45,6 +45,12 @@ pub fn desired_status(mapping: &PortMapping) -> PortMappingStatus {
     }
 }
 
+/// A merge patch of a PortMapping's status.
+#[derive(Debug, serde::Serialize)]
+struct StatusPatch<'a> {
+    status: &'a PortMappingStatus,
+}
+
 /// The first wait after the API refused a status write, doubled up to [`STATUS_RETRY_MAX`].
 const STATUS_RETRY_FIRST: Duration = Duration::from_secs(1);
 const STATUS_RETRY_MAX: Duration = Duration::from_secs(60);
@@ -74,7 +80,7 @@ pub async fn sweep_expired(api: Api<PortMapping>, mappings: Mappings, stop: Canc
                     .get(&name)
                     .is_none_or(|(at, _)| Instant::now() >= *at);
                 if stale && due && written.get(&name) != Some(&version) {
-                    let patch = serde_json::json!({"status": status});
+                    let patch = StatusPatch { status: &status };
                     match api
                         .patch_status(&name, &PatchParams::default(), &Patch::Merge(&patch))
                         .await

@@ -26,40 +26,57 @@ pub const DEFAULT_TTL_SECONDS: u64 = 60;
 /// How long a write waits for the local data plane before answering.
 const APPLY_WAIT: Duration = Duration::from_secs(3);
 
-/// A mapping as the API shows it.
+/// A mapping as the API shows it: the OpenAPI schema `Mapping`, with the answer-specific fields
+/// (`extended`, `replaced`, `ttl_seconds` of a POST, `mapped` of a GET) absent elsewhere.
+///
+/// The fields are in alphabetical order on purpose: the answers used to be `serde_json` maps,
+/// which write their keys sorted, and this keeps the bytes on the wire the same.
 #[derive(Debug, Clone, Serialize)]
 pub struct MappingView {
-    /// The PortMapping's name.
-    pub name: String,
-    /// `pod` or `service`.
-    pub kind: &'static str,
-    /// `namespace/pod` (V1).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub pod_name: Option<String>,
-    /// `namespace/service` (V2).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub service: Option<String>,
-    /// The port name that selected the target port, if any.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub port_name: Option<String>,
-    /// The target port.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub target_port: Option<i32>,
+    /// Whether established connections are closed when the mapping changes or ends.
+    pub close_connections: bool,
     /// The port to connect to.
     pub entry_port: i32,
-    /// Where connections go.
-    pub upstreams: Vec<String>,
     /// When the mapping ends (V1).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub expires_at: Option<String>,
+    /// POST only: the pod was mapped already and got a new deadline.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub extended: Option<bool>,
+    /// `pod` or `service`.
+    pub kind: &'static str,
+    /// GET of one pod only: always true (an unmapped pod answers [`Unmapped`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mapped: Option<bool>,
+    /// The PortMapping's name.
+    pub name: String,
+    /// `namespace/pod` (V1).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pod_name: Option<String>,
+    /// The port name that selected the target port, if any.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub port_name: Option<String>,
     /// Seconds left (V1), rounded up.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub remaining_seconds: Option<i64>,
-    /// Whether established connections are closed when the mapping changes or ends.
-    pub close_connections: bool,
+    /// POST only: the pod this mapping replaced, `null` when it replaced none (the outer
+    /// `None` leaves the key out).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub replaced: Option<Option<String>>,
     /// Who created it.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub requested_by: Option<String>,
+    /// `namespace/service` (V2).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub service: Option<String>,
+    /// The target port.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub target_port: Option<i32>,
+    /// POST only: the TTL asked for, in seconds.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ttl_seconds: Option<u64>,
+    /// Where connections go.
+    pub upstreams: Vec<String>,
 }
 
 impl MappingView {
@@ -69,20 +86,66 @@ impl MappingView {
         let qualified = format!("{}/{}", spec.target.namespace, spec.target.name);
         let deadline = expiry_millis(mapping);
         Self {
-            name: mapping.name_any(),
-            kind: spec.kind.label(),
-            pod_name: (spec.kind == MappingKind::Pod).then(|| qualified.clone()),
-            service: (spec.kind == MappingKind::Service).then_some(qualified),
-            port_name: spec.target.port_name.clone(),
-            target_port: spec.target.port,
-            entry_port: spec.entry_port,
-            upstreams: spec.upstreams.clone(),
-            expires_at: deadline.map(format_millis),
-            remaining_seconds: deadline.map(|d| ((d - now).max(0) + 999) / 1000),
             close_connections: spec.close_connections,
+            entry_port: spec.entry_port,
+            expires_at: deadline.map(format_millis),
+            extended: None,
+            kind: spec.kind.label(),
+            mapped: None,
+            name: mapping.name_any(),
+            pod_name: (spec.kind == MappingKind::Pod).then(|| qualified.clone()),
+            port_name: spec.target.port_name.clone(),
+            remaining_seconds: deadline.map(|d| ((d - now).max(0) + 999) / 1000),
+            replaced: None,
             requested_by: spec.requested_by.clone(),
+            service: (spec.kind == MappingKind::Service).then_some(qualified),
+            target_port: spec.target.port,
+            ttl_seconds: None,
+            upstreams: spec.upstreams.clone(),
         }
     }
+
+    /// The answer to a POST: what it replaced, the TTL asked for, and whether it only set a
+    /// new deadline.
+    pub fn posted(self, replaced: Option<String>, ttl: Duration, extended: bool) -> Self {
+        Self {
+            replaced: Some(replaced),
+            ttl_seconds: Some(ttl.as_secs()),
+            extended: Some(extended),
+            ..self
+        }
+    }
+
+    /// The answer to a GET of a mapped pod.
+    pub fn queried(self) -> Self {
+        Self {
+            mapped: Some(true),
+            ..self
+        }
+    }
+}
+
+/// The answer about a pod without a mapping: a GET (no `entry_port`) or a DELETE. Fields in
+/// alphabetical order, as on the wire (see [`MappingView`]).
+#[derive(Debug, Clone, Serialize)]
+pub struct Unmapped {
+    /// The V1 entry port it was mapped to (DELETE only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub entry_port: Option<u16>,
+    /// Always false.
+    pub mapped: bool,
+    /// `namespace/pod`.
+    pub pod_name: String,
+}
+
+/// The answer to a GET of one pod.
+#[derive(Debug, Clone, Serialize)]
+#[serde(untagged)]
+pub enum PodMapping {
+    /// Mapped: the mapping, with `mapped: true`.
+    Mapped(Box<MappingView>),
+    /// Not mapped.
+    Unmapped(Unmapped),
 }
 
 /// The V1 operations.
@@ -135,7 +198,7 @@ impl V1 {
         ttl: Duration,
         close_connections: bool,
         requested_by: &str,
-    ) -> Result<serde_json::Value, ApiError> {
+    ) -> Result<MappingView, ApiError> {
         let qualified = format!("{namespace}/{pod_name}");
         let pod = self
             .pod(namespace, pod_name)
@@ -225,14 +288,7 @@ impl V1 {
             .filter(|p| !same_pod(p))
             .map(|p| format!("{}/{}", p.spec.target.namespace, p.spec.target.name));
         tracing::info!(pod = %qualified, %target, entry_port = self.settings.entry_port, ttl_seconds = ttl.as_secs(), user = requested_by, "pod mapped");
-        let mut view = serde_json::to_value(MappingView::of(&written, now_millis()))
-            .unwrap_or_else(|_| json!({}));
-        if let Some(map) = view.as_object_mut() {
-            map.insert("replaced".to_owned(), json!(replaced));
-            map.insert("ttl_seconds".to_owned(), json!(ttl.as_secs()));
-            map.insert("extended".to_owned(), json!(extended));
-        }
-        Ok(view)
+        Ok(MappingView::of(&written, now_millis()).posted(replaced, ttl, extended))
     }
 
     /// The mapping of `namespace/pod`, if it is the current one.
@@ -242,11 +298,7 @@ impl V1 {
     }
 
     /// Whether the pod exists, and its mapping if it is mapped.
-    pub async fn query(
-        &self,
-        namespace: &str,
-        pod_name: &str,
-    ) -> Result<serde_json::Value, ApiError> {
+    pub async fn query(&self, namespace: &str, pod_name: &str) -> Result<PodMapping, ApiError> {
         let qualified = format!("{namespace}/{pod_name}");
         if self.pod(namespace, pod_name).await?.is_none() {
             return Err(ApiError::NotFound {
@@ -257,14 +309,13 @@ impl V1 {
         }
         Ok(match self.mapping_of(namespace, pod_name) {
             Some(mapping) => {
-                let mut view = serde_json::to_value(MappingView::of(&mapping, now_millis()))
-                    .unwrap_or_else(|_| json!({}));
-                if let Some(map) = view.as_object_mut() {
-                    map.insert("mapped".to_owned(), json!(true));
-                }
-                view
+                PodMapping::Mapped(Box::new(MappingView::of(&mapping, now_millis()).queried()))
             }
-            None => json!({"pod_name": qualified, "mapped": false}),
+            None => PodMapping::Unmapped(Unmapped {
+                entry_port: None,
+                mapped: false,
+                pod_name: qualified,
+            }),
         })
     }
 
@@ -274,7 +325,7 @@ impl V1 {
         namespace: &str,
         pod_name: &str,
         close_connections: bool,
-    ) -> Result<serde_json::Value, ApiError> {
+    ) -> Result<Unmapped, ApiError> {
         let qualified = format!("{namespace}/{pod_name}");
         let Some(mapping) = self.mapping_of(namespace, pod_name) else {
             return Err(ApiError::NotFound {
@@ -327,7 +378,11 @@ impl V1 {
         }
         self.mappings.wait_applied(&name, None, APPLY_WAIT).await;
         tracing::info!(pod = %qualified, "pod unmapped");
-        Ok(json!({"pod_name": qualified, "entry_port": self.settings.entry_port, "mapped": false}))
+        Ok(Unmapped {
+            entry_port: Some(self.settings.entry_port),
+            mapped: false,
+            pod_name: qualified,
+        })
     }
 }
 
@@ -336,4 +391,141 @@ fn conflict(qualified: &str) -> ApiError {
     ApiError::Conflict(format!(
         "the mapping of {qualified} changed meanwhile; read it again"
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    use super::*;
+    use axum::response::{IntoResponse as _, Response};
+
+    use crate::error::{self, CODE_NOT_FOUND};
+
+    /// The bytes of an answer's body.
+    fn body(response: Response) -> String {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let bytes = runtime
+            .block_on(axum::body::to_bytes(response.into_body(), 1 << 20))
+            .unwrap();
+        String::from_utf8(bytes.to_vec()).unwrap()
+    }
+
+    const DEADLINE: i64 = 1_700_000_000_123;
+    const NOW: i64 = DEADLINE - 59_500;
+
+    fn pod_mapping() -> PortMapping {
+        PortMapping::owned(
+            "v1-entry-8849",
+            "state",
+            PortMappingSpec {
+                kind: MappingKind::Pod,
+                target: MappingTarget {
+                    namespace: "default".into(),
+                    name: "web-0".into(),
+                    port_name: Some("jprofiler-port".into()),
+                    port: Some(8849),
+                },
+                entry_port: 8849,
+                upstreams: vec!["10.1.2.3:8849".into(), "[fd00::1]:8849".into()],
+                expires_at: Some(format_millis(DEADLINE)),
+                close_connections: true,
+                requested_by: Some("alice".into()),
+            },
+        )
+    }
+
+    fn service_mapping() -> PortMapping {
+        PortMapping::owned(
+            "svc.default.svc.debug",
+            "state",
+            PortMappingSpec {
+                kind: MappingKind::Service,
+                target: MappingTarget {
+                    namespace: "default".into(),
+                    name: "svc".into(),
+                    port_name: Some("debug".into()),
+                    port: Some(80),
+                },
+                entry_port: 9000,
+                upstreams: vec![],
+                expires_at: None,
+                close_connections: false,
+                requested_by: None,
+            },
+        )
+    }
+
+    /// Every kind of answer, byte for byte as the API wrote it when the answers were
+    /// `serde_json::Value` maps with keys patched in (sorted keys, `replaced: null`).
+    #[test]
+    fn answers_keep_their_bytes_on_the_wire() {
+        let ttl = Duration::from_secs(60);
+        let posted = |replaced: Option<&str>| {
+            let view = MappingView::of(&pod_mapping(), NOW);
+            body(error::ok(view.posted(
+                replaced.map(str::to_owned),
+                ttl,
+                false,
+            )))
+        };
+        assert_eq!(
+            posted(None),
+            r#"{"code":10000,"data":{"close_connections":true,"entry_port":8849,"expires_at":"2023-11-14T22:13:20.123Z","extended":false,"kind":"pod","name":"v1-entry-8849","pod_name":"default/web-0","port_name":"jprofiler-port","remaining_seconds":60,"replaced":null,"requested_by":"alice","target_port":8849,"ttl_seconds":60,"upstreams":["10.1.2.3:8849","[fd00::1]:8849"]},"msg":"operation succeeded"}"#
+        );
+        assert_eq!(
+            posted(Some("default/old")),
+            r#"{"code":10000,"data":{"close_connections":true,"entry_port":8849,"expires_at":"2023-11-14T22:13:20.123Z","extended":false,"kind":"pod","name":"v1-entry-8849","pod_name":"default/web-0","port_name":"jprofiler-port","remaining_seconds":60,"replaced":"default/old","requested_by":"alice","target_port":8849,"ttl_seconds":60,"upstreams":["10.1.2.3:8849","[fd00::1]:8849"]},"msg":"operation succeeded"}"#
+        );
+        let queried = PodMapping::Mapped(Box::new(MappingView::of(&pod_mapping(), NOW).queried()));
+        assert_eq!(
+            body(error::ok(queried)),
+            r#"{"code":10000,"data":{"close_connections":true,"entry_port":8849,"expires_at":"2023-11-14T22:13:20.123Z","kind":"pod","mapped":true,"name":"v1-entry-8849","pod_name":"default/web-0","port_name":"jprofiler-port","remaining_seconds":60,"requested_by":"alice","target_port":8849,"upstreams":["10.1.2.3:8849","[fd00::1]:8849"]},"msg":"operation succeeded"}"#
+        );
+        let unmapped = PodMapping::Unmapped(Unmapped {
+            entry_port: None,
+            mapped: false,
+            pod_name: "default/web-0".into(),
+        });
+        assert_eq!(
+            body(error::ok(unmapped)),
+            r#"{"code":10000,"data":{"mapped":false,"pod_name":"default/web-0"},"msg":"operation succeeded"}"#
+        );
+        let deleted = Unmapped {
+            entry_port: Some(8849),
+            mapped: false,
+            pod_name: "default/web-0".into(),
+        };
+        assert_eq!(
+            body(error::ok(deleted)),
+            r#"{"code":10000,"data":{"entry_port":8849,"mapped":false,"pod_name":"default/web-0"},"msg":"operation succeeded"}"#
+        );
+        let service = MappingView::of(&service_mapping(), NOW);
+        assert_eq!(
+            body(error::ok(vec![service.clone()])),
+            r#"{"code":10000,"data":[{"close_connections":false,"entry_port":9000,"kind":"service","name":"svc.default.svc.debug","port_name":"debug","service":"default/svc","target_port":80,"upstreams":[]}],"msg":"operation succeeded"}"#
+        );
+        assert_eq!(
+            body(error::ok(service)),
+            r#"{"code":10000,"data":{"close_connections":false,"entry_port":9000,"kind":"service","name":"svc.default.svc.debug","port_name":"debug","service":"default/svc","target_port":80,"upstreams":[]},"msg":"operation succeeded"}"#
+        );
+        assert_eq!(
+            body(error::ok("pong")),
+            r#"{"code":10000,"data":"pong","msg":"operation succeeded"}"#
+        );
+        let not_found = ApiError::NotFound {
+            msg: "x".into(),
+            code: CODE_NOT_FOUND,
+            data: Some("a/b".into()),
+        };
+        assert_eq!(
+            body(not_found.into_response()),
+            r#"{"code":40004,"data":"a/b","msg":"x"}"#
+        );
+        assert_eq!(
+            body(ApiError::BadRequest("bad".into()).into_response()),
+            r#"{"code":10001,"msg":"bad"}"#
+        );
+    }
 }
