@@ -15,13 +15,13 @@ use axum::routing::get;
 use http::HeaderMap;
 use serde_json::Value;
 
-use crate::config::Settings;
 use crate::crd::MappingKind;
 use crate::error::{self, ApiError};
 use crate::forwarding::Mappings;
 use crate::metrics::{Metrics, RequestLabels};
 use crate::names;
 use crate::pod_mappings::{DEFAULT_TTL_SECONDS, MappingView, V1};
+use crate::settings::{MappingPolicy, Settings, V2Policy};
 use crate::ttl::{is_expired, now_millis};
 use k8s_reconcile::app::rest::{self, Fields};
 use k8s_reconcile::auth::{Authenticator, Caller, ResourceAccess};
@@ -44,8 +44,8 @@ type Shared = State<Arc<AppState>>;
 
 /// The API router.
 pub fn router(state: Arc<AppState>) -> Router {
-    let timeout = state.settings.request_timeout;
-    let limit = state.settings.max_body_bytes;
+    let timeout = state.settings.api.request_timeout;
+    let limit = state.settings.api.max_body_bytes;
     Router::new()
         .route("/", get(banner))
         .route("/health", get(health))
@@ -312,13 +312,13 @@ fn v1(state: &AppState) -> Result<&V1, ApiError> {
 }
 
 /// Refuses a namespace outside --allowed-namespaces.
-fn in_scope(settings: &Settings, namespace: &str) -> Result<(), ApiError> {
-    if settings.namespace_allowed(namespace) {
+fn in_scope(policy: &MappingPolicy, namespace: &str) -> Result<(), ApiError> {
+    if policy.namespace_allowed(namespace) {
         return Ok(());
     }
     Err(ApiError::OutOfScope(format!(
         "namespace {namespace:?} is not served by this pod-proxier (allowed: {})",
-        settings.allowed_namespaces.join(", ")
+        policy.allowed_namespaces.join(", ")
     )))
 }
 
@@ -336,14 +336,14 @@ async fn post_mapping(
 ) -> Result<Response, ApiError> {
     let v1 = v1(&state)?;
     let caller = state.auth.authenticate(&headers).await?;
-    let body = rest::read_body(body, state.settings.max_body_bytes)?;
+    let body = rest::read_body(body, state.settings.api.max_body_bytes)?;
     let request = parse_mapping_request(
         &headers,
         query.as_deref(),
         &body,
-        state.settings.max_mapping_time,
+        state.settings.policy.max_mapping_time,
     )?;
-    in_scope(&state.settings, &request.namespace)?;
+    in_scope(&state.settings.policy, &request.namespace)?;
     state
         .auth
         .authorize(&caller, &portforward(&request.namespace, &request.pod))
@@ -378,7 +378,7 @@ async fn get_mapping(
     let v1 = v1(&state)?;
     let caller = state.auth.authenticate(&headers).await?;
     let (namespace, pod, _) = pod_from_query(query.as_deref(), &["pod_name"])?;
-    in_scope(&state.settings, &namespace)?;
+    in_scope(&state.settings.policy, &namespace)?;
     state
         .auth
         .authorize(&caller, &portforward(&namespace, &pod))
@@ -396,7 +396,7 @@ async fn delete_mapping(
     let (namespace, pod, fields) =
         pod_from_query(query.as_deref(), &["pod_name", "close_connections"])?;
     let close = fields.flag("close_connections")?;
-    in_scope(&state.settings, &namespace)?;
+    in_scope(&state.settings.policy, &namespace)?;
     state
         .auth
         .authorize(&caller, &portforward(&namespace, &pod))
@@ -417,7 +417,12 @@ async fn visible(
         .all()
         .into_iter()
         .filter(|m| m.spec.kind == kind && !is_expired(m, now))
-        .filter(|m| state.settings.namespace_allowed(&m.spec.target.namespace))
+        .filter(|m| {
+            state
+                .settings
+                .policy
+                .namespace_allowed(&m.spec.target.namespace)
+        })
         .filter(|m| namespace.is_none_or(|ns| m.spec.target.namespace == ns))
         .collect();
     mappings.sort_by_key(|m| m.spec.entry_port);
@@ -459,14 +464,10 @@ async fn list_v1(
     Ok(error::ok(views))
 }
 
-fn v2_enabled(state: &AppState) -> Result<(), ApiError> {
-    if state.settings.enable_v2 {
-        Ok(())
-    } else {
-        Err(ApiError::Disabled(
-            "V2 is disabled: start pod-proxier with --enable-v2".to_owned(),
-        ))
-    }
+fn v2(state: &AppState) -> Result<&V2Policy, ApiError> {
+    state.settings.policy.v2.as_ref().ok_or_else(|| {
+        ApiError::Disabled("V2 is disabled: start pod-proxier with --enable-v2".to_owned())
+    })
 }
 
 async fn list_v2(
@@ -474,14 +475,14 @@ async fn list_v2(
     headers: HeaderMap,
     RawQuery(query): RawQuery,
 ) -> Result<Response, ApiError> {
-    v2_enabled(&state)?;
+    v2(&state)?;
     let caller = state.auth.authenticate(&headers).await?;
     let fields = Fields::parse(query.as_deref().unwrap_or(""), &["namespace"], "query")?;
     let namespace = fields.get("namespace");
     if let Some(ns) = namespace {
         k8s_reconcile::app::validate_dns_label(ns)
             .map_err(|e| ApiError::BadRequest(format!("namespace {ns:?}: {e}")))?;
-        in_scope(&state.settings, ns)?;
+        in_scope(&state.settings.policy, ns)?;
     }
     let views = visible(&state, &caller, MappingKind::Service, namespace).await?;
     Ok(error::ok(views))
@@ -492,14 +493,14 @@ async fn get_v2(
     headers: HeaderMap,
     RawQuery(query): RawQuery,
 ) -> Result<Response, ApiError> {
-    v2_enabled(&state)?;
+    let policy = v2(&state)?;
     let caller = state.auth.authenticate(&headers).await?;
     let fields = Fields::parse(query.as_deref().unwrap_or(""), &["service"], "query")?;
     let service = fields.get("service").ok_or_else(|| {
         ApiError::BadRequest("service is required, as <namespace>/<service>".to_owned())
     })?;
     let (namespace, name) = names::parse_service_name(service).map_err(ApiError::BadRequest)?;
-    in_scope(&state.settings, &namespace)?;
+    in_scope(&state.settings.policy, &namespace)?;
     state
         .auth
         .authorize(
@@ -524,7 +525,7 @@ async fn get_v2(
         None => Err(ApiError::NotFound {
             msg: format!(
                 "service {service} has no published port (no port named {:?}, or not reconciled yet)",
-                state.settings.v2_port_name
+                policy.port_name
             ),
             code: error::CODE_NOT_FOUND,
             data: Some(service.to_owned()),

@@ -13,20 +13,20 @@ use k8s_reconcile::ops::{self, Health};
 use kube::Client;
 use kube::api::{Api, ListParams};
 use proxy_core::metrics::PrometheusObserver;
-use proxy_core::upstream::HealthCheck;
 
 use crate::api::{AppState, router};
-use crate::config::{AuthMode, BackendKind, Settings};
+use crate::config::{AuthMode, BackendKind};
 use crate::crd::CONTROLLER;
 use crate::crd::PortMapping;
 use crate::dataplane::embedded::EmbeddedPlane;
-use crate::dataplane::haproxy::HaproxyPlane;
+use crate::dataplane::haproxy::{HaproxyError, HaproxyPlane};
 use crate::dataplane::{DataPlane, DesiredPorts, PortRoute};
 use crate::expiry::sweep_expired;
 use crate::forwarding::spawn_sync_loop;
 use crate::metrics::Metrics;
 use crate::pod_mappings::V1;
 use crate::service_ports::{V2Inputs, V2Reconciler};
+use crate::settings::Settings;
 use k8s_reconcile::auth::Authenticator;
 
 /// How to try pod-proxier without a cluster, shown whenever none is reachable.
@@ -67,11 +67,31 @@ pub enum StartError {
     #[error("Kubernetes API call failed at start: {0}")]
     Kube(kube::Error),
     /// The data plane could not start.
-    #[error("data plane: {0}")]
-    DataPlane(String),
+    #[error("data plane")]
+    DataPlane(#[source] DataPlaneError),
     /// Operations server, signals, leader election.
     #[error(transparent)]
     Framework(#[from] k8s_reconcile::Error),
+}
+
+/// Why the data plane could not start.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum DataPlaneError {
+    /// proxy-core refused its configuration.
+    #[error("starting the embedded proxy")]
+    Embedded(#[source] proxy_core::ServerError),
+    /// HAProxy cannot be driven.
+    #[error("driving HAProxy")]
+    Haproxy(#[source] HaproxyError),
+    /// The V1 entry port cannot be bound (taken, say).
+    #[error("V1 entry port {port}: {message}")]
+    EntryPort {
+        /// The port.
+        port: u16,
+        /// What the data plane reported.
+        message: String,
+    },
 }
 
 /// A client from `--kubeconfig`, or the usual inference.
@@ -93,20 +113,22 @@ pub async fn run(settings: Settings) -> Result<(), StartError> {
     for warning in &settings.warnings {
         tracing::warn!("{warning}");
     }
-    if settings.auth == AuthMode::None {
+    if settings.api.auth == AuthMode::None {
         tracing::warn!(
             "--auth=none: the API is open to anyone who can reach {}; use only for local trials",
-            settings.api_addr
+            settings.api.addr
         );
     }
     let settings = Arc::new(settings);
-    let client = client(settings.kubeconfig.as_deref()).await?;
-    let api: Api<PortMapping> = Api::namespaced(client.clone(), &settings.state_namespace);
+    let client = client(settings.cluster.kubeconfig.as_deref()).await?;
+    let api: Api<PortMapping> = Api::namespaced(client.clone(), &settings.cluster.state_namespace);
     match api.list(&ListParams::default().limit(1)).await {
         Ok(_) => {}
         Err(kube::Error::Api(status)) if status.code == 404 => return Err(StartError::CrdMissing),
         Err(kube::Error::Api(status)) if status.code == 403 => {
-            return Err(StartError::Forbidden(settings.state_namespace.clone()));
+            return Err(StartError::Forbidden(
+                settings.cluster.state_namespace.clone(),
+            ));
         }
         Err(err) => return Err(StartError::Kube(err)),
     }
@@ -119,42 +141,39 @@ pub async fn run(settings: Settings) -> Result<(), StartError> {
     let registry = Arc::new(registry);
     let health = Health::new();
 
-    let plane = match settings.backend {
-        BackendKind::Embedded => {
-            let check = match settings.health_check {
-                Some((interval, timeout)) => Some(
-                    HealthCheck::new(interval, timeout, 1, 2)
-                        .map_err(|e| StartError::DataPlane(e.to_string()))?,
-                ),
-                None => None,
-            };
-            DataPlane::Embedded(
-                EmbeddedPlane::new(settings.listen_ip, observer, check, settings.drain_timeout)
-                    .map_err(|e| StartError::DataPlane(e.to_string()))?,
+    let plane = match settings.plane.backend {
+        BackendKind::Embedded => DataPlane::Embedded(
+            EmbeddedPlane::new(
+                settings.plane.listen_ip,
+                observer,
+                settings.plane.health_check,
+                settings.plane.drain_timeout,
             )
-        }
+            .map_err(|e| StartError::DataPlane(DataPlaneError::Embedded(e)))?,
+        ),
         BackendKind::Haproxy => DataPlane::Haproxy(
             HaproxyPlane::connect(&settings)
                 .await
-                .map_err(|e| StartError::DataPlane(e.to_string()))?,
+                .map_err(|e| StartError::DataPlane(DataPlaneError::Haproxy(e)))?,
         ),
     };
     let plane = Arc::new(plane);
-    if settings.enable_v1 {
+    if let Some(v1) = &settings.policy.v1 {
         // Bind the V1 entry port now, so a taken port stops the start instead of a log line.
-        let idle: DesiredPorts = [(settings.entry_port, PortRoute::idle())].into();
+        let idle: DesiredPorts = [(v1.entry_port, PortRoute::idle())].into();
         if let Some(error) = plane.sync(&idle).await.into_iter().next() {
-            return Err(StartError::DataPlane(format!(
-                "V1 entry port {}: {}",
-                error.port, error.message
-            )));
+            return Err(StartError::DataPlane(DataPlaneError::EntryPort {
+                port: error.port,
+                message: error.message,
+            }));
         }
     }
 
     let shutdown = ops::shutdown_on_signals()?;
     let (mappings, sync_task) = spawn_sync_loop(
         api.clone(),
-        Arc::clone(&settings),
+        settings.policy.clone(),
+        settings.plane.health_check.is_some(),
         Arc::clone(&plane),
         metrics.clone(),
         health.clone(),
@@ -180,13 +199,14 @@ pub async fn run(settings: Settings) -> Result<(), StartError> {
 
     let state = Arc::new(AppState {
         settings: Arc::clone(&settings),
-        auth: match settings.auth {
+        auth: match settings.api.auth {
             AuthMode::None => Authenticator::allow_all("anonymous (--auth=none)"),
             AuthMode::Kubernetes => Authenticator::new(client.clone()),
         },
-        v1: settings.enable_v1.then(|| {
+        v1: settings.policy.v1.clone().map(|policy| {
             V1::new(
-                Arc::clone(&settings),
+                policy,
+                settings.cluster.state_namespace.clone(),
                 client.clone(),
                 api.clone(),
                 mappings.clone(),
@@ -195,12 +215,12 @@ pub async fn run(settings: Settings) -> Result<(), StartError> {
         mappings,
         metrics,
     });
-    let listener = rest::bind_api(settings.api_addr).await?;
+    let listener = rest::bind_api(settings.api.addr).await?;
     let limits = ApiLimits {
-        header_read_timeout: settings.header_read_timeout,
-        max_connections: settings.max_api_connections,
+        header_read_timeout: settings.api.header_read_timeout,
+        max_connections: settings.api.max_connections,
         busy_body: BUSY_BODY,
-        drain_timeout: settings.request_timeout,
+        drain_timeout: settings.api.request_timeout,
     };
     let api_task = tokio::spawn(rest::serve_api(
         listener,
@@ -214,23 +234,25 @@ pub async fn run(settings: Settings) -> Result<(), StartError> {
         shutdown.clone(),
     )
     .await?;
+    let policy = &settings.policy;
     tracing::info!(
-        api = %settings.api_addr,
+        api = %settings.api.addr,
         metrics = %settings.metrics_addr,
-        v1 = settings.enable_v1,
-        v2 = settings.enable_v2,
-        entry_port = settings.entry_port,
-        range = %format!("{}-{}", settings.port_range.0, settings.port_range.1),
-        backend = ?settings.backend,
+        v1 = policy.v1.is_some(),
+        v2 = policy.v2.is_some(),
+        entry_port = ?policy.v1.as_ref().map(|v1| v1.entry_port),
+        range = ?policy.v2.as_ref().map(|v2| v2.port_range.to_string()),
+        backend = ?settings.plane.backend,
         "pod-proxier started"
     );
 
     shutdown.cancelled().await;
-    tracing::info!(drain = ?settings.drain_timeout, "shutting down: API closed, draining connections");
+    let drain = settings.plane.drain_timeout;
+    tracing::info!(?drain, "shutting down: API closed, draining connections");
     let _ = api_task.await;
     let _ = leader_task.await;
     let _ = sync_task.await;
-    plane.shutdown(settings.drain_timeout).await;
+    plane.shutdown(drain).await;
     let _ = ops_task.await;
     Ok(())
 }
@@ -243,18 +265,21 @@ async fn lead(
     shutdown: tokio_util::sync::CancellationToken,
 ) -> Result<(), k8s_reconcile::Error> {
     let settings = Arc::clone(&inputs.settings);
+    let cluster = &settings.cluster;
     let lease = LeaseConfig::new(
-        settings.state_namespace.clone(),
-        settings.lease_name.clone(),
-        settings.identity.clone(),
+        cluster.state_namespace.clone(),
+        cluster.lease_name.clone(),
+        cluster.identity.clone(),
     );
     let client = inputs.client.clone();
     run_while_leading(client, lease, &leadership, shutdown, move |stop| {
         let sweep = sweep_expired(inputs.api.clone(), inputs.mappings.clone(), stop.clone());
         let v2 = settings
-            .enable_v2
-            .then(|| V2Reconciler::new(inputs.clone()));
-        let identity = settings.identity.clone();
+            .policy
+            .v2
+            .clone()
+            .map(|policy| V2Reconciler::new(inputs.clone(), policy));
+        let identity = settings.cluster.identity.clone();
         async move {
             tracing::info!(%identity, "leading: removing expired mappings and allocating V2 ports");
             match v2 {

@@ -11,8 +11,14 @@ use std::time::Duration;
 
 use clap::{Parser, Subcommand, ValueEnum};
 use k8s_reconcile::app::SecondsOrDuration;
+use proxy_core::server::PortRange;
+use proxy_core::upstream::HealthCheck;
 
 use crate::names;
+use crate::settings::{
+    ApiSettings, ClusterSettings, MappingPolicy, PlaneSettings, Settings, V1Policy, V2Policy,
+};
+pub use crate::settings::{RuntimeApiAddr, parse_runtime_api_addr};
 
 /// Where the V2 mappings send their connections.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -344,112 +350,6 @@ pub enum Command {
     Openapi,
 }
 
-/// Where the HAProxy Runtime API listens.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum RuntimeApiAddr {
-    /// A Unix socket path.
-    Unix(PathBuf),
-    /// A TCP address.
-    Tcp(SocketAddr),
-}
-
-impl std::fmt::Display for RuntimeApiAddr {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            RuntimeApiAddr::Unix(path) => write!(f, "unix://{}", path.display()),
-            RuntimeApiAddr::Tcp(addr) => write!(f, "{addr}"),
-        }
-    }
-}
-
-/// Parses `unix:///path`, `/path`, `tcp://host:port` or `host:port`.
-pub fn parse_runtime_api_addr(input: &str) -> Result<RuntimeApiAddr, String> {
-    if input.starts_with("http://") || input.starts_with("https://") {
-        return Err(format!(
-            "--api-addr {input} looks like the HAProxy Data Plane API of the original; \
-             pod-proxier drives HAProxy through its Runtime API instead: give the stats socket, \
-             e.g. unix:///run/haproxy/admin.sock or 127.0.0.1:9999"
-        ));
-    }
-    if let Some(path) = input.strip_prefix("unix://") {
-        return if path.starts_with('/') {
-            Ok(RuntimeApiAddr::Unix(PathBuf::from(path)))
-        } else {
-            Err(format!(
-                "--api-addr {input}: a unix socket needs an absolute path"
-            ))
-        };
-    }
-    if input.starts_with('/') {
-        return Ok(RuntimeApiAddr::Unix(PathBuf::from(input)));
-    }
-    let tcp = input.strip_prefix("tcp://").unwrap_or(input);
-    tcp.parse().map(RuntimeApiAddr::Tcp).map_err(|_| {
-        format!(
-            "--api-addr {input}: expected unix:///path/to/socket or ip:port, e.g. 127.0.0.1:9999"
-        )
-    })
-}
-
-/// Validated settings of a run.
-#[derive(Debug, Clone)]
-pub struct Settings {
-    /// V1 on.
-    pub enable_v1: bool,
-    /// V2 on.
-    pub enable_v2: bool,
-    /// API bind address.
-    pub api_addr: SocketAddr,
-    /// Data ports bind IP.
-    pub listen_ip: IpAddr,
-    /// V1 entry port.
-    pub entry_port: u16,
-    /// V2 range, inclusive.
-    pub port_range: (u16, u16),
-    /// Namespaces in scope.
-    pub allowed_namespaces: Vec<String>,
-    /// Longest V1 TTL.
-    pub max_mapping_time: Duration,
-    /// V1 container port name.
-    pub v1_port_name: String,
-    /// V2 Service port name.
-    pub v2_port_name: String,
-    /// V2 traffic target.
-    pub v2_target: V2Target,
-    /// V2 health checks (none with --off-check): interval and timeout.
-    pub health_check: Option<(Duration, Duration)>,
-    /// V2 full resync period.
-    pub resync: Duration,
-    /// Data plane.
-    pub backend: BackendKind,
-    /// Runtime API of HAProxy (required with the haproxy backend).
-    pub runtime_api: Option<RuntimeApiAddr>,
-    /// Authentication.
-    pub auth: AuthMode,
-    /// Ops server address.
-    pub metrics_addr: SocketAddr,
-    /// Namespace of the PortMappings and the Lease.
-    pub state_namespace: String,
-    /// Leader election identity.
-    pub identity: String,
-    /// Lease name.
-    pub lease_name: String,
-    /// Request body limit.
-    pub max_body_bytes: usize,
-    /// Request timeout.
-    pub request_timeout: Duration,
-    /// Header read timeout.
-    pub header_read_timeout: Duration,
-    /// Concurrent API connections.
-    pub max_api_connections: usize,
-    /// Drain on shutdown.
-    pub drain_timeout: Duration,
-    /// Explicit kubeconfig.
-    pub kubeconfig: Option<PathBuf>,
-    /// Warnings to log once logging is up (ignored legacy flags).
-    pub warnings: Vec<String>,
-}
-
 impl Cli {
     /// Checks every flag and their combinations; the message says what to change.
     pub fn validate(&self, need_a_version: bool) -> Result<Settings, String> {
@@ -557,11 +457,6 @@ impl Cli {
                 self.max_body_bytes
             ));
         }
-        let runtime_api = match self.backend {
-            BackendKind::Haproxy => Some(parse_runtime_api_addr(&self.api_addr)?),
-            // Still read for `haproxy-config`, which may run without --backend haproxy.
-            BackendKind::Embedded => parse_runtime_api_addr(&self.api_addr).ok(),
-        };
         let mut warnings: Vec<String> = [
             ("--max-mapping-time", self.max_mapping_time),
             ("--check-timeout", self.check_timeout),
@@ -574,6 +469,19 @@ impl Cli {
         .iter()
         .filter_map(|(flag, value)| value.deprecation(flag))
         .collect();
+        let runtime_api = match (self.backend, parse_runtime_api_addr(&self.api_addr)) {
+            (_, Ok(addr)) => Some(addr),
+            (BackendKind::Haproxy, Err(message)) => return Err(message),
+            // Still read for `haproxy-config`, which may run without --backend haproxy; the
+            // original's deployments set a Data Plane API URL here.
+            (BackendKind::Embedded, Err(message)) => {
+                warnings.push(format!(
+                    "--api-addr {} is ignored with --backend embedded ({message})",
+                    self.api_addr
+                ));
+                None
+            }
+        };
         if self.api_user.is_some() || self.api_password.is_some() {
             warnings.push(
                 "--api-user/--api-password are ignored: the Data Plane API is not used".to_owned(),
@@ -587,50 +495,65 @@ impl Cli {
             warnings
                 .push("--hide-backend is ignored: backend details are never exposed".to_owned());
         }
-        if self.backend == BackendKind::Embedded && self.api_addr.starts_with("http") {
-            warnings.push(format!(
-                "--api-addr {} is ignored with --backend embedded",
-                self.api_addr
-            ));
-        }
+        let health_check = match self.off_check {
+            true => None,
+            // Rise 1: a new endpoint takes traffic at its first good check; fall 2.
+            false => Some(
+                HealthCheck::new(
+                    self.check_interval.duration,
+                    self.check_timeout.duration,
+                    1,
+                    2,
+                )
+                .map_err(|e| format!("--check-interval/--check-timeout: {e}"))?,
+            ),
+        };
+        let v2 = match self.enable_v2 {
+            false => None,
+            true => Some(V2Policy {
+                port_range: PortRange::new(start, end).map_err(|e| {
+                    format!("--port-range-start {start} --port-range-end {end}: {e}")
+                })?,
+                port_name: self.port_name.clone(),
+                target: self.v2_target,
+                resync: self.resync_time.duration,
+            }),
+        };
         let identity = k8s_reconcile::app::leader_identity(self.identity.as_deref(), "pod-proxier");
         Ok(Settings {
-            enable_v1: self.enable_v1,
-            enable_v2: self.enable_v2,
-            api_addr: SocketAddr::new(self.api_listen_addr, self.listen_port),
-            listen_ip: self.listen_addr,
-            entry_port: self.default_map_port,
-            port_range: (start, end),
-            allowed_namespaces: allowed,
-            max_mapping_time: max_mapping,
-            v1_port_name: self.jprofiler_port_name.clone(),
-            v2_port_name: self.port_name.clone(),
-            v2_target: self.v2_target,
-            health_check: (!self.off_check)
-                .then_some((self.check_interval.duration, self.check_timeout.duration)),
-            resync: self.resync_time.duration,
-            backend: self.backend,
-            runtime_api,
-            auth: self.auth,
+            api: ApiSettings {
+                addr: SocketAddr::new(self.api_listen_addr, self.listen_port),
+                auth: self.auth,
+                max_body_bytes: self.max_body_bytes,
+                request_timeout: self.request_timeout.duration,
+                header_read_timeout: self.header_read_timeout.duration,
+                max_connections: self.max_api_connections as usize,
+            },
+            plane: PlaneSettings {
+                backend: self.backend,
+                listen_ip: self.listen_addr,
+                runtime_api,
+                health_check,
+                drain_timeout: self.drain_timeout.duration,
+            },
+            policy: MappingPolicy {
+                v1: self.enable_v1.then(|| V1Policy {
+                    entry_port: self.default_map_port,
+                    port_name: self.jprofiler_port_name.clone(),
+                }),
+                v2,
+                allowed_namespaces: allowed,
+                max_mapping_time: max_mapping,
+            },
+            cluster: ClusterSettings {
+                kubeconfig: self.kubeconfig.clone(),
+                state_namespace: self.state_namespace.clone(),
+                identity,
+                lease_name: self.lease_name.clone(),
+            },
             metrics_addr: self.metrics_addr,
-            state_namespace: self.state_namespace.clone(),
-            identity,
-            lease_name: self.lease_name.clone(),
-            max_body_bytes: self.max_body_bytes,
-            request_timeout: self.request_timeout.duration,
-            header_read_timeout: self.header_read_timeout.duration,
-            max_api_connections: self.max_api_connections as usize,
-            drain_timeout: self.drain_timeout.duration,
-            kubeconfig: self.kubeconfig.clone(),
             warnings,
         })
-    }
-}
-
-impl Settings {
-    /// Whether `namespace` is in --allowed-namespaces.
-    pub fn namespace_allowed(&self, namespace: &str) -> bool {
-        self.allowed_namespaces.iter().any(|ns| ns == namespace)
     }
 }
 
@@ -668,13 +591,13 @@ mod tests {
             "--max-mapping-time=2h",
         ]);
         let settings = c.validate(true).unwrap();
-        assert_eq!(settings.drain_timeout, Duration::from_secs(90));
-        assert_eq!(settings.max_mapping_time, Duration::from_secs(7200));
+        assert_eq!(settings.plane.drain_timeout, Duration::from_secs(90));
+        assert_eq!(settings.policy.max_mapping_time, Duration::from_secs(7200));
         assert!(settings.warnings.is_empty(), "{:?}", settings.warnings);
-        let c = cli(&["--enable-v1", "--drain-timeout=30", "--resync-time=600"]);
+        let c = cli(&["--enable-v2", "--drain-timeout=30", "--resync-time=600"]);
         let settings = c.validate(true).unwrap();
-        assert_eq!(settings.drain_timeout, Duration::from_secs(30));
-        assert_eq!(settings.resync, Duration::from_secs(600));
+        assert_eq!(settings.plane.drain_timeout, Duration::from_secs(30));
+        assert_eq!(settings.policy.v2.unwrap().resync, Duration::from_secs(600));
         assert_eq!(settings.warnings.len(), 2, "{:?}", settings.warnings);
         assert!(settings.warnings[1].contains("--drain-timeout 30"));
         let err = k8s_reconcile::app::try_parse_args_from::<Cli, _, _>([
@@ -754,20 +677,6 @@ mod tests {
             let err = cli(args).validate(true).unwrap_err();
             assert!(err.contains(expected), "{args:?}: {err}");
         }
-    }
-
-    #[test]
-    fn runtime_api_addresses() {
-        assert_eq!(
-            parse_runtime_api_addr("unix:///run/haproxy/admin.sock").unwrap(),
-            RuntimeApiAddr::Unix("/run/haproxy/admin.sock".into())
-        );
-        assert_eq!(
-            parse_runtime_api_addr("127.0.0.1:9999").unwrap(),
-            RuntimeApiAddr::Tcp("127.0.0.1:9999".parse().unwrap())
-        );
-        assert!(parse_runtime_api_addr("unix://relative").is_err());
-        assert!(parse_runtime_api_addr("nonsense").is_err());
     }
 
     #[test]

@@ -20,10 +20,10 @@ use kube::runtime::watcher::{self, Event};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
-use crate::config::Settings;
 use crate::crd::{MappingKind, PortMapping};
 use crate::dataplane::{DataPlane, DesiredPorts, PortRoute};
 use crate::metrics::Metrics;
+use crate::settings::MappingPolicy;
 use crate::ttl::{expiry_millis, is_expired, now_millis};
 
 /// The versions of the mappings the data plane currently forwards for, by object name.
@@ -66,20 +66,21 @@ impl Mappings {
     }
 }
 
-/// Builds the desired data plane state from the cached mappings at `now`. Returns the desired
-/// ports, the applied versions, and the next deadline (for the timer).
+/// Builds the desired data plane state from the cached mappings at `now` (V2 routes are
+/// health-checked when `health_checks`). Returns the desired ports, the applied versions, and
+/// the next deadline (for the timer).
 pub fn desired_state(
-    settings: &Settings,
+    policy: &MappingPolicy,
+    health_checks: bool,
     mappings: &[Arc<PortMapping>],
     now: i64,
 ) -> (DesiredPorts, AppliedVersions, Option<i64>) {
     let mut desired = DesiredPorts::new();
     let mut applied = AppliedVersions::new();
     let mut next_deadline: Option<i64> = None;
-    if settings.enable_v1 {
-        desired.insert(settings.entry_port, PortRoute::idle());
+    if let Some(v1) = &policy.v1 {
+        desired.insert(v1.entry_port, PortRoute::idle());
     }
-    let (range_start, range_end) = settings.port_range;
     for mapping in mappings {
         let name = mapping.name_any();
         let port = match u16::try_from(mapping.spec.entry_port) {
@@ -87,10 +88,13 @@ pub fn desired_state(
             Err(_) => continue,
         };
         let in_scope = match mapping.spec.kind {
-            MappingKind::Pod => settings.enable_v1 && port == settings.entry_port,
-            MappingKind::Service => settings.enable_v2 && (range_start..=range_end).contains(&port),
+            MappingKind::Pod => policy.v1.as_ref().is_some_and(|v1| port == v1.entry_port),
+            MappingKind::Service => policy
+                .v2
+                .as_ref()
+                .is_some_and(|v2| v2.port_range.contains(port)),
         };
-        if !in_scope || !settings.namespace_allowed(&mapping.spec.target.namespace) {
+        if !in_scope || !policy.namespace_allowed(&mapping.spec.target.namespace) {
             continue;
         }
         if is_expired(mapping, now) {
@@ -108,8 +112,7 @@ pub fn desired_state(
         let route = PortRoute {
             name: name.clone(),
             upstreams,
-            health_checked: mapping.spec.kind == MappingKind::Service
-                && settings.health_check.is_some(),
+            health_checked: mapping.spec.kind == MappingKind::Service && health_checks,
             close_connections: mapping.spec.close_connections,
         };
         desired.insert(port, route);
@@ -119,10 +122,11 @@ pub fn desired_state(
 }
 
 /// Starts the informer over the PortMappings of the state namespace and the loop that programs
-/// the data plane. Returns the view for the API and the task.
+/// the data plane (see [`desired_state`]). Returns the view for the API and the task.
 pub fn spawn_sync_loop(
     api: Api<PortMapping>,
-    settings: Arc<Settings>,
+    policy: MappingPolicy,
+    health_checks: bool,
     plane: Arc<DataPlane>,
     metrics: Metrics,
     health: k8s_reconcile::ops::Health,
@@ -178,7 +182,7 @@ pub fn spawn_sync_loop(
             }
             let now = now_millis();
             let state = store.state();
-            let (desired, applied, deadline) = desired_state(&settings, &state, now);
+            let (desired, applied, deadline) = desired_state(&policy, health_checks, &state, now);
             next_deadline = deadline;
             let errors = plane.sync(&desired).await;
             for error in &errors {

@@ -2,7 +2,8 @@
 //! ports (V2), a compatible and fixed reimplementation of `cylonchau/pod-proxier`.
 //!
 //! * [`crd`]: the `PortMapping` custom resource, where every mapping lives.
-//! * [`config`]: flags, environment variables and their validation.
+//! * [`config`]: flags, environment variables and their validation into [`settings`], typed and
+//!   split by who reads them.
 //! * [`forwarding`]: on every replica, the cache of PortMappings and the loop that programs the
 //!   data plane; [`ttl`]: their deadlines.
 //! * [`dataplane`]: proxy-core in process ([`dataplane::embedded`]) or HAProxy through its
@@ -27,4 +28,5 @@ pub mod names;
 pub mod openapi;
 pub mod pod_mappings;
 pub mod service_ports;
+pub mod settings;
 pub mod ttl;

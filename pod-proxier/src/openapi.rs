@@ -4,7 +4,7 @@
 
 use serde_json::{Value, json};
 
-use crate::config::Settings;
+use crate::settings::Settings;
 
 /// The document, except what [`document`] sets from the flags and the build.
 const DOCUMENT: &str = include_str!("openapi.yaml");
@@ -36,7 +36,7 @@ pub fn document(settings: &Settings) -> Value {
     };
     for pointer in TTL_MAXIMA {
         if let Some(maximum) = doc.pointer_mut(pointer) {
-            *maximum = json!(settings.max_mapping_time.as_secs());
+            *maximum = json!(settings.policy.max_mapping_time.as_secs());
         }
     }
     if let Some(version) = doc.pointer_mut("/info/version") {

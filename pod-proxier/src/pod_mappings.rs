@@ -14,10 +14,10 @@ use kube::api::{Api, Patch, PatchParams};
 use serde::Serialize;
 use serde_json::json;
 
-use crate::config::Settings;
 use crate::crd::{CONTROLLER, MappingKind, MappingTarget, PortMapping, PortMappingSpec};
 use crate::error::{ApiError, CODE_ERROR, CODE_NOT_FOUND};
 use crate::forwarding::Mappings;
+use crate::settings::V1Policy;
 use crate::ttl::{expiry_millis, format_millis, is_expired, now_millis};
 
 /// TTL used when a request gives none (the original's form default; its JSON default was 0).
@@ -150,22 +150,25 @@ pub enum PodMapping {
 
 /// The V1 operations.
 pub struct V1 {
-    settings: Arc<Settings>,
+    policy: V1Policy,
+    state_namespace: String,
     client: kube::Client,
     api: Api<PortMapping>,
     mappings: Mappings,
 }
 
 impl V1 {
-    /// V1 over the mappings of the state namespace.
+    /// V1 over the mappings of `state_namespace`.
     pub fn new(
-        settings: Arc<Settings>,
+        policy: V1Policy,
+        state_namespace: String,
         client: kube::Client,
         api: Api<PortMapping>,
         mappings: Mappings,
     ) -> Self {
         Self {
-            settings,
+            policy,
+            state_namespace,
             client,
             api,
             mappings,
@@ -174,7 +177,7 @@ impl V1 {
 
     /// The PortMapping name of the V1 entry port.
     pub fn mapping_name(&self) -> String {
-        format!("v1-entry-{}", self.settings.entry_port)
+        format!("v1-entry-{}", self.policy.entry_port)
     }
 
     /// The current, unexpired V1 mapping.
@@ -235,11 +238,11 @@ impl V1 {
             .into_iter()
             .flat_map(|spec| spec.containers.iter())
             .flat_map(|c| c.ports.iter().flatten())
-            .find(|p| p.name.as_deref() == Some(self.settings.v1_port_name.as_str()))
+            .find(|p| p.name.as_deref() == Some(self.policy.port_name.as_str()))
             .map(|p| p.container_port);
         let (port_name, target_port) = match named_port {
-            Some(port) => (Some(self.settings.v1_port_name.clone()), port),
-            None => (None, i32::from(self.settings.entry_port)),
+            Some(port) => (Some(self.policy.port_name.clone()), port),
+            None => (None, i32::from(self.policy.entry_port)),
         };
         let target = std::net::SocketAddr::new(ip, u16::try_from(target_port).unwrap_or(0));
         let ttl_millis = i64::try_from(ttl.as_millis()).unwrap_or(i64::MAX);
@@ -248,7 +251,7 @@ impl V1 {
         let name = self.mapping_name();
         let mapping = PortMapping::owned(
             &name,
-            &self.settings.state_namespace,
+            &self.state_namespace,
             PortMappingSpec {
                 kind: MappingKind::Pod,
                 target: MappingTarget {
@@ -257,7 +260,7 @@ impl V1 {
                     port_name,
                     port: Some(target_port),
                 },
-                entry_port: i32::from(self.settings.entry_port),
+                entry_port: i32::from(self.policy.entry_port),
                 upstreams: vec![target.to_string()],
                 expires_at: Some(format_millis(expires_at)),
                 close_connections,
@@ -287,7 +290,7 @@ impl V1 {
         let replaced = previous
             .filter(|p| !same_pod(p))
             .map(|p| format!("{}/{}", p.spec.target.namespace, p.spec.target.name));
-        tracing::info!(pod = %qualified, %target, entry_port = self.settings.entry_port, ttl_seconds = ttl.as_secs(), user = requested_by, "pod mapped");
+        tracing::info!(pod = %qualified, %target, entry_port = self.policy.entry_port, ttl_seconds = ttl.as_secs(), user = requested_by, "pod mapped");
         Ok(MappingView::of(&written, now_millis()).posted(replaced, ttl, extended))
     }
 
@@ -379,7 +382,7 @@ impl V1 {
         self.mappings.wait_applied(&name, None, APPLY_WAIT).await;
         tracing::info!(pod = %qualified, "pod unmapped");
         Ok(Unmapped {
-            entry_port: Some(self.settings.entry_port),
+            entry_port: Some(self.policy.entry_port),
             mapped: false,
             pod_name: qualified,
         })

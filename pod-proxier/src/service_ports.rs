@@ -23,10 +23,11 @@ use kube::runtime::reflector::Store;
 use kube::runtime::watcher;
 use tokio_util::sync::CancellationToken;
 
-use crate::config::{Settings, V2Target};
+use crate::config::V2Target;
 use crate::crd::{CONTROLLER, MappingKind, MappingTarget, PortMapping, PortMappingSpec};
 use crate::forwarding::Mappings;
 use crate::metrics::Metrics;
+use crate::settings::{Settings, V2Policy};
 use crate::ttl::now_millis;
 
 /// How long a released port is avoided, so a client of the old Service does not land on a new
@@ -67,6 +68,8 @@ pub struct V2Inputs {
 /// The V2 reconciler, run by the leader.
 pub struct V2Reconciler {
     work: V2Inputs,
+    /// What to publish, where.
+    policy: V2Policy,
     applier: Applier,
     events: Context,
     services: BTreeMap<String, Store<Service>>,
@@ -90,10 +93,11 @@ fn version(mapping: &PortMapping) -> u64 {
 }
 
 impl V2Reconciler {
-    /// A reconciler for the leader's settings.
-    pub fn new(work: V2Inputs) -> Self {
+    /// A reconciler publishing what `policy` says.
+    pub fn new(work: V2Inputs, policy: V2Policy) -> Self {
         let client = work.client.clone();
         Self {
+            policy,
             applier: Applier::new(client.clone(), CONTROLLER),
             events: Context::new(client, CONTROLLER, CONTROLLER),
             work,
@@ -109,16 +113,16 @@ impl V2Reconciler {
     /// Watches Services (and EndpointSlices) of every allowed namespace and reconciles on every
     /// change and every resync period, until `stop`.
     pub async fn run(mut self, stop: CancellationToken) {
-        let mut watches = WatchSet::new(self.work.settings.resync, DEBOUNCE);
+        let mut watches = WatchSet::new(self.policy.resync, DEBOUNCE);
         let settings = Arc::clone(&self.work.settings);
-        for namespace in &settings.allowed_namespaces {
+        for namespace in &settings.policy.allowed_namespaces {
             let client = self.work.client.clone();
             let services = watches.watch(
                 Api::<Service>::namespaced(client.clone(), namespace),
                 watcher::Config::default(),
             );
             self.services.insert(namespace.clone(), services);
-            if settings.v2_target == V2Target::Endpoints {
+            if self.policy.target == V2Target::Endpoints {
                 let slices = watches.watch(
                     Api::<EndpointSlice>::namespaced(client, namespace),
                     watcher::Config::default(),
@@ -132,10 +136,9 @@ impl V2Reconciler {
     }
 
     fn upstreams(&self, service: &Service, port_name: &str, port: i32) -> Vec<String> {
-        let settings = &self.work.settings;
         let namespace = service.namespace().unwrap_or_default();
         let mut upstreams = Vec::new();
-        match settings.v2_target {
+        match self.policy.target {
             V2Target::ClusterIp => {
                 let ips = service.spec.as_ref().and_then(|s| s.cluster_ip.clone());
                 if let (Some(ip), Ok(port)) = (ips, u16::try_from(port))
@@ -168,7 +171,7 @@ impl V2Reconciler {
     }
 
     fn wanted(&self) -> BTreeMap<String, Wanted> {
-        let settings = &self.work.settings;
+        let policy = &self.policy;
         let mut wanted = BTreeMap::new();
         for (namespace, store) in &self.services {
             for service in store.state() {
@@ -178,23 +181,23 @@ impl V2Reconciler {
                 if spec.type_.as_deref() == Some("ExternalName") {
                     continue;
                 }
-                if settings.v2_target == V2Target::ClusterIp
+                if policy.target == V2Target::ClusterIp
                     && matches!(spec.cluster_ip.as_deref(), None | Some("" | "None"))
                 {
                     continue;
                 }
                 for port in spec.ports.iter().flatten() {
                     let tcp = port.protocol.as_deref().is_none_or(|p| p == "TCP");
-                    if !tcp || port.name.as_deref() != Some(settings.v2_port_name.as_str()) {
+                    if !tcp || port.name.as_deref() != Some(policy.port_name.as_str()) {
                         continue;
                     }
-                    let name = mapping_name(namespace, &service.name_any(), &settings.v2_port_name);
+                    let name = mapping_name(namespace, &service.name_any(), &policy.port_name);
                     wanted.insert(
                         name,
                         Wanted {
-                            upstreams: self.upstreams(&service, &settings.v2_port_name, port.port),
+                            upstreams: self.upstreams(&service, &policy.port_name, port.port),
                             service: Arc::clone(&service),
-                            port_name: settings.v2_port_name.clone(),
+                            port_name: policy.port_name.clone(),
                             port: port.port,
                         },
                     );
@@ -207,7 +210,7 @@ impl V2Reconciler {
     fn mapping(&self, name: &str, wanted: &Wanted, entry_port: u16) -> PortMapping {
         PortMapping::owned(
             name,
-            &self.work.settings.state_namespace,
+            &self.work.settings.cluster.state_namespace,
             PortMappingSpec {
                 kind: MappingKind::Service,
                 target: MappingTarget {
@@ -227,8 +230,8 @@ impl V2Reconciler {
 
     /// One full pass: release what is no longer wanted, update and allocate the rest.
     async fn reconcile(&mut self) {
-        let settings = Arc::clone(&self.work.settings);
-        let (start, end) = settings.port_range;
+        let range = self.policy.port_range;
+        let (start, end) = (range.start(), range.end());
         let now = now_millis();
         let wanted = self.wanted();
         let mut existing: BTreeMap<String, Arc<PortMapping>> = self
@@ -251,7 +254,7 @@ impl V2Reconciler {
         for (name, mapping) in &existing {
             let port = u16::try_from(mapping.spec.entry_port).ok();
             let keep = wanted.contains_key(name)
-                && port.is_some_and(|p| (start..=end).contains(&p))
+                && port.is_some_and(|p| range.contains(p))
                 && !port.is_some_and(|p| used.contains(&p));
             if keep {
                 if let Some(port) = port {
@@ -341,8 +344,8 @@ impl V2Reconciler {
 
     /// The lowest free port not quarantined, else the longest-quarantined free port.
     fn allocate(&self, used: &HashSet<u16>, now: i64) -> Option<u16> {
-        let (start, end) = self.work.settings.port_range;
-        let free = (start..=end).filter(|p| !used.contains(p));
+        let range = self.policy.port_range;
+        let free = (range.start()..=range.end()).filter(|p| !used.contains(p));
         let mut oldest: Option<(i64, u16)> = None;
         for port in free {
             match self.quarantine.get(&port) {

@@ -18,7 +18,7 @@ use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::sync::Mutex;
 
 use super::{DesiredPorts, PortError, PortRoute};
-use crate::config::{RuntimeApiAddr, Settings};
+use crate::settings::{MappingPolicy, RuntimeApiAddr, Settings};
 
 /// Bound on one Runtime API command.
 const COMMAND_TIMEOUT: Duration = Duration::from_secs(3);
@@ -71,16 +71,9 @@ pub fn server_name(addr: &SocketAddr) -> String {
     format!("u_{}", text.replace([':', '.'], "_"))
 }
 
-/// The entry ports the configuration declares for `settings`.
-pub fn declared_ports(settings: &Settings) -> Vec<u16> {
-    let mut ports = Vec::new();
-    if settings.enable_v1 {
-        ports.push(settings.entry_port);
-    }
-    if settings.enable_v2 {
-        ports.extend(settings.port_range.0..=settings.port_range.1);
-    }
-    ports
+/// The entry ports the configuration declares for `policy`.
+pub fn declared_ports(policy: &MappingPolicy) -> Vec<u16> {
+    policy.entry_ports()
 }
 
 /// HAProxy's connection limit, and its pipe limit (one pipe per connection at most).
@@ -89,7 +82,8 @@ const MAXCONN: usize = 4096;
 /// The HAProxy configuration matching `settings` (printed by `pod-proxier haproxy-config`).
 pub fn config_text(settings: &Settings) -> String {
     let pipe_size = proxy_core::relay::DEFAULT_PIPE_SIZE;
-    let socket = match settings.runtime_api.clone() {
+    let plane = &settings.plane;
+    let socket = match plane.runtime_api.clone() {
         Some(RuntimeApiAddr::Unix(path)) => format!("{} mode 600 level admin", path.display()),
         Some(RuntimeApiAddr::Tcp(addr)) => match addr {
             SocketAddr::V4(v4) => format!("ipv4@{v4} level admin"),
@@ -97,11 +91,11 @@ pub fn config_text(settings: &Settings) -> String {
         },
         None => "/run/haproxy/admin.sock mode 600 level admin".to_owned(),
     };
-    let check_timeout = settings
+    let check_timeout = plane
         .health_check
-        .map(|(_, timeout)| timeout.as_secs().max(1))
+        .map(|check| check.timeout.as_secs().max(1))
         .unwrap_or(5);
-    let bind_ip = match settings.listen_ip {
+    let bind_ip = match plane.listen_ip {
         std::net::IpAddr::V6(ip) => format!("[{ip}]"),
         std::net::IpAddr::V4(ip) => ip.to_string(),
     };
@@ -128,7 +122,7 @@ pub fn config_text(settings: &Settings) -> String {
              timeout server-fin 30s\n    \
              timeout check {check_timeout}s\n"
     );
-    for port in declared_ports(settings) {
+    for port in declared_ports(&settings.policy) {
         let name = backend_name(port);
         let _ = writeln!(
             text,
@@ -160,13 +154,14 @@ impl HaproxyPlane {
     /// Connects to the Runtime API and checks that the configuration declares every port.
     pub async fn connect(settings: &Settings) -> Result<Self, HaproxyError> {
         let addr = settings
+            .plane
             .runtime_api
             .clone()
             .ok_or(HaproxyError::NoAddress)?;
         let plane = Self {
             addr,
-            declared: declared_ports(settings).into_iter().collect(),
-            check_interval: settings.health_check.map(|(interval, _)| interval),
+            declared: declared_ports(&settings.policy).into_iter().collect(),
+            check_interval: settings.plane.health_check.map(|check| check.interval),
             applied: Mutex::new(HashMap::new()),
         };
         plane.command("show info").await?;

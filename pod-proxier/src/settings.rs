@@ -1,0 +1,195 @@
+//! The validated settings of a run, typed and split by who reads them: the HTTP API, the data
+//! plane, the mapping policy (V1, V2, namespaces, TTL bound) and the cluster side. Built once by
+//! [`crate::config::Cli::validate`] from the flags; nothing downstream parses a flag's text again.
+
+use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
+use std::time::Duration;
+
+use proxy_core::server::PortRange;
+use proxy_core::upstream::HealthCheck;
+
+use crate::config::{AuthMode, BackendKind, V2Target};
+
+/// Validated settings of a run.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// The HTTP API server.
+    pub api: ApiSettings,
+    /// The data plane.
+    pub plane: PlaneSettings,
+    /// What may be mapped, where and for how long.
+    pub policy: MappingPolicy,
+    /// The client, the state namespace and the leader election.
+    pub cluster: ClusterSettings,
+    /// Address of /healthz, /readyz and /metrics.
+    pub metrics_addr: SocketAddr,
+    /// Warnings to log once logging is up (ignored legacy flags, deprecated forms).
+    pub warnings: Vec<String>,
+}
+
+/// What the HTTP API server reads.
+#[derive(Debug, Clone)]
+pub struct ApiSettings {
+    /// Bind address.
+    pub addr: SocketAddr,
+    /// How callers are checked.
+    pub auth: AuthMode,
+    /// Request body limit, in bytes.
+    pub max_body_bytes: usize,
+    /// Longest time a request may take.
+    pub request_timeout: Duration,
+    /// Longest time a client may take to send a request's headers.
+    pub header_read_timeout: Duration,
+    /// Concurrent API connections.
+    pub max_connections: usize,
+}
+
+/// What the data plane reads.
+#[derive(Debug, Clone)]
+pub struct PlaneSettings {
+    /// proxy-core in process, or HAProxy.
+    pub backend: BackendKind,
+    /// The IP the entry ports bind to.
+    pub listen_ip: IpAddr,
+    /// HAProxy's Runtime API (always set with the haproxy backend).
+    pub runtime_api: Option<RuntimeApiAddr>,
+    /// Health checks of V2 upstreams; none with --off-check.
+    pub health_check: Option<HealthCheck>,
+    /// How long established connections may continue on shutdown.
+    pub drain_timeout: Duration,
+}
+
+/// What may be mapped: read by forwarding, V1, V2 and the API's scope checks.
+#[derive(Debug, Clone)]
+pub struct MappingPolicy {
+    /// V1, when enabled.
+    pub v1: Option<V1Policy>,
+    /// V2, when enabled.
+    pub v2: Option<V2Policy>,
+    /// Namespaces in scope (validated, without duplicates).
+    pub allowed_namespaces: Vec<String>,
+    /// Longest V1 TTL.
+    pub max_mapping_time: Duration,
+}
+
+/// V1: one entry port forwards to one pod for a TTL.
+#[derive(Debug, Clone)]
+pub struct V1Policy {
+    /// The entry port, also the pod port when no container port has [`Self::port_name`].
+    pub entry_port: u16,
+    /// The container port name to map.
+    pub port_name: String,
+}
+
+/// V2: Service ports named [`Self::port_name`] get a port of [`Self::port_range`].
+#[derive(Debug, Clone)]
+pub struct V2Policy {
+    /// The entry ports to allocate from.
+    pub port_range: PortRange,
+    /// The Service port name to publish.
+    pub port_name: String,
+    /// Where the traffic goes.
+    pub target: V2Target,
+    /// Full resync period.
+    pub resync: Duration,
+}
+
+impl MappingPolicy {
+    /// Whether `namespace` is in --allowed-namespaces.
+    pub fn namespace_allowed(&self, namespace: &str) -> bool {
+        self.allowed_namespaces.iter().any(|ns| ns == namespace)
+    }
+
+    /// The entry ports of the enabled versions: the V1 entry port and the V2 range.
+    pub fn entry_ports(&self) -> Vec<u16> {
+        let mut ports = Vec::new();
+        if let Some(v1) = &self.v1 {
+            ports.push(v1.entry_port);
+        }
+        if let Some(v2) = &self.v2 {
+            ports.extend(v2.port_range.start()..=v2.port_range.end());
+        }
+        ports
+    }
+}
+
+/// What the cluster side reads: the client, where the PortMappings live, the leader election.
+#[derive(Debug, Clone)]
+pub struct ClusterSettings {
+    /// Explicit kubeconfig.
+    pub kubeconfig: Option<PathBuf>,
+    /// Namespace of the PortMappings and the Lease.
+    pub state_namespace: String,
+    /// Leader election identity.
+    pub identity: String,
+    /// Lease name.
+    pub lease_name: String,
+}
+
+/// Where the HAProxy Runtime API listens.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RuntimeApiAddr {
+    /// A Unix socket path.
+    Unix(PathBuf),
+    /// A TCP address.
+    Tcp(SocketAddr),
+}
+
+impl std::fmt::Display for RuntimeApiAddr {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            RuntimeApiAddr::Unix(path) => write!(f, "unix://{}", path.display()),
+            RuntimeApiAddr::Tcp(addr) => write!(f, "{addr}"),
+        }
+    }
+}
+
+/// Parses `unix:///path`, `/path`, `tcp://host:port` or `host:port`.
+pub fn parse_runtime_api_addr(input: &str) -> Result<RuntimeApiAddr, String> {
+    if input.starts_with("http://") || input.starts_with("https://") {
+        return Err(format!(
+            "--api-addr {input} looks like the HAProxy Data Plane API of the original; \
+             pod-proxier drives HAProxy through its Runtime API instead: give the stats socket, \
+             e.g. unix:///run/haproxy/admin.sock or 127.0.0.1:9999"
+        ));
+    }
+    if let Some(path) = input.strip_prefix("unix://") {
+        return if path.starts_with('/') {
+            Ok(RuntimeApiAddr::Unix(PathBuf::from(path)))
+        } else {
+            Err(format!(
+                "--api-addr {input}: a unix socket needs an absolute path"
+            ))
+        };
+    }
+    if input.starts_with('/') {
+        return Ok(RuntimeApiAddr::Unix(PathBuf::from(input)));
+    }
+    let tcp = input.strip_prefix("tcp://").unwrap_or(input);
+    tcp.parse().map(RuntimeApiAddr::Tcp).map_err(|_| {
+        format!(
+            "--api-addr {input}: expected unix:///path/to/socket or ip:port, e.g. 127.0.0.1:9999"
+        )
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    use super::*;
+
+    #[test]
+    fn runtime_api_addresses() {
+        assert_eq!(
+            parse_runtime_api_addr("unix:///run/haproxy/admin.sock").unwrap(),
+            RuntimeApiAddr::Unix("/run/haproxy/admin.sock".into())
+        );
+        assert_eq!(
+            parse_runtime_api_addr("127.0.0.1:9999").unwrap(),
+            RuntimeApiAddr::Tcp("127.0.0.1:9999".parse().unwrap())
+        );
+        assert!(parse_runtime_api_addr("unix://relative").is_err());
+        assert!(parse_runtime_api_addr("nonsense").is_err());
+    }
+}
