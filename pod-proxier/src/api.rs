@@ -13,6 +13,7 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use http::HeaderMap;
+use k8s_openapi::jiff::Timestamp;
 use serde_json::Value;
 
 use crate::crd::MappingKind;
@@ -22,7 +23,7 @@ use crate::metrics::{Metrics, RequestLabels};
 use crate::names;
 use crate::pod_mappings::{DEFAULT_TTL_SECONDS, MappingView, V1};
 use crate::settings::{MappingPolicy, Settings, V2Policy};
-use crate::ttl::{is_expired, now_millis};
+use crate::ttl::is_expired;
 use k8s_reconcile::app::rest::{self, Fields};
 use k8s_reconcile::auth::{Authenticator, Caller, ResourceAccess};
 
@@ -125,15 +126,16 @@ pub struct MappingRequest {
     pub namespace: String,
     /// Pod name.
     pub pod: String,
-    /// TTL.
-    pub ttl_seconds: u64,
+    /// TTL, whole seconds between 1 and --max-mapping-time (the request gives seconds).
+    pub ttl: Duration,
     /// Close established connections.
     pub close_connections: bool,
 }
 
 const POST_FIELDS: &[&str] = &["pod_name", "time", "close_connections"];
 
-fn check_ttl(ttl: u64, max: Duration) -> Result<u64, ApiError> {
+/// The TTL of `ttl` seconds, if it is within 1 second and `max`.
+fn check_ttl(ttl: u64, max: Duration) -> Result<Duration, ApiError> {
     if ttl == 0 {
         return Err(ApiError::BadRequest(
             "time must be at least 1 second".to_owned(),
@@ -145,7 +147,7 @@ fn check_ttl(ttl: u64, max: Duration) -> Result<u64, ApiError> {
             max.as_secs()
         )));
     }
-    Ok(ttl)
+    Ok(Duration::from_secs(ttl))
 }
 
 /// Parses a POST body (JSON or form) or, without a body, the query string.
@@ -208,7 +210,7 @@ pub fn parse_mapping_request(
     Ok(MappingRequest {
         namespace,
         pod,
-        ttl_seconds: check_ttl(ttl, max)?,
+        ttl: check_ttl(ttl, max)?,
         close_connections: fields.flag("close_connections")?,
     })
 }
@@ -300,7 +302,7 @@ fn parse_json_request(body: &[u8], max: Duration) -> Result<MappingRequest, ApiE
     Ok(MappingRequest {
         namespace,
         pod,
-        ttl_seconds: check_ttl(ttl, max)?,
+        ttl: check_ttl(ttl, max)?,
         close_connections,
     })
 }
@@ -352,7 +354,7 @@ async fn post_mapping(
         .map(
             &request.namespace,
             &request.pod,
-            Duration::from_secs(request.ttl_seconds),
+            request.ttl,
             request.close_connections,
             caller.username(),
         )
@@ -411,7 +413,7 @@ async fn visible(
     kind: MappingKind,
     namespace: Option<&str>,
 ) -> Result<Vec<MappingView>, ApiError> {
-    let now = now_millis();
+    let now = Timestamp::now();
     let mut mappings: Vec<_> = state
         .mappings
         .all()
@@ -508,7 +510,7 @@ async fn get_v2(
             &ResourceAccess::new("get", "services", &namespace).name(&name),
         )
         .await?;
-    let now = now_millis();
+    let now = Timestamp::now();
     let views: Vec<MappingView> = state
         .mappings
         .all()
@@ -555,7 +557,7 @@ mod tests {
             parse_mapping_request(&json_headers(), None, br#"{"pod_name":"a/b"}"#, MAX).unwrap();
         let query =
             parse_mapping_request(&HeaderMap::new(), Some("pod_name=a/b"), b"", MAX).unwrap();
-        assert_eq!(json.ttl_seconds, DEFAULT_TTL_SECONDS);
+        assert_eq!(json.ttl, Duration::from_secs(DEFAULT_TTL_SECONDS));
         assert_eq!(json, query);
     }
 

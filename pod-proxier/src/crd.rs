@@ -4,10 +4,14 @@
 //! every mapping with its port and its remaining TTL, and every replica programs the same
 //! routes. The leader writes V2 mappings and removes expired ones; API calls write V1 mappings.
 
+use std::net::SocketAddr;
+
 use kube::CustomResource;
 use kube::core::crd::CustomResourceExt as _;
 use schemars::JsonSchema;
-use serde::{Deserialize, Serialize};
+use serde::{Deserialize, Deserializer, Serialize};
+
+use crate::ttl::Deadline;
 
 /// pod-proxier's name as a writer: server-side apply field manager, Event reporter, leader
 /// gauge.
@@ -50,17 +54,37 @@ pub struct PortMappingSpec {
     #[schemars(range(min = 1, max = 65535))]
     pub entry_port: i32,
     /// Where connections go, as `ip:port`; empty means the entry port refuses connections.
-    #[serde(default)]
-    pub upstreams: Vec<String>,
+    #[serde(default, deserialize_with = "upstreams")]
+    pub upstreams: Vec<SocketAddr>,
     /// When the mapping ends (RFC 3339, UTC, millisecond precision); none for V2 mappings.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub expires_at: Option<String>,
+    #[schemars(with = "Option<String>")]
+    pub expires_at: Option<Deadline>,
     /// Close established connections when this mapping takes over the port, and when it ends.
     #[serde(default)]
     pub close_connections: bool,
     /// Who asked for the mapping (the authenticated user), for audit.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub requested_by: Option<String>,
+}
+
+/// Reads `upstreams`. The schema (plain strings, kept so existing objects stay valid) lets a
+/// hand-edited object hold an entry that is not `ip:port`: it is logged as an error and left
+/// out, so the entry port forwards to the others (or refuses, with none), and one bad object
+/// does not stop the whole list of PortMappings from being read. pod-proxier itself only writes
+/// addresses.
+fn upstreams<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Vec<SocketAddr>, D::Error> {
+    let texts = Vec::<String>::deserialize(deserializer)?;
+    let mut addresses = Vec::with_capacity(texts.len());
+    for text in texts {
+        match text.parse() {
+            Ok(address) => addresses.push(address),
+            Err(err) => {
+                tracing::error!(upstream = %text, error = %err, "a PortMapping's upstream is not ip:port: left out");
+            }
+        }
+    }
+    Ok(addresses)
 }
 
 /// The kind of target.
@@ -163,6 +187,31 @@ mod tests {
             generated,
             "regenerate with `cargo xtask crds`"
         );
+    }
+
+    #[test]
+    fn upstreams_and_deadline_read_and_write_as_text() {
+        let spec = serde_json::json!({
+            "kind": "Pod",
+            "target": {"namespace": "default", "name": "web-0"},
+            "entryPort": 8849,
+            "upstreams": ["10.1.2.3:8849", "not an address", "[fd00::1]:80"],
+            "expiresAt": "2026-01-02T03:04:05.678Z",
+        });
+        let spec: PortMappingSpec = serde_json::from_value(spec).unwrap();
+        assert_eq!(
+            spec.upstreams,
+            vec![
+                "10.1.2.3:8849".parse::<SocketAddr>().unwrap(),
+                "[fd00::1]:80".parse().unwrap()
+            ]
+        );
+        let written = serde_json::to_value(&spec).unwrap();
+        assert_eq!(
+            written["upstreams"],
+            serde_json::json!(["10.1.2.3:8849", "[fd00::1]:80"])
+        );
+        assert_eq!(written["expiresAt"], "2026-01-02T03:04:05.678Z");
     }
 
     #[test]

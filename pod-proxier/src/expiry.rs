@@ -4,6 +4,7 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
+use k8s_openapi::jiff::Timestamp;
 use k8s_reconcile::apply::delete_unchanged;
 use kube::ResourceExt as _;
 use kube::api::{Api, Patch, PatchParams};
@@ -11,7 +12,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::crd::{MappingKind, PortMapping, PortMappingStatus};
 use crate::forwarding::Mappings;
-use crate::ttl::{expiry_millis, is_expired, now_millis};
+use crate::ttl::{Deadline, is_expired};
 
 /// The status the leader reports for a live mapping.
 pub fn desired_status(mapping: &PortMapping) -> PortMappingStatus {
@@ -26,8 +27,15 @@ pub fn desired_status(mapping: &PortMapping) -> PortMappingStatus {
             format!(
                 "forwarding port {} to {} until {}",
                 mapping.spec.entry_port,
-                upstreams.join(", "),
-                mapping.spec.expires_at.as_deref().unwrap_or("-")
+                upstreams
+                    .iter()
+                    .map(ToString::to_string)
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                mapping
+                    .spec
+                    .expires_at
+                    .map_or_else(|| "-".to_owned(), |d| d.to_string())
             ),
         ),
         (MappingKind::Service, false) => (
@@ -65,8 +73,8 @@ pub async fn sweep_expired(api: Api<PortMapping>, mappings: Mappings, stop: Canc
     // backing off from 1 s to a minute instead of asking every second.
     let mut refused: HashMap<String, (Instant, Duration)> = HashMap::new();
     loop {
-        let now = now_millis();
-        let mut next: Option<i64> = None;
+        let now = Timestamp::now();
+        let mut next: Option<Deadline> = None;
         let all = mappings.all();
         written.retain(|name, _| all.iter().any(|m| &m.name_any() == name));
         refused.retain(|name, _| all.iter().any(|m| &m.name_any() == name));
@@ -110,20 +118,19 @@ pub async fn sweep_expired(api: Api<PortMapping>, mappings: Mappings, stop: Canc
                     Err(kube::Error::Api(status)) if status.code == 404 || status.code == 409 => {}
                     Err(err) => {
                         tracing::warn!(mapping = %mapping.name_any(), error = %err, "removing an expired mapping");
-                        next = Some(now + 2000);
+                        next = Some(Deadline::after(now, Duration::from_secs(2)));
                     }
                 }
-            } else if let Some(deadline) = expiry_millis(&mapping) {
+            } else if let Some(deadline) = mapping.spec.expires_at {
                 next = Some(next.map_or(deadline, |n| n.min(deadline)));
             }
         }
         // Wake at the next deadline, and at least every second to see new mappings.
-        let wait = next
-            .map(|n| (n - now_millis()).clamp(0, 1000))
-            .unwrap_or(1000);
+        let most = Duration::from_secs(1);
+        let wait = next.map_or(most, |n| n.remaining(Timestamp::now()).min(most));
         tokio::select! {
             () = stop.cancelled() => return,
-            () = tokio::time::sleep(Duration::from_millis(u64::try_from(wait).unwrap_or(1000))) => {}
+            () = tokio::time::sleep(wait) => {}
         }
     }
 }

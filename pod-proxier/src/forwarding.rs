@@ -6,11 +6,11 @@
 //! TTL holds within milliseconds even while the API server is slow.
 
 use std::collections::HashMap;
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt as _;
+use k8s_openapi::jiff::Timestamp;
 use k8s_reconcile::watch_set::WatchBackoff;
 use kube::ResourceExt as _;
 use kube::api::Api;
@@ -24,7 +24,7 @@ use crate::crd::{MappingKind, PortMapping};
 use crate::dataplane::{DataPlane, DesiredPorts, PortRoute};
 use crate::metrics::Metrics;
 use crate::settings::MappingPolicy;
-use crate::ttl::{expiry_millis, is_expired, now_millis};
+use crate::ttl::{Deadline, is_expired};
 
 /// The versions of the mappings the data plane currently forwards for, by object name.
 pub type AppliedVersions = HashMap<String, String>;
@@ -73,11 +73,11 @@ pub fn desired_state(
     policy: &MappingPolicy,
     health_checks: bool,
     mappings: &[Arc<PortMapping>],
-    now: i64,
-) -> (DesiredPorts, AppliedVersions, Option<i64>) {
+    now: Timestamp,
+) -> (DesiredPorts, AppliedVersions, Option<Deadline>) {
     let mut desired = DesiredPorts::new();
     let mut applied = AppliedVersions::new();
-    let mut next_deadline: Option<i64> = None;
+    let mut next_deadline: Option<Deadline> = None;
     if let Some(v1) = &policy.v1 {
         desired.insert(v1.entry_port, PortRoute::idle());
     }
@@ -100,18 +100,12 @@ pub fn desired_state(
         if is_expired(mapping, now) {
             continue;
         }
-        if let Some(deadline) = expiry_millis(mapping) {
+        if let Some(deadline) = mapping.spec.expires_at {
             next_deadline = Some(next_deadline.map_or(deadline, |d| d.min(deadline)));
         }
-        let upstreams: Vec<SocketAddr> = mapping
-            .spec
-            .upstreams
-            .iter()
-            .filter_map(|u| u.parse().ok())
-            .collect();
         let route = PortRoute {
             name: name.clone(),
-            upstreams,
+            upstreams: mapping.spec.upstreams.clone(),
             health_checked: mapping.spec.kind == MappingKind::Service && health_checks,
             close_connections: mapping.spec.close_connections,
         };
@@ -150,13 +144,13 @@ pub fn spawn_sync_loop(
         );
         let mut events = std::pin::pin!(events);
         let mut synced = false;
-        let mut next_deadline: Option<i64> = None;
+        let mut next_deadline: Option<Deadline> = None;
         // Also re-applies periodically: repairs drift in an external data plane (HAProxy restarted).
         let mut repair = tokio::time::interval(Duration::from_secs(10));
         repair.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             let sleep_for = next_deadline
-                .map(|d| Duration::from_millis(u64::try_from(d - now_millis()).unwrap_or(0)))
+                .map(|d| d.remaining(Timestamp::now()))
                 .unwrap_or(Duration::from_secs(3600));
             let dirty = tokio::select! {
                 () = shutdown.cancelled() => break,
@@ -180,7 +174,7 @@ pub fn spawn_sync_loop(
             if !dirty || !synced {
                 continue;
             }
-            let now = now_millis();
+            let now = Timestamp::now();
             let state = store.state();
             let (desired, applied, deadline) = desired_state(&policy, health_checks, &state, now);
             next_deadline = deadline;

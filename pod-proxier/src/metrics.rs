@@ -3,6 +3,7 @@
 
 use std::sync::Arc;
 
+use k8s_openapi::jiff::Timestamp;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -83,7 +84,7 @@ impl Metrics {
     }
 
     /// Recounts the active mappings.
-    pub fn set_mapping_counts(&self, mappings: &[Arc<PortMapping>], now: i64) {
+    pub fn set_mapping_counts(&self, mappings: &[Arc<PortMapping>], now: Timestamp) {
         for kind in [MappingKind::Pod, MappingKind::Service] {
             let count = mappings
                 .iter()

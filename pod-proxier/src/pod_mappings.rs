@@ -4,10 +4,12 @@
 //! replaces the target (a second mapping replaces the first) or, for the same pod, sets a new
 //! deadline; expiry makes the entry port refuse connections again.
 
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::jiff::Timestamp;
 use k8s_reconcile::apply::delete_unchanged;
 use kube::ResourceExt as _;
 use kube::api::{Api, Patch, PatchParams};
@@ -18,7 +20,7 @@ use crate::crd::{CONTROLLER, MappingKind, MappingTarget, PortMapping, PortMappin
 use crate::error::{ApiError, CODE_ERROR, CODE_NOT_FOUND};
 use crate::forwarding::Mappings;
 use crate::settings::V1Policy;
-use crate::ttl::{expiry_millis, format_millis, is_expired, now_millis};
+use crate::ttl::{Deadline, is_expired};
 
 /// TTL used when a request gives none (the original's form default; its JSON default was 0).
 pub const DEFAULT_TTL_SECONDS: u64 = 60;
@@ -39,7 +41,7 @@ pub struct MappingView {
     pub entry_port: i32,
     /// When the mapping ends (V1).
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub expires_at: Option<String>,
+    pub expires_at: Option<Deadline>,
     /// POST only: the pod was mapped already and got a new deadline.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub extended: Option<bool>,
@@ -76,26 +78,26 @@ pub struct MappingView {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ttl_seconds: Option<u64>,
     /// Where connections go.
-    pub upstreams: Vec<String>,
+    pub upstreams: Vec<SocketAddr>,
 }
 
 impl MappingView {
     /// The view of `mapping` at `now`.
-    pub fn of(mapping: &PortMapping, now: i64) -> Self {
+    pub fn of(mapping: &PortMapping, now: Timestamp) -> Self {
         let spec = &mapping.spec;
         let qualified = format!("{}/{}", spec.target.namespace, spec.target.name);
-        let deadline = expiry_millis(mapping);
+        let deadline = spec.expires_at;
         Self {
             close_connections: spec.close_connections,
             entry_port: spec.entry_port,
-            expires_at: deadline.map(format_millis),
+            expires_at: deadline,
             extended: None,
             kind: spec.kind.label(),
             mapped: None,
             name: mapping.name_any(),
             pod_name: (spec.kind == MappingKind::Pod).then(|| qualified.clone()),
             port_name: spec.target.port_name.clone(),
-            remaining_seconds: deadline.map(|d| ((d - now).max(0) + 999) / 1000),
+            remaining_seconds: deadline.map(|d| d.remaining_seconds(now)),
             replaced: None,
             requested_by: spec.requested_by.clone(),
             service: (spec.kind == MappingKind::Service).then_some(qualified),
@@ -184,7 +186,7 @@ impl V1 {
     pub fn current(&self) -> Option<Arc<PortMapping>> {
         self.mappings
             .get(&self.mapping_name())
-            .filter(|m| !is_expired(m, now_millis()))
+            .filter(|m| !is_expired(m, Timestamp::now()))
     }
 
     async fn pod(&self, namespace: &str, name: &str) -> Result<Option<Pod>, ApiError> {
@@ -244,9 +246,8 @@ impl V1 {
             Some(port) => (Some(self.policy.port_name.clone()), port),
             None => (None, i32::from(self.policy.entry_port)),
         };
-        let target = std::net::SocketAddr::new(ip, u16::try_from(target_port).unwrap_or(0));
-        let ttl_millis = i64::try_from(ttl.as_millis()).unwrap_or(i64::MAX);
-        let expires_at = now_millis().saturating_add(ttl_millis);
+        let target = SocketAddr::new(ip, u16::try_from(target_port).unwrap_or(0));
+        let expires_at = Deadline::after(Timestamp::now(), ttl);
         let previous = self.current();
         let name = self.mapping_name();
         let mapping = PortMapping::owned(
@@ -261,8 +262,8 @@ impl V1 {
                     port: Some(target_port),
                 },
                 entry_port: i32::from(self.policy.entry_port),
-                upstreams: vec![target.to_string()],
-                expires_at: Some(format_millis(expires_at)),
+                upstreams: vec![target],
+                expires_at: Some(expires_at),
                 close_connections,
                 requested_by: Some(requested_by.to_owned()),
             },
@@ -291,7 +292,7 @@ impl V1 {
             .filter(|p| !same_pod(p))
             .map(|p| format!("{}/{}", p.spec.target.namespace, p.spec.target.name));
         tracing::info!(pod = %qualified, %target, entry_port = self.policy.entry_port, ttl_seconds = ttl.as_secs(), user = requested_by, "pod mapped");
-        Ok(MappingView::of(&written, now_millis()).posted(replaced, ttl, extended))
+        Ok(MappingView::of(&written, Timestamp::now()).posted(replaced, ttl, extended))
     }
 
     /// The mapping of `namespace/pod`, if it is the current one.
@@ -311,9 +312,9 @@ impl V1 {
             });
         }
         Ok(match self.mapping_of(namespace, pod_name) {
-            Some(mapping) => {
-                PodMapping::Mapped(Box::new(MappingView::of(&mapping, now_millis()).queried()))
-            }
+            Some(mapping) => PodMapping::Mapped(Box::new(
+                MappingView::of(&mapping, Timestamp::now()).queried(),
+            )),
             None => PodMapping::Unmapped(Unmapped {
                 entry_port: None,
                 mapped: false,
@@ -415,8 +416,10 @@ mod tests {
         String::from_utf8(bytes.to_vec()).unwrap()
     }
 
-    const DEADLINE: i64 = 1_700_000_000_123;
-    const NOW: i64 = DEADLINE - 59_500;
+    /// 59.5 s before the deadline of [`pod_mapping`].
+    fn now() -> Timestamp {
+        Timestamp::from_millisecond(1_700_000_000_123 - 59_500).unwrap()
+    }
 
     fn pod_mapping() -> PortMapping {
         PortMapping::owned(
@@ -431,8 +434,14 @@ mod tests {
                     port: Some(8849),
                 },
                 entry_port: 8849,
-                upstreams: vec!["10.1.2.3:8849".into(), "[fd00::1]:8849".into()],
-                expires_at: Some(format_millis(DEADLINE)),
+                upstreams: vec![
+                    "10.1.2.3:8849".parse().unwrap(),
+                    "[fd00::1]:8849".parse().unwrap(),
+                ],
+                expires_at: Some(Deadline::after(
+                    Timestamp::UNIX_EPOCH,
+                    Duration::from_millis(1_700_000_000_123),
+                )),
                 close_connections: true,
                 requested_by: Some("alice".into()),
             },
@@ -466,7 +475,7 @@ mod tests {
     fn answers_keep_their_bytes_on_the_wire() {
         let ttl = Duration::from_secs(60);
         let posted = |replaced: Option<&str>| {
-            let view = MappingView::of(&pod_mapping(), NOW);
+            let view = MappingView::of(&pod_mapping(), now());
             body(error::ok(view.posted(
                 replaced.map(str::to_owned),
                 ttl,
@@ -481,7 +490,8 @@ mod tests {
             posted(Some("default/old")),
             r#"{"code":10000,"data":{"close_connections":true,"entry_port":8849,"expires_at":"2023-11-14T22:13:20.123Z","extended":false,"kind":"pod","name":"v1-entry-8849","pod_name":"default/web-0","port_name":"jprofiler-port","remaining_seconds":60,"replaced":"default/old","requested_by":"alice","target_port":8849,"ttl_seconds":60,"upstreams":["10.1.2.3:8849","[fd00::1]:8849"]},"msg":"operation succeeded"}"#
         );
-        let queried = PodMapping::Mapped(Box::new(MappingView::of(&pod_mapping(), NOW).queried()));
+        let queried =
+            PodMapping::Mapped(Box::new(MappingView::of(&pod_mapping(), now()).queried()));
         assert_eq!(
             body(error::ok(queried)),
             r#"{"code":10000,"data":{"close_connections":true,"entry_port":8849,"expires_at":"2023-11-14T22:13:20.123Z","kind":"pod","mapped":true,"name":"v1-entry-8849","pod_name":"default/web-0","port_name":"jprofiler-port","remaining_seconds":60,"requested_by":"alice","target_port":8849,"upstreams":["10.1.2.3:8849","[fd00::1]:8849"]},"msg":"operation succeeded"}"#
@@ -504,7 +514,7 @@ mod tests {
             body(error::ok(deleted)),
             r#"{"code":10000,"data":{"entry_port":8849,"mapped":false,"pod_name":"default/web-0"},"msg":"operation succeeded"}"#
         );
-        let service = MappingView::of(&service_mapping(), NOW);
+        let service = MappingView::of(&service_mapping(), now());
         assert_eq!(
             body(error::ok(vec![service.clone()])),
             r#"{"code":10000,"data":[{"close_connections":false,"entry_port":9000,"kind":"service","name":"svc.default.svc.debug","port_name":"debug","service":"default/svc","target_port":80,"upstreams":[]}],"msg":"operation succeeded"}"#

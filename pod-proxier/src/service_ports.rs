@@ -42,7 +42,7 @@ struct Wanted {
     service: Arc<Service>,
     port_name: String,
     port: i32,
-    upstreams: Vec<String>,
+    upstreams: Vec<SocketAddr>,
 }
 
 /// The PortMapping name of a Service port.
@@ -135,7 +135,7 @@ impl V2Reconciler {
         }
     }
 
-    fn upstreams(&self, service: &Service, port_name: &str, port: i32) -> Vec<String> {
+    fn upstreams(&self, service: &Service, port_name: &str, port: i32) -> Vec<SocketAddr> {
         let namespace = service.namespace().unwrap_or_default();
         let mut upstreams = Vec::new();
         match self.policy.target {
@@ -144,7 +144,7 @@ impl V2Reconciler {
                 if let (Some(ip), Ok(port)) = (ips, u16::try_from(port))
                     && let Ok(ip) = ip.parse::<IpAddr>()
                 {
-                    upstreams.push(SocketAddr::new(ip, port).to_string());
+                    upstreams.push(SocketAddr::new(ip, port));
                 }
             }
             V2Target::Endpoints => {
@@ -158,14 +158,12 @@ impl V2Reconciler {
                     .filter(|slice| slice.labels().get(SERVICE_NAME_LABEL) == Some(&name))
                     .collect();
                 let ready = ready_endpoints(slices.iter().map(AsRef::as_ref), Some(port_name));
-                upstreams.extend(
-                    ready
-                        .into_iter()
-                        .map(|e| SocketAddr::new(e.ip, e.port).to_string()),
-                );
+                upstreams.extend(ready.into_iter().map(|e| SocketAddr::new(e.ip, e.port)));
             }
         }
-        upstreams.sort();
+        // In the order of their text, as when they were strings: existing PortMappings compare
+        // equal and are not rewritten.
+        upstreams.sort_by_cached_key(ToString::to_string);
         upstreams.dedup();
         upstreams
     }

@@ -204,7 +204,7 @@ async fn cluster_ip_target_relays_to_the_service_ip_not_its_endpoints() {
         .unwrap();
 
     let mapping = published_port(&env, &ns, "svc-a").await;
-    assert_eq!(mapping.spec.upstreams, vec![server.to_string()]);
+    assert_eq!(mapping.spec.upstreams, vec![server]);
     let entry = SocketAddr::from((
         [127, 0, 0, 1],
         u16::try_from(mapping.spec.entry_port).unwrap(),

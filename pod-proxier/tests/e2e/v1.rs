@@ -77,7 +77,7 @@ async fn v1_maps_replaces_extends_expires_and_deletes() {
         .await
         .unwrap();
     assert_eq!(cr.spec.target.name, "pod-a");
-    assert_eq!(cr.spec.upstreams, vec![a.to_string()]);
+    assert_eq!(cr.spec.upstreams, vec![a]);
     let cr_name = format!("v1-entry-{}", px.entry.port());
     eventually(
         "the leader reports the mapping Active",

@@ -133,7 +133,13 @@ async fn v2_publishes_updates_releases_and_reports_exhaustion() {
     let a_port = wait_entry_port(&env, &a_name).await;
     assert!((start..=end).contains(&a_port));
     let a = env.mappings().get(&a_name).await.unwrap();
-    assert_eq!(a.spec.upstreams, vec!["192.0.2.31:8080", "192.0.2.32:8080"]);
+    assert_eq!(
+        a.spec.upstreams,
+        vec![
+            "192.0.2.31:8080".parse::<std::net::SocketAddr>().unwrap(),
+            "192.0.2.32:8080".parse().unwrap()
+        ]
+    );
     assert_eq!(a.spec.target.port, Some(80));
     eventually("the entry port listens", Duration::from_secs(5), || async {
         listening(a_port)
