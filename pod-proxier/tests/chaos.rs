@@ -6,62 +6,29 @@
 //! verb taken out of its Role: said in the log, retried with backoff, recovered when it returns.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-#[path = "e2e/harness.rs"]
-mod harness;
+mod support;
 
 use std::time::{Duration, Instant};
 
-use harness::{Env, Proxier, backend, eventually, free_range, greeting};
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{ConfigMap, Service};
 use k8s_openapi::api::rbac::v1::Role;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
-use k8s_reconcile::testing::ControlPlane;
-use kube::CustomResourceExt as _;
 use kube::api::{Api, Patch, PatchParams, PostParams};
-use pod_proxier::crd::PortMapping;
 use serde_json::json;
+use support::{Env, Proxier, backend, eventually, free_range, greeting, own_plane, v1_v2_flags};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn api_server_and_etcd_restarts_keep_every_mapping() {
     // Broken on purpose, so a plane of its own (it lives until the test binary exits).
-    let plane: &'static ControlPlane =
-        Box::leak(Box::new(ControlPlane::builder().start().await.unwrap()));
-    plane.install_crds(&[PortMapping::crd()]).await.unwrap();
+    let plane = own_plane(&[]).await;
     let env = Env::on(plane, "chaos", 1).await;
     let ns = env.targets[0].clone();
-    let a = backend("127.0.0.61", "chaos-pod").await;
-    env.pod(
-        &ns,
-        "pod-a",
-        "127.0.0.61",
-        Some(("jprofiler-port", a.port())),
-    )
-    .await;
-    let (start, end) = free_range(3);
-    let mut px = Proxier::start(
-        &env,
-        &[
-            "--enable-v1",
-            "--enable-v2",
-            "--port-range-start",
-            &start.to_string(),
-            "--port-range-end",
-            &end.to_string(),
-            "--off-check",
-        ],
-    )
-    .await;
-    let token = env.debugger(&ns).await;
-    let (status, body) = px
-        .call(
-            "POST",
-            "/api/v1/mapping",
-            Some(&token),
-            Some(json!({"pod_name": format!("{ns}/pod-a"), "time": 600})),
-        )
+    env.pod_with_backend(&ns, "pod-a", "127.0.0.61", "chaos-pod")
         .await;
-    assert_eq!(status, 200, "{body}");
+    let mut px = Proxier::start(&env, &v1_v2_flags(3)).await;
+    let token = env.debugger(&ns).await;
+    px.map(Some(&token), &format!("{ns}/pod-a"), 600).await;
     let svc: Service = serde_json::from_value(json!({"apiVersion": "v1", "kind": "Service",
         "metadata": {"name": "svc-a", "namespace": ns},
         "spec": {"ports": [{"name": "debug", "port": 80}]}}))
@@ -205,14 +172,8 @@ async fn api_server_and_etcd_restarts_keep_every_mapping() {
 async fn a_lost_lease_stops_the_writes_before_the_new_holder_starts() {
     let env = Env::new("chaos-lease", 1).await;
     let ns = env.targets[0].clone();
-    let a = backend("127.0.0.62", "lease-pod").await;
-    env.pod(
-        &ns,
-        "pod-a",
-        "127.0.0.62",
-        Some(("jprofiler-port", a.port())),
-    )
-    .await;
+    env.pod_with_backend(&ns, "pod-a", "127.0.0.62", "lease-pod")
+        .await;
     let px = Proxier::start(&env, &["--enable-v1"]).await;
     let identity = format!("replica-{}", env.state_ns);
     let leases: Api<Lease> = Api::namespaced(env.admin.clone(), &env.state_ns);
@@ -228,15 +189,7 @@ async fn a_lost_lease_stops_the_writes_before_the_new_holder_starts() {
     })
     .await;
     let token = env.debugger(&ns).await;
-    let (status, body) = px
-        .call(
-            "POST",
-            "/api/v1/mapping",
-            Some(&token),
-            Some(json!({"pod_name": format!("{ns}/pod-a"), "time": 4})),
-        )
-        .await;
-    assert_eq!(status, 200, "{body}");
+    px.map(Some(&token), &format!("{ns}/pod-a"), 4).await;
     let name = env
         .mappings()
         .list(&Default::default())
@@ -325,14 +278,8 @@ async fn a_lost_lease_stops_the_writes_before_the_new_holder_starts() {
 async fn a_verb_taken_away_is_reported_backed_off_and_recovered() {
     let env = Env::new("chaos-perm", 1).await;
     let ns = env.targets[0].clone();
-    let a = backend("127.0.0.63", "perm-pod").await;
-    env.pod(
-        &ns,
-        "pod-a",
-        "127.0.0.63",
-        Some(("jprofiler-port", a.port())),
-    )
-    .await;
+    env.pod_with_backend(&ns, "pod-a", "127.0.0.63", "perm-pod")
+        .await;
     let px = Proxier::start(&env, &["--enable-v1"]).await;
     // `patch` on portmappings/status leaves the state Role: the leader cannot write a status.
     let roles: Api<Role> = Api::namespaced(env.admin.clone(), &env.state_ns);
@@ -359,15 +306,7 @@ async fn a_verb_taken_away_is_reported_backed_off_and_recovered() {
     let from = plane.audit_events().unwrap().len();
     let log_from = px.logs().len();
     let token = env.debugger(&ns).await;
-    let (status, body) = px
-        .call(
-            "POST",
-            "/api/v1/mapping",
-            Some(&token),
-            Some(json!({"pod_name": format!("{ns}/pod-a"), "time": 600})),
-        )
-        .await;
-    assert_eq!(status, 200, "{body}");
+    px.map(Some(&token), &format!("{ns}/pod-a"), 600).await;
     // Mapping works without its status: the data path does not need it.
     assert_eq!(greeting(px.entry).await.as_deref(), Some("perm-pod"));
     let window = Duration::from_secs(20);
@@ -438,7 +377,7 @@ async fn with_version(roles: &Api<Role>, mut role: Role) -> Role {
 
 /// The value of `leader_election_master_status{name="pod-proxier"}` on `/metrics`, if it answers.
 async fn leader_gauge(px: &Proxier) -> Option<i64> {
-    let (_, text) = harness::get_text(px.metrics, "/metrics").await.ok()?;
+    let (_, text) = support::get_text(px.metrics, "/metrics").await.ok()?;
     text.lines()
         .find(|l| l.starts_with(r#"leader_election_master_status{name="pod-proxier"}"#))
         .and_then(|l| l.split_whitespace().last())
@@ -450,24 +389,11 @@ async fn a_hung_api_server_is_noticed_the_data_plane_serves_and_it_converges() {
     // Frozen on purpose, so a plane of its own (it lives until the test binary exits). Its
     // Services are on loopback: with --v2-target cluster-ip a V2 mapping relays without a node
     // (a server on the ClusterIP stands in for kube-proxy and the Pod behind it).
-    let plane: &'static ControlPlane = Box::leak(Box::new(
-        ControlPlane::builder()
-            .apiserver_arg("--service-cluster-ip-range=127.100.1.0/24")
-            .start()
-            .await
-            .unwrap(),
-    ));
-    plane.install_crds(&[PortMapping::crd()]).await.unwrap();
+    let plane = own_plane(&["--service-cluster-ip-range=127.100.1.0/24"]).await;
     let env = Env::on(plane, "hung", 1).await;
     let ns = env.targets[0].clone();
-    let a = backend("127.0.0.64", "hung-pod").await;
-    env.pod(
-        &ns,
-        "pod-a",
-        "127.0.0.64",
-        Some(("jprofiler-port", a.port())),
-    )
-    .await;
+    env.pod_with_backend(&ns, "pod-a", "127.0.0.64", "hung-pod")
+        .await;
     let (start, end) = free_range(3);
     let mut px = Proxier::start(
         &env,
@@ -492,15 +418,7 @@ async fn a_hung_api_server_is_noticed_the_data_plane_serves_and_it_converges() {
     .await;
     let token = env.debugger(&ns).await;
     // The TTL ends inside the freeze, after the leader had to step down (renew deadline 10 s).
-    let (status, body) = px
-        .call(
-            "POST",
-            "/api/v1/mapping",
-            Some(&token),
-            Some(json!({"pod_name": format!("{ns}/pod-a"), "time": 18})),
-        )
-        .await;
-    assert_eq!(status, 200, "{body}");
+    let body = px.map(Some(&token), &format!("{ns}/pod-a"), 18).await;
     let expires_at: k8s_openapi::jiff::Timestamp = body["data"]["expires_at"]
         .as_str()
         .unwrap()
@@ -564,7 +482,7 @@ async fn a_hung_api_server_is_noticed_the_data_plane_serves_and_it_converges() {
     assert_eq!(read_line(&mut held).await.as_deref(), Some("hung-pod"));
     // A caller whose token was never reviewed: its request needs the API server.
     let stranger = env
-        .caller(&ns, "stranger", vec![harness::port_forward_rule()])
+        .caller(&ns, "stranger", vec![support::port_forward_rule()])
         .await;
     let from = {
         plane.requests_by(&px.user).await.unwrap();
@@ -580,7 +498,7 @@ async fn a_hung_api_server_is_noticed_the_data_plane_serves_and_it_converges() {
         let path = format!("/api/v1/mapping?pod_name={ns}/pod-a");
         tokio::spawn(async move {
             let asked = Instant::now();
-            let answer = harness::request(api, "GET", &path, Some(&stranger), None, b"").await;
+            let answer = support::request(api, "GET", &path, Some(&stranger), None, b"").await;
             (answer, asked.elapsed())
         })
     };
@@ -612,7 +530,7 @@ async fn a_hung_api_server_is_noticed_the_data_plane_serves_and_it_converges() {
         if noticed.is_none() && leader_gauge(&px).await == Some(0) {
             noticed = Some(frozen.elapsed());
         }
-        match harness::get_text(px.metrics, "/readyz").await {
+        match support::get_text(px.metrics, "/readyz").await {
             Ok((200, _)) => {}
             other => unready.push(format!("{:?}: {other:?}", frozen.elapsed())),
         }
@@ -720,15 +638,7 @@ async fn a_hung_api_server_is_noticed_the_data_plane_serves_and_it_converges() {
     );
 
     // A mapping made now is served at once: the API works again.
-    let (status, body) = px
-        .call(
-            "POST",
-            "/api/v1/mapping",
-            Some(&token),
-            Some(json!({"pod_name": format!("{ns}/pod-a"), "time": 600})),
-        )
-        .await;
-    assert_eq!(status, 200, "{body}");
+    px.map(Some(&token), &format!("{ns}/pod-a"), 600).await;
     eventually("served again", Duration::from_secs(5), || async {
         greeting(px.entry).await.as_deref() == Some("hung-pod")
     })

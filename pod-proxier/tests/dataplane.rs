@@ -2,6 +2,8 @@
 //! upstreams that EndpointSlices cannot carry (the API server refuses loopback addresses there).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod support;
+
 use std::collections::BTreeSet;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -11,37 +13,9 @@ use pod_proxier::dataplane::embedded::EmbeddedPlane;
 use pod_proxier::dataplane::{DesiredPorts, PortRoute};
 use proxy_core::metrics::NoopObserver;
 use proxy_core::upstream::HealthCheck;
+use support::{backend, free_port, greeting};
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
-use tokio::net::{TcpListener, TcpStream};
-
-async fn backend(ip: &str, tag: &'static str) -> SocketAddr {
-    let listener = TcpListener::bind((ip, 0)).await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move {
-        while let Ok((mut conn, _)) = listener.accept().await {
-            tokio::spawn(async move {
-                let _ = conn.write_all(format!("{tag}\n").as_bytes()).await;
-                let (mut r, mut w) = conn.split();
-                let _ = tokio::io::copy(&mut r, &mut w).await;
-            });
-        }
-    });
-    addr
-}
-
-async fn greeting(addr: SocketAddr) -> Option<String> {
-    let mut stream = TcpStream::connect(addr).await.ok()?;
-    let mut buf = [0u8; 64];
-    let n = tokio::time::timeout(Duration::from_secs(2), stream.read(&mut buf))
-        .await
-        .ok()?
-        .ok()?;
-    (n > 0).then(|| String::from_utf8_lossy(&buf[..n]).trim().to_owned())
-}
-
-fn free_port() -> u16 {
-    proxy_core::testing::free_port().unwrap()
-}
+use tokio::net::TcpStream;
 
 fn route(name: &str, upstreams: Vec<SocketAddr>, checked: bool, close: bool) -> PortRoute {
     PortRoute {

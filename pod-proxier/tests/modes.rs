@@ -7,21 +7,19 @@
 //! itself, so what is tested is pod-proxier's part: which address it publishes and relays to.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-#[path = "e2e/harness.rs"]
-mod harness;
+mod support;
 
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use harness::{Env, Proxier, backend, eventually, free_range, greeting};
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_reconcile::testing::ControlPlane;
-use kube::CustomResourceExt as _;
 use kube::api::{Api, PostParams};
 use pod_proxier::crd::PortMapping;
 use serde_json::json;
+use support::{Env, Proxier, backend, eventually, free_range, greeting, own_plane};
 use tokio::sync::OnceCell;
 
 const SERVICE_RANGE: &str = "127.100.0.0/24";
@@ -31,13 +29,7 @@ async fn plane() -> &'static ControlPlane {
     static PLANE: OnceCell<&'static ControlPlane> = OnceCell::const_new();
     PLANE
         .get_or_init(|| async {
-            let plane = ControlPlane::builder()
-                .apiserver_arg(format!("--service-cluster-ip-range={SERVICE_RANGE}"))
-                .start()
-                .await
-                .unwrap();
-            plane.install_crds(&[PortMapping::crd()]).await.unwrap();
-            &*Box::leak(Box::new(plane))
+            own_plane(&[&format!("--service-cluster-ip-range={SERVICE_RANGE}")]).await
         })
         .await
 }
@@ -73,14 +65,9 @@ async fn published_port(env: &Env, ns: &str, name: &str) -> PortMapping {
 async fn auth_none_serves_callers_without_a_token_but_keeps_the_namespace_limits() {
     let env = Env::on(plane().await, "auth-none", 1).await;
     let ns = env.targets[0].clone();
-    let a = backend("127.0.0.71", "open-pod").await;
-    env.pod(
-        &ns,
-        "pod-a",
-        "127.0.0.71",
-        Some(("jprofiler-port", a.port())),
-    )
-    .await;
+    let a = env
+        .pod_with_backend(&ns, "pod-a", "127.0.0.71", "open-pod")
+        .await;
     let outside = env
         .plane
         .create_namespace("auth-none-outside")
@@ -101,15 +88,7 @@ async fn auth_none_serves_callers_without_a_token_but_keeps_the_namespace_limits
     );
 
     // No token at all: mapped, forwarded, readable.
-    let (status, body) = px
-        .call(
-            "POST",
-            "/api/v1/mapping",
-            None,
-            Some(json!({"pod_name": format!("{ns}/pod-a"), "time": 60})),
-        )
-        .await;
-    assert_eq!(status, 200, "{body}");
+    px.map(None, &format!("{ns}/pod-a"), 60).await;
     assert_eq!(greeting(px.entry).await.as_deref(), Some("open-pod"));
     let (status, body) = px
         .call(
@@ -234,14 +213,8 @@ async fn cluster_ip_target_relays_to_the_service_ip_not_its_endpoints() {
 async fn two_active_replicas_serve_the_same_mappings() {
     let env = Env::on(plane().await, "replicas", 1).await;
     let ns = env.targets[0].clone();
-    let pod = backend("127.0.0.72", "pod-a").await;
-    env.pod(
-        &ns,
-        "pod-a",
-        "127.0.0.72",
-        Some(("jprofiler-port", pod.port())),
-    )
-    .await;
+    env.pod_with_backend(&ns, "pod-a", "127.0.0.72", "pod-a")
+        .await;
     let (start, end) = free_range(3);
     let mut first = Proxier::start(
         &env,
@@ -292,15 +265,7 @@ async fn two_active_replicas_serve_the_same_mappings() {
     }
     // A mapping made through the follower's API is relayed by both.
     let token = env.debugger(&ns).await;
-    let (status, body) = second
-        .call(
-            "POST",
-            "/api/v1/mapping",
-            Some(&token),
-            Some(json!({"pod_name": format!("{ns}/pod-a"), "time": 600})),
-        )
-        .await;
-    assert_eq!(status, 200, "{body}");
+    second.map(Some(&token), &format!("{ns}/pod-a"), 600).await;
     for (who, entry) in [("first", first.entry), ("second", second.entry)] {
         eventually(
             &format!("the {who} replica relays the V1 mapping"),

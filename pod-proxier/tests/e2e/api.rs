@@ -2,14 +2,13 @@
 
 use serde_json::{Value, json};
 
-use crate::harness::{Env, Proxier, backend, greeting, port_forward_rule, request};
+use crate::support::{Env, Proxier, greeting, port_forward_rule, request};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn callers_are_authenticated_and_authorized_like_port_forward() {
     let env = Env::new("auth", 2).await;
     let (ns, other) = (env.targets[0].clone(), env.targets[1].clone());
-    let a = backend("127.0.0.21", "auth-pod").await;
-    env.pod(&ns, "web", "127.0.0.21", Some(("jprofiler-port", a.port())))
+    env.pod_with_backend(&ns, "web", "127.0.0.21", "auth-pod")
         .await;
     let px = Proxier::start(&env, &["--enable-v1"]).await;
     let body = json!({"pod_name": format!("{ns}/web"), "time": 30});
@@ -98,8 +97,7 @@ async fn malformed_requests_get_clear_4xx_and_change_nothing() {
     let env = Env::new("bad", 1).await;
     let ns = env.targets[0].clone();
     env.pod(&ns, "no-ip", "", None).await;
-    let a = backend("127.0.0.22", "bad-pod").await;
-    env.pod(&ns, "web", "127.0.0.22", Some(("jprofiler-port", a.port())))
+    env.pod_with_backend(&ns, "web", "127.0.0.22", "bad-pod")
         .await;
     let px = Proxier::start(&env, &["--enable-v1", "--max-body-bytes", "4096"]).await;
     let token = env.debugger(&ns).await;

@@ -8,7 +8,7 @@ use serde_json::json;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::TcpStream;
 
-use crate::harness::{Env, Proxier, backend, eventually, greeting};
+use crate::support::{Env, Proxier, backend, eventually, greeting};
 
 struct Haproxy(Child);
 

@@ -5,9 +5,10 @@
 
 mod api;
 mod haproxy;
-mod harness;
 mod restart;
 mod schemathesis;
 mod slow_clients;
+#[path = "../support/mod.rs"]
+mod support;
 mod v1;
 mod v2;

@@ -8,7 +8,7 @@ use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, PostParams};
 use serde_json::json;
 
-use crate::harness::{Env, Proxier, backend, eventually, free_range, greeting};
+use crate::support::{Env, Proxier, eventually, greeting, v1_v2_flags};
 
 fn millis_until(expires_at: &str) -> i64 {
     expires_at.parse::<Timestamp>().unwrap().as_millisecond() - Timestamp::now().as_millisecond()
@@ -18,38 +18,11 @@ fn millis_until(expires_at: &str) -> i64 {
 async fn kill_9_then_start_restores_mappings_ports_and_ttls() {
     let env = Env::new("restart", 1).await;
     let ns = env.targets[0].clone();
-    let a = backend("127.0.0.51", "restart-pod").await;
-    env.pod(
-        &ns,
-        "pod-a",
-        "127.0.0.51",
-        Some(("jprofiler-port", a.port())),
-    )
-    .await;
-    let (start, end) = free_range(3);
-    let mut px = Proxier::start(
-        &env,
-        &[
-            "--enable-v1",
-            "--enable-v2",
-            "--port-range-start",
-            &start.to_string(),
-            "--port-range-end",
-            &end.to_string(),
-            "--off-check",
-        ],
-    )
-    .await;
-    let token = env.debugger(&ns).await;
-    let (status, body) = px
-        .call(
-            "POST",
-            "/api/v1/mapping",
-            Some(&token),
-            Some(json!({"pod_name": format!("{ns}/pod-a"), "time": 6})),
-        )
+    env.pod_with_backend(&ns, "pod-a", "127.0.0.51", "restart-pod")
         .await;
-    assert_eq!(status, 200, "{body}");
+    let mut px = Proxier::start(&env, &v1_v2_flags(3)).await;
+    let token = env.debugger(&ns).await;
+    let body = px.map(Some(&token), &format!("{ns}/pod-a"), 6).await;
     let expires_at = body["data"]["expires_at"].as_str().unwrap().to_owned();
     let svc: Service = serde_json::from_value(json!({"apiVersion": "v1", "kind": "Service",
         "metadata": {"name": "svc-a", "namespace": ns}, "spec": {"ports": [{"name": "debug", "port": 80}]}}))

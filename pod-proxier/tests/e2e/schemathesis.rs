@@ -6,7 +6,7 @@ use std::process::Command;
 
 use proxy_core::testing::{cache_dir, python_venv};
 
-use crate::harness::{Env, Proxier, backend};
+use crate::support::{Env, Proxier};
 
 const SCHEMATHESIS_VERSION: &str = "4.32.5";
 
@@ -22,24 +22,10 @@ async fn schemathesis_finds_no_server_error() {
     let st = schemathesis();
     let env = Env::new("fuzz", 1).await;
     let ns = env.targets[0].clone();
-    let a = backend("127.0.0.71", "fuzz-pod").await;
-    env.pod(&ns, "web", "127.0.0.71", Some(("jprofiler-port", a.port())))
+    env.pod_with_backend(&ns, "web", "127.0.0.71", "fuzz-pod")
         .await;
     env.pod(&ns, "pending", "", None).await;
-    let (start, end) = crate::harness::free_range(2);
-    let px = Proxier::start(
-        &env,
-        &[
-            "--enable-v1",
-            "--enable-v2",
-            "--off-check",
-            "--port-range-start",
-            &start.to_string(),
-            "--port-range-end",
-            &end.to_string(),
-        ],
-    )
-    .await;
+    let px = Proxier::start(&env, &crate::support::v1_v2_flags(2)).await;
     let token = env.debugger(&ns).await;
     let schema = format!("http://{}/api/openapi.json", px.api);
     // schemathesis keeps a cache in its working directory: not in the source tree.

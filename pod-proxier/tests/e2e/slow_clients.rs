@@ -9,7 +9,7 @@ use serde_json::json;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::TcpStream;
 
-use crate::harness::{self, Env, Proxier, backend, get_text};
+use crate::support::{self, Env, Proxier, backend, get_text};
 
 const TRICKLERS: usize = 200;
 const MAX_CONNECTIONS: usize = 220;
@@ -146,7 +146,7 @@ async fn a_body_over_the_limit_gets_413_and_creates_nothing() {
     // is served, so the 413 was only about the size.
     let padded = format!("{request}{}", " ".repeat(1024));
     for (body, expected, mappings) in [(padded, 413, 0), (request, 200, 1)] {
-        let (status, answer) = harness::request(
+        let (status, answer) = support::request(
             px.api,
             "POST",
             "/api/v1/mapping",

@@ -7,7 +7,7 @@ use serde_json::json;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::TcpStream;
 
-use crate::harness::{Env, Proxier, backend, backend_on, eventually, greeting};
+use crate::support::{Env, Proxier, backend, backend_on, eventually, greeting};
 
 fn millis_until(expires_at: &str) -> i64 {
     let deadline: Timestamp = expires_at.parse().unwrap();

@@ -8,7 +8,7 @@ use k8s_openapi::api::events::v1::Event;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use serde_json::json;
 
-use crate::harness::{Env, Proxier, eventually, free_range, get_text};
+use crate::support::{Env, Proxier, eventually, free_range, get_text};
 
 async fn service(env: &Env, ns: &str, name: &str, ports: &[(&str, i32)]) {
     let ports: Vec<_> = ports

@@ -1,6 +1,9 @@
-//! Test harness: the real control plane, the chart's RBAC bound to pod-proxier's ServiceAccount,
-//! the binary as a child process, loopback backends posing as pods, and a tiny HTTP client.
-#![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
+//! The test fixture shared by pod-proxier's integration tests (`chaos`, `modes`, `dataplane`
+//! and the `e2e` binary): the real control plane with the PortMapping CRD (shared, or a test's
+//! own to break), the chart's RBAC bound to pod-proxier's ServiceAccount, the binary as a child
+//! process started with flags and waited for, loopback backends posing as pods, and a tiny HTTP
+//! client.
+#![allow(dead_code, unused_imports, clippy::unwrap_used, clippy::expect_used)]
 
 use std::net::{IpAddr, SocketAddr, TcpListener as StdListener};
 use std::path::PathBuf;
@@ -37,6 +40,7 @@ pub fn chart_rules() -> ChartRules {
 
 static CRD: OnceCell<()> = OnceCell::const_new();
 
+/// The control plane shared by the tests of a binary, with the PortMapping CRD.
 pub async fn plane() -> &'static ControlPlane {
     let plane = ControlPlane::shared().await.unwrap();
     CRD.get_or_init(|| async {
@@ -44,6 +48,37 @@ pub async fn plane() -> &'static ControlPlane {
     })
     .await;
     plane
+}
+
+/// A control plane of its own, with the PortMapping CRD and `apiserver_args`: for a test that
+/// breaks it (stops, freezes, restarts) or needs other API server flags. It lives until the
+/// test binary exits.
+pub async fn own_plane(apiserver_args: &[&str]) -> &'static ControlPlane {
+    let builder = apiserver_args
+        .iter()
+        .fold(ControlPlane::builder(), |builder, arg| {
+            builder.apiserver_arg(*arg)
+        });
+    let plane = builder.start().await.unwrap();
+    plane.install_crds(&[PortMapping::crd()]).await.unwrap();
+    Box::leak(Box::new(plane))
+}
+
+/// `--enable-v1 --enable-v2` with a V2 range of `count` free ports and `--off-check`: what most
+/// scenarios run with, before their own flags.
+pub fn v1_v2_flags(count: u16) -> Vec<String> {
+    let (start, end) = free_range(count);
+    [
+        "--enable-v1",
+        "--enable-v2",
+        "--port-range-start",
+        &start.to_string(),
+        "--port-range-end",
+        &end.to_string(),
+        "--off-check",
+    ]
+    .map(str::to_owned)
+    .to_vec()
 }
 
 /// One test's world: a state namespace for pod-proxier and target namespaces it may serve.
@@ -297,6 +332,21 @@ impl Env {
             .unwrap();
     }
 
+    /// A Running pod `name` at `ip` whose container port `jprofiler-port` is a new server on
+    /// `ip` greeting with `tag`; returns the server's address.
+    pub async fn pod_with_backend(
+        &self,
+        namespace: &str,
+        name: &str,
+        ip: &str,
+        tag: &str,
+    ) -> SocketAddr {
+        let server = backend(ip, tag).await;
+        self.pod(namespace, name, ip, Some(("jprofiler-port", server.port())))
+            .await;
+        server
+    }
+
     pub fn mappings(&self) -> Api<PortMapping> {
         Api::namespaced(self.admin.clone(), &self.state_ns)
     }
@@ -361,8 +411,9 @@ pub struct Proxier {
 }
 
 impl Proxier {
-    /// Starts pod-proxier with the env's ServiceAccount, on loopback, plus `extra` flags.
-    pub async fn start(env: &Env, extra: &[&str]) -> Proxier {
+    /// Starts pod-proxier with the env's ServiceAccount, on loopback, plus `extra` flags, and
+    /// waits until it is ready.
+    pub async fn start<S: AsRef<str>>(env: &Env, extra: &[S]) -> Proxier {
         let mut proxier = Self::prepare(env, extra);
         proxier.spawn().await;
         proxier
@@ -379,7 +430,7 @@ impl Proxier {
     }
 
     /// Like [`Self::start`], without starting.
-    pub fn prepare(env: &Env, extra: &[&str]) -> Proxier {
+    pub fn prepare<S: AsRef<str>>(env: &Env, extra: &[S]) -> Proxier {
         let api = SocketAddr::from(([127, 0, 0, 1], free_port()));
         let entry = SocketAddr::from(([127, 0, 0, 1], free_port()));
         let metrics = SocketAddr::from(([127, 0, 0, 1], free_port()));
@@ -407,7 +458,7 @@ impl Proxier {
             "--drain-timeout".into(),
             "1s".into(),
         ];
-        args.extend(extra.iter().map(|s| (*s).to_owned()));
+        args.extend(extra.iter().map(|s| s.as_ref().to_owned()));
         let log = env
             .plane
             .dir()
@@ -543,6 +594,18 @@ impl Proxier {
             forbidden.is_empty(),
             "the API server refused pod-proxier: {forbidden:?}"
         );
+    }
+
+    /// Maps `pod` (`namespace/name`) for `ttl_seconds` as `token` (none with `--auth none`)
+    /// through the V1 API, as a scenario's set-up: panics unless the answer is 200. Returns the
+    /// answer.
+    pub async fn map(&self, token: Option<&str>, pod: &str, ttl_seconds: u64) -> Value {
+        let request = json!({"pod_name": pod, "time": ttl_seconds});
+        let (status, body) = self
+            .call("POST", "/api/v1/mapping", token, Some(request))
+            .await;
+        assert_eq!(status, 200, "{body}");
+        body
     }
 
     pub async fn call(
