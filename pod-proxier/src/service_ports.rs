@@ -141,10 +141,18 @@ impl V2Reconciler {
         match self.policy.target {
             V2Target::ClusterIp => {
                 let ips = service.spec.as_ref().and_then(|s| s.cluster_ip.clone());
-                if let (Some(ip), Ok(port)) = (ips, u16::try_from(port))
-                    && let Ok(ip) = ip.parse::<IpAddr>()
-                {
-                    upstreams.push(SocketAddr::new(ip, port));
+                if let (Some(text), Ok(port)) = (ips, u16::try_from(port)) {
+                    // The Service's edge: the API server validates ClusterIPs, so this is said
+                    // rather than dropped should one ever not be an address.
+                    match text.parse::<IpAddr>() {
+                        Ok(ip) => upstreams.push(SocketAddr::new(ip, port)),
+                        Err(err) => tracing::error!(
+                            service = %format!("{namespace}/{}", service.name_any()),
+                            cluster_ip = %text,
+                            error = %err,
+                            "the Service's ClusterIP is not an IP address: its port has no upstream"
+                        ),
+                    }
                 }
             }
             V2Target::Endpoints => {

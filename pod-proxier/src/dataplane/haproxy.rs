@@ -32,8 +32,8 @@ pub enum HaproxyError {
     NoAddress,
     /// The socket cannot be reached.
     #[error(
-        "cannot reach the HAProxy Runtime API at {addr}: {source}. Start HAProxy with the \
-         configuration printed by `pod-proxier haproxy-config` (same flags)"
+        "cannot reach the HAProxy Runtime API at {addr} (start HAProxy with the configuration \
+         printed by `pod-proxier haproxy-config`, same flags)"
     )]
     Unreachable {
         /// The address.
@@ -315,7 +315,7 @@ impl HaproxyPlane {
                 }
                 Err(err) => errors.push(PortError {
                     port,
-                    message: err.to_string(),
+                    message: k8s_reconcile::app::error_chain(&err),
                 }),
             }
         }
@@ -337,6 +337,22 @@ mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
     use super::*;
     use clap::Parser as _;
+
+    #[test]
+    fn a_start_failure_says_each_cause_once() {
+        let unreachable = HaproxyError::Unreachable {
+            addr: "unix:///run/haproxy/admin.sock".to_owned(),
+            source: std::io::Error::new(std::io::ErrorKind::NotFound, "no such socket"),
+        };
+        let error =
+            crate::app::StartError::DataPlane(crate::app::DataPlaneError::Haproxy(unreachable));
+        assert_eq!(
+            k8s_reconcile::app::error_chain(&error),
+            "data plane: driving HAProxy: cannot reach the HAProxy Runtime API at \
+             unix:///run/haproxy/admin.sock (start HAProxy with the configuration printed by \
+             `pod-proxier haproxy-config`, same flags): no such socket"
+        );
+    }
 
     #[test]
     fn config_declares_every_entry_port_and_the_socket() {
