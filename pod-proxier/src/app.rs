@@ -5,11 +5,11 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
+use k8s_reconcile::app::App;
 use k8s_reconcile::app::rest::{self, ApiLimits};
 use k8s_reconcile::leader::LeaseConfig;
 use k8s_reconcile::leading::{Leadership, run_while_leading};
 use k8s_reconcile::metrics::ControllerMetrics;
-use k8s_reconcile::ops::{self, Health};
 use kube::Client;
 use kube::api::{Api, ListParams};
 use proxy_core::metrics::PrometheusObserver;
@@ -133,13 +133,12 @@ pub async fn run(settings: Settings) -> Result<(), StartError> {
         Err(err) => return Err(StartError::Kube(err)),
     }
 
-    let mut registry =
-        k8s_reconcile::app::metrics_registry("pod-proxier", env!("CARGO_PKG_VERSION"));
-    let observer = Arc::new(PrometheusObserver::register(&mut registry));
-    let metrics = Metrics::register(&mut registry);
-    let controller_metrics = ControllerMetrics::register(&mut registry);
-    let registry = Arc::new(registry);
-    let health = Health::new();
+    let mut builder = App::builder("pod-proxier", env!("CARGO_PKG_VERSION"));
+    let registry = builder.registry();
+    let observer = Arc::new(PrometheusObserver::register(registry));
+    let metrics = Metrics::register(registry);
+    let controller_metrics = ControllerMetrics::register(registry);
+    let health = builder.health().clone();
 
     let plane = match settings.plane.backend {
         BackendKind::Embedded => DataPlane::Embedded(
@@ -169,7 +168,8 @@ pub async fn run(settings: Settings) -> Result<(), StartError> {
         }
     }
 
-    let shutdown = ops::shutdown_on_signals()?;
+    // Cancelled by SIGTERM once the app starts below, after the API is bound.
+    let shutdown = builder.shutdown().clone();
     let (mappings, sync_task) = spawn_sync_loop(
         api.clone(),
         settings.policy.clone(),
@@ -228,12 +228,7 @@ pub async fn run(settings: Settings) -> Result<(), StartError> {
         limits,
         shutdown.clone(),
     ));
-    let ops_task = ops::serve(
-        settings.metrics_addr,
-        ops::router(health, registry),
-        shutdown.clone(),
-    )
-    .await?;
+    let app = builder.serve_ops([settings.metrics_addr]).start().await?;
     let policy = &settings.policy;
     tracing::info!(
         api = %settings.api.addr,
@@ -253,7 +248,7 @@ pub async fn run(settings: Settings) -> Result<(), StartError> {
     let _ = leader_task.await;
     let _ = sync_task.await;
     plane.shutdown(drain).await;
-    let _ = ops_task.await;
+    app.finish().await;
     Ok(())
 }
 

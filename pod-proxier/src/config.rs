@@ -47,15 +47,23 @@ pub enum AuthMode {
     None,
 }
 
-pub use k8s_reconcile::app::LogFormat;
+use k8s_reconcile::app::{ClientArgs, LogArgs};
 
 /// pod-proxier: TTL-managed TCP mappings to Pods (V1) and published Service ports (V2).
 #[derive(Debug, Clone, Parser)]
-#[command(name = "pod-proxier", version, about, long_about = None)]
+#[command(
+    name = "pod-proxier",
+    version,
+    about,
+    long_about = None,
+    mut_arg("kubeconfig", |a| a.env("POD_PROXIER_KUBECONFIG").global(true)),
+    mut_arg("log_format", |a| a.env("POD_PROXIER_LOG_FORMAT").global(true)),
+    mut_arg("log_level", |a| a.env("POD_PROXIER_LOG_LEVEL").global(true))
+)]
 pub struct Cli {
-    /// Path to a kubeconfig; without it: KUBECONFIG, ~/.kube/config, then in-cluster config.
-    #[arg(long, env = "POD_PROXIER_KUBECONFIG", global = true)]
-    pub kubeconfig: Option<PathBuf>,
+    /// `--kubeconfig`.
+    #[command(flatten)]
+    pub client: ClientArgs,
 
     /// Enable V1: map one pod at a time to the entry port, for a TTL.
     #[arg(long, env = "POD_PROXIER_ENABLE_V1", global = true)]
@@ -234,25 +242,9 @@ pub struct Cli {
     )]
     pub metrics_addr: SocketAddr,
 
-    /// Log format.
-    #[arg(
-        long,
-        env = "POD_PROXIER_LOG_FORMAT",
-        value_enum,
-        default_value = "text",
-        global = true
-    )]
-    pub log_format: LogFormat,
-
-    /// Log filter (tracing EnvFilter syntax), e.g. `info` or `pod_proxier=debug`.
-    #[arg(
-        long,
-        env = "POD_PROXIER_LOG_LEVEL",
-        default_value = "info",
-        value_parser = k8s_reconcile::app::parse_log_level,
-        global = true
-    )]
-    pub log_level: String,
+    /// `--log-format` and `--log-level`.
+    #[command(flatten)]
+    pub log: LogArgs,
 
     /// Namespace holding the PortMapping objects and the leader Lease.
     #[arg(long, env = "POD_NAMESPACE", default_value = "default", global = true)]
@@ -546,7 +538,7 @@ impl Cli {
                 max_mapping_time: max_mapping,
             },
             cluster: ClusterSettings {
-                kubeconfig: self.kubeconfig.clone(),
+                kubeconfig: self.client.kubeconfig.clone(),
                 state_namespace: self.state_namespace.clone(),
                 identity,
                 lease_name: self.lease_name.clone(),

@@ -45,7 +45,7 @@ fn main() -> ExitCode {
             }
         }
         Command::Run => {
-            app::init_logging(cli.log_format, Some(&cli.log_level));
+            cli.log.init();
             app::block_on("pod-proxier", pod_proxier::app::run(settings))
         }
     }

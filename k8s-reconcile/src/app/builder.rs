@@ -71,6 +71,7 @@ pub struct AppBuilder {
     health: Health,
     ops: Vec<SocketAddr>,
     bind_failure: OpsBindFailure,
+    shutdown: CancellationToken,
 }
 
 impl AppBuilder {
@@ -83,6 +84,12 @@ impl AppBuilder {
     /// The readiness checks `/readyz` will report; parts of the binary take clones.
     pub fn health(&self) -> &Health {
         &self.health
+    }
+
+    /// The token [`App::shutdown`] will be: cancelled on the first SIGTERM or SIGINT once
+    /// started, so work spawned before [`AppBuilder::start`] can stop with the rest.
+    pub fn shutdown(&self) -> &CancellationToken {
+        &self.shutdown
     }
 
     /// Serve `/healthz`, `/readyz` and `/metrics` on each of `addrs` (a repeated address is
@@ -108,7 +115,17 @@ impl AppBuilder {
     /// stops the start here, before the binary does any work (or is logged, with
     /// [`OpsBindFailure::Log`]). Call it inside the runtime.
     pub async fn start(self) -> Result<App, Error> {
-        let shutdown = ops::shutdown_on_signals()?;
+        let signals = ops::shutdown_on_signals()?;
+        let shutdown = self.shutdown;
+        {
+            let shutdown = shutdown.clone();
+            tokio::spawn(async move {
+                tokio::select! {
+                    () = signals.cancelled() => shutdown.cancel(),
+                    () = shutdown.cancelled() => {}
+                }
+            });
+        }
         let health = self.health;
         health.set(SHUTDOWN_CHECK, true, "running");
         {
@@ -173,6 +190,7 @@ impl App {
             health: Health::new(),
             ops: Vec::new(),
             bind_failure: OpsBindFailure::Exit,
+            shutdown: CancellationToken::new(),
         }
     }
 
