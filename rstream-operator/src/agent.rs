@@ -372,7 +372,7 @@ fn client_for(config: &AgentConfig, options: &AgentOptions) -> Result<Client, Ag
     let mut ip_family = None;
     let mut local_address = None;
     if let Some(transport) = &config.connection.transport {
-        let refused = crate::agent_config::unsupported_transport(
+        let refused = crate::transport::unsupported_transport(
             transport.mode,
             transport.use_quic,
             transport.bind.as_ref(),
@@ -419,7 +419,7 @@ fn client_for(config: &AgentConfig, options: &AgentOptions) -> Result<Client, Ag
             };
             let username = from_env(&p.username_env);
             let password = from_env(&p.password_env);
-            let built = crate::agent_config::http_proxy(
+            let built = crate::transport::http_proxy(
                 p.http.as_deref(),
                 username.as_deref(),
                 password.as_deref(),

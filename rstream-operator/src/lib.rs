@@ -4,6 +4,7 @@
 //! * [`manager`]: the controllers of the `rstream-operator` binary.
 //! * [`agent`]: the per-tunnel data plane of the `rstream-agent` binary.
 //! * [`agent_config`]: the agent configuration file the manager renders.
+//! * [`transport`]: the connection's transport options the agent cannot honour, and its HTTP proxy.
 //! * [`names`]: names and labels of the objects created per tunnel.
 #![cfg_attr(test, allow(clippy::unwrap_used, clippy::expect_used))]
 
@@ -13,6 +14,7 @@ pub mod api;
 pub mod manager;
 pub mod names;
 pub mod status;
+pub mod transport;
 
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::CustomResourceExt as _;

@@ -12,8 +12,8 @@ use rstream_client::resolve::{
 };
 use rstream_client::tls::TlsOptions;
 
-use crate::agent_config::{http_proxy, unsupported_transport};
 use crate::api::{DEFAULT_API_URL, RstreamConnection, SecretKeyRef};
+use crate::transport::{http_proxy, unsupported_transport};
 
 /// Why a connection cannot be used.
 #[derive(Debug, thiserror::Error)]
