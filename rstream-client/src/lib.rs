@@ -32,7 +32,7 @@
 //! | [`tls`] | rustls client configuration: ALPN `rstrm/1`, CA bundle or system roots, SNI override, insecure mode, mTLS identity. |
 //! | [`resolve`] | Engine addresses (`host[:port]`) and project-endpoint resolution through the control plane (redirects not followed, region rules). |
 //! | [`client`] | [`Client`], [`ControlChannel`] (handshake, liveness negotiation, heartbeats, tunnels, inbound-stream dispatch with bounded dials and queue) and private dials. |
-//! | [`tunnel`] | [`tunnel::TunnelOptions`], the SDKs' validation rules, the forwarding-address string and stable hostnames. |
+//! | [`tunnel`] | [`tunnel::TunnelOptions`] and its option values (serde: their wire strings), the SDKs' validation rules, the forwarding-address string and stable hostnames. |
 //! | [`stream`] | [`RstreamStream`], the byte pipe of an inbound stream or a private dial. |
 //! | [`supervisor`] | Keeps a tunnel up: reconnect with backoff and jitter, re-create, reuse a stable hostname, report state changes. |
 //! | [`forward`] | Relays accepted streams to a local TCP target ([`forward::relay`] is the single copy function). |
@@ -44,6 +44,10 @@
 //!
 //! * `engine`: the `engine` module, [`engine::LocalEngine`] and `LocalControlPlane`, an
 //!   in-process engine for tests, examples and demos (pulls in `rcgen`).
+//! * `schemars`: `schemars::JsonSchema` for the tunnel option values ([`tunnel::TunnelProtocol`],
+//!   [`tunnel::TunnelType`], [`tunnel::HttpVersion`], [`tunnel::TlsMode`],
+//!   [`tunnel::TlsMinVersion`]): strings whose `enum` is their wire strings, for schemas that
+//!   embed them (a Kubernetes CRD). Their serde form, the wire string, needs no feature.
 //!
 //! # Behaviour notes
 //!

@@ -9,103 +9,14 @@
 //! the QUIC transport, which this client does not implement, and are rejected as unsupported.
 
 use std::collections::BTreeMap;
-use std::fmt;
-use std::str::FromStr;
 
 use crate::error::{Error, Result};
 use crate::proto::TunnelProperties;
 use crate::resolve::{valid_dns_label, valid_dns_name};
 
-macro_rules! string_enum {
-    ($(#[$meta:meta])* $name:ident { $($(#[$vmeta:meta])* $variant:ident => $text:literal),+ $(,)? }) => {
-        $(#[$meta])*
-        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-        #[non_exhaustive]
-        pub enum $name { $($(#[$vmeta])* $variant),+ }
+mod vocabulary;
 
-        impl $name {
-            /// The wire string.
-            pub fn as_str(self) -> &'static str {
-                match self { $(Self::$variant => $text),+ }
-            }
-        }
-
-        impl fmt::Display for $name {
-            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result { f.write_str(self.as_str()) }
-        }
-
-        impl FromStr for $name {
-            type Err = Error;
-            fn from_str(s: &str) -> Result<Self> {
-                match s.trim().to_ascii_lowercase().as_str() {
-                    $($text => Ok(Self::$variant),)+
-                    other => Err(Error::InvalidTunnelOptions(format!(
-                        concat!("unknown ", stringify!($name), " '{}'"), other))),
-                }
-            }
-        }
-    };
-}
-
-string_enum!(
-    /// Tunnel protocol at the edge.
-    TunnelProtocol {
-        /// HTTP (the edge terminates TLS and HTTP).
-        Http => "http",
-        /// TLS (passthrough or terminated).
-        Tls => "tls",
-        /// Raw TCP on a public port.
-        Tcp => "tcp",
-        /// DTLS (datagram tunnels, carried over TLS as length-prefixed records).
-        Dtls => "dtls",
-        /// QUIC (needs the QUIC transport; unsupported here).
-        Quic => "quic",
-    }
-);
-
-string_enum!(
-    /// Tunnel transport type.
-    TunnelType {
-        /// Stream of bytes.
-        Bytestream => "bytestream",
-        /// Datagrams (length-prefixed records over TLS, see [`crate::datagram`]).
-        Datagram => "datagram",
-    }
-);
-
-string_enum!(
-    /// HTTP version spoken on inbound streams of an HTTP tunnel.
-    HttpVersion {
-        /// HTTP/1.1.
-        Http11 => "http/1.1",
-        /// HTTP/2 (known by some SDKs).
-        H2 => "h2",
-        /// HTTP/2 with prior knowledge.
-        H2c => "h2c",
-        /// HTTP/3 (needs the QUIC transport; unsupported here).
-        H3 => "h3",
-    }
-);
-
-string_enum!(
-    /// TLS handling at the edge.
-    TlsMode {
-        /// The edge terminates TLS.
-        Terminated => "terminated",
-        /// The edge forwards the raw TLS stream.
-        Passthrough => "passthrough",
-    }
-);
-
-string_enum!(
-    /// Minimum TLS version at the edge.
-    TlsMinVersion {
-        /// TLS 1.2.
-        Tls12 => "tls1.2",
-        /// TLS 1.3.
-        Tls13 => "tls1.3",
-    }
-);
+pub use vocabulary::{HttpVersion, TlsMinVersion, TlsMode, TunnelProtocol, TunnelType};
 
 /// What the application asks for when creating a tunnel. Build it with the constructors and chained
 /// setters; every `TunnelProperties` option is available.
@@ -739,18 +650,5 @@ mod tests {
             None
         );
         assert!(generate_stable_hostname(&format!("{}.example.io", "a".repeat(53))).is_some());
-    }
-
-    #[test]
-    fn enum_parsing() {
-        assert_eq!(
-            "HTTP".parse::<TunnelProtocol>().unwrap(),
-            TunnelProtocol::Http
-        );
-        assert_eq!(
-            "http/1.1".parse::<HttpVersion>().unwrap(),
-            HttpVersion::Http11
-        );
-        assert!("webtty".parse::<TunnelProtocol>().is_err());
     }
 }
