@@ -16,7 +16,7 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 use rstream_client::Client;
-use rstream_client::forward::{Relayed, TargetKind, relay_and_log};
+use rstream_client::forward::{Relayed, relay_and_log};
 use rstream_client::supervisor::{StableHostname, Supervisor, SupervisorConfig, SupervisorState};
 use rstream_client::tls::{ClientIdentity, TlsOptions};
 use tokio::sync::watch;
@@ -484,9 +484,11 @@ pub async fn run(options: AgentOptions, shutdown: CancellationToken) -> Result<(
             path: options.config.clone(),
             cause,
         })?;
-    let config = AgentConfig::from_yaml(&text)?;
-    let tunnel_options = config.tunnel_options()?;
-    let (initial, max) = config.retry()?;
+    // Decoded and validated once: the tunnel options, backoff and target kind come from here.
+    let (config, validated) = AgentConfig::decode(&text)?;
+    let (initial, max) = validated.retry;
+    let kind = validated.target;
+    let tunnel_options = validated.tunnel;
     let client = client_for(&config, &options)?;
     let target: Arc<str> = options
         .target_override
@@ -494,8 +496,6 @@ pub async fn run(options: AgentOptions, shutdown: CancellationToken) -> Result<(
         .filter(|t| !t.trim().is_empty())
         .unwrap_or_else(|| config.target_address())
         .into();
-    // Checked by `from_yaml`.
-    let kind: TargetKind = config.target.protocol.parse().unwrap_or_default();
 
     let health = Health::new();
     health.set("tunnel", false, "not online");

@@ -1,6 +1,9 @@
 //! The agent configuration file (`config.yaml` in the agent's ConfigMap).
 //!
 //! The manager renders it; the agent decodes it strictly (unknown keys are rejected) and validates it.
+//! The tunnel's option values are rstream-client's types, written as their wire strings.
+//! [`TunnelConfig::options`] is the one validation of a tunnel: the manager runs it on what it
+//! renders from the RstreamTunnel, the agent (through [`AgentConfig::validate`]) on what it reads.
 //! It never holds a secret: the token and proxy credentials come from environment variables filled
 //! from Secrets, the mTLS material from mounted files.
 
@@ -10,8 +13,7 @@ use std::time::Duration;
 use k8s_reconcile::app;
 use rstream_client::forward::TargetKind;
 use rstream_client::tunnel::{
-    HttpVersion as ClientHttpVersion, TlsMinVersion as ClientTlsMinVersion,
-    TlsMode as ClientTlsMode, TunnelOptions, TunnelProtocol, TunnelType as ClientTunnelType,
+    HttpVersion, TlsMinVersion, TlsMode, TunnelOptions, TunnelProtocol, TunnelType,
 };
 use serde::{Deserialize, Serialize};
 
@@ -134,7 +136,7 @@ pub struct ProxyConfig {
 }
 
 /// The tunnel to create.
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 pub struct TunnelConfig {
     /// rstream tunnel name.
@@ -142,10 +144,10 @@ pub struct TunnelConfig {
     /// Published at the edge.
     pub publish: bool,
     /// `http`, `tls`, `dtls`, `quic` or `tcp`.
-    pub protocol: String,
+    pub protocol: TunnelProtocol,
     /// `bytestream` or `datagram`.
     #[serde(rename = "type")]
-    pub type_: String,
+    pub type_: TunnelType,
     /// Stable hostname.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub hostname: Option<String>,
@@ -182,13 +184,82 @@ pub struct TunnelConfig {
     pub tls: Option<TlsConfig>,
 }
 
+/// An HTTP bytestream tunnel (the RstreamTunnel's defaults) with no name yet.
+impl Default for TunnelConfig {
+    fn default() -> Self {
+        Self {
+            name: String::new(),
+            publish: true,
+            protocol: TunnelProtocol::Http,
+            type_: TunnelType::Bytestream,
+            hostname: None,
+            labels: BTreeMap::new(),
+            datagram_guaranteed_delivery: None,
+            allow_cross_region_routing: None,
+            tcp_port: None,
+            upstream_tls: None,
+            trusted_ips: Vec::new(),
+            geoip: Vec::new(),
+            http: None,
+            tls: None,
+        }
+    }
+}
+
+impl TunnelConfig {
+    /// The rstream tunnel options, validated with the client rules (TCP tunnels are published
+    /// bytestreams; a private tunnel takes no public option; `upstreamTLS` is also sent as the
+    /// deprecated `http_use_tls` for HTTP tunnels by the client). The one check of a tunnel: the
+    /// manager's before it renders a configuration, the agent's before it runs one.
+    pub fn options(&self) -> Result<TunnelOptions, ConfigError> {
+        let bad = |e: rstream_client::Error| invalid(format!("tunnel: {e}"));
+        let mut o = TunnelOptions::new()
+            .name(self.name.trim())
+            .publish(self.publish)
+            .protocol(self.protocol)
+            .tunnel_type(self.type_);
+        o.labels = self.labels.clone();
+        o.geoip = self.geoip.clone();
+        o.trusted_ips = self.trusted_ips.clone();
+        o.hostname = self.hostname.clone().filter(|h| !h.trim().is_empty());
+        o.port = self.tcp_port;
+        o.upstream_tls = self.upstream_tls;
+        o.datagram_guaranteed_delivery = self.datagram_guaranteed_delivery;
+        o.allow_cross_region_routing = self.allow_cross_region_routing;
+        if let Some(http) = &self.http {
+            if self.protocol != TunnelProtocol::Http {
+                return Err(invalid("tunnel: the http block requires protocol http"));
+            }
+            o.http_version = Some(http.version.unwrap_or(HttpVersion::Http11));
+            if let Some(auth) = &http.auth {
+                o.token_auth = auth.token;
+                o.rstream_auth = auth.rstream;
+            }
+            o.challenge_mode = http.gate.as_ref().and_then(|g| g.challenge);
+        }
+        if let Some(tls) = &self.tls {
+            o.tls_mode = tls.mode;
+            o.tls_min_version = tls.min_version;
+            o.tls_alpns = tls.alpns.clone();
+            o.mtls_auth = tls.mtls;
+        }
+        if o.datagram_guaranteed_delivery == Some(true) && self.type_ != TunnelType::Datagram {
+            return Err(invalid(
+                "tunnel: datagramGuaranteedDelivery requires type datagram",
+            ));
+        }
+        o.to_properties().map_err(bad)?;
+        Ok(o)
+    }
+}
+
 /// HTTP options.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 pub struct HttpConfig {
-    /// `http/1.1`, `h2c` or `h3`.
+    /// `http/1.1` (when omitted), `h2c` or `h3`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub version: Option<String>,
+    pub version: Option<HttpVersion>,
     /// Edge authentication.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub auth: Option<HttpAuthConfig>,
@@ -224,10 +295,10 @@ pub struct HttpGateConfig {
 pub struct TlsConfig {
     /// `terminated` or `passthrough`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub mode: Option<String>,
+    pub mode: Option<TlsMode>,
     /// `tls1.2` or `tls1.3`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub min_version: Option<String>,
+    pub min_version: Option<TlsMinVersion>,
     /// Edge ALPNs.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub alpns: Vec<String>,
@@ -295,12 +366,29 @@ pub fn format_duration(d: Duration) -> String {
     }
 }
 
+/// What [`AgentConfig::validate`] makes of a configuration: the values the agent runs with.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct Validated {
+    /// The tunnel to create, checked with the client rules ([`TunnelConfig::options`]).
+    pub tunnel: TunnelOptions,
+    /// `(initial, max)` reconnect backoff ([`AgentConfig::retry`]).
+    pub retry: (Duration, Duration),
+    /// What streams are relayed to: TCP for a bytestream tunnel, UDP for a datagram one.
+    pub target: TargetKind,
+}
+
 impl AgentConfig {
     /// Decodes (strictly) and validates.
     pub fn from_yaml(text: &str) -> Result<Self, ConfigError> {
+        Self::decode(text).map(|(config, _)| config)
+    }
+
+    /// Decodes (strictly) and validates, keeping what validation made of it.
+    pub fn decode(text: &str) -> Result<(Self, Validated), ConfigError> {
         let config: Self = serde_yaml_ng::from_str(text)?;
-        config.validate()?;
-        Ok(config)
+        let validated = config.validate()?;
+        Ok((config, validated))
     }
 
     /// The YAML the manager writes.
@@ -308,8 +396,8 @@ impl AgentConfig {
         Ok(serde_yaml_ng::to_string(self)?)
     }
 
-    /// Checks the required values, the retry timings and the tunnel options.
-    pub fn validate(&self) -> Result<(), ConfigError> {
+    /// Checks the required values, the retry timings, the tunnel options and the target.
+    pub fn validate(&self) -> Result<Validated, ConfigError> {
         if self.connection.engine.trim().is_empty() {
             return Err(invalid("connection.engine is required"));
         }
@@ -335,19 +423,24 @@ impl AgentConfig {
                 "kubernetes.enabled needs kubernetes.namespace and kubernetes.tunnelName",
             ));
         }
-        self.retry()?;
-        let datagram = self.tunnel_options()?.tunnel_type == Some(ClientTunnelType::Datagram);
-        let kind: TargetKind = self
+        let retry = self.retry()?;
+        let tunnel = self.tunnel.options()?;
+        let datagram = tunnel.tunnel_type == Some(TunnelType::Datagram);
+        let target: TargetKind = self
             .target
             .protocol
             .parse()
             .map_err(|e| invalid(format!("{e}")))?;
-        if datagram != (kind == TargetKind::Udp) {
+        if datagram != (target == TargetKind::Udp) {
             return Err(invalid(
                 "target.protocol must be UDP for a datagram tunnel, else TCP",
             ));
         }
-        Ok(())
+        Ok(Validated {
+            tunnel,
+            retry,
+            target,
+        })
     }
 
     /// `(initial, max)` backoff: defaults 1 s and 30 s, `initial > 0`, `max >= initial`.
@@ -374,70 +467,6 @@ impl AgentConfig {
     pub fn target_address(&self) -> String {
         format!("{}:{}", self.target.host.trim(), self.target.port.trim())
     }
-
-    /// The rstream tunnel options, validated with the client rules (TCP tunnels are published
-    /// bytestreams; a private tunnel takes no public option; `upstreamTLS` is also sent as the
-    /// deprecated `http_use_tls` for HTTP tunnels by the client).
-    pub fn tunnel_options(&self) -> Result<TunnelOptions, ConfigError> {
-        let t = &self.tunnel;
-        let bad = |e: rstream_client::Error| invalid(format!("tunnel: {e}"));
-        let protocol: TunnelProtocol = t.protocol.parse().map_err(bad)?;
-        let tunnel_type: ClientTunnelType = t.type_.parse().map_err(bad)?;
-        let mut o = TunnelOptions::new()
-            .name(t.name.trim())
-            .publish(t.publish)
-            .protocol(protocol)
-            .tunnel_type(tunnel_type);
-        o.labels = t.labels.clone();
-        o.geoip = t.geoip.clone();
-        o.trusted_ips = t.trusted_ips.clone();
-        o.hostname = t.hostname.clone().filter(|h| !h.trim().is_empty());
-        o.port = t.tcp_port;
-        o.upstream_tls = t.upstream_tls;
-        o.datagram_guaranteed_delivery = t.datagram_guaranteed_delivery;
-        o.allow_cross_region_routing = t.allow_cross_region_routing;
-        if let Some(http) = &t.http {
-            if protocol != TunnelProtocol::Http {
-                return Err(invalid("tunnel: the http block requires protocol http"));
-            }
-            let version: ClientHttpVersion = http
-                .version
-                .as_deref()
-                .unwrap_or("http/1.1")
-                .parse()
-                .map_err(bad)?;
-            o.http_version = Some(version);
-            if let Some(auth) = &http.auth {
-                o.token_auth = auth.token;
-                o.rstream_auth = auth.rstream;
-            }
-            o.challenge_mode = http.gate.as_ref().and_then(|g| g.challenge);
-        }
-        if let Some(tls) = &t.tls {
-            o.tls_mode = tls
-                .mode
-                .as_deref()
-                .map(str::parse::<ClientTlsMode>)
-                .transpose()
-                .map_err(bad)?;
-            o.tls_min_version = tls
-                .min_version
-                .as_deref()
-                .map(str::parse::<ClientTlsMinVersion>)
-                .transpose()
-                .map_err(bad)?;
-            o.tls_alpns = tls.alpns.clone();
-            o.mtls_auth = tls.mtls;
-        }
-        if o.datagram_guaranteed_delivery == Some(true) && tunnel_type != ClientTunnelType::Datagram
-        {
-            return Err(invalid(
-                "tunnel: datagramGuaranteedDelivery requires type datagram",
-            ));
-        }
-        o.to_properties().map_err(bad)?;
-        Ok(o)
-    }
 }
 
 #[cfg(test)]
@@ -453,8 +482,8 @@ mod tests {
             tunnel: TunnelConfig {
                 name: "demo-web".into(),
                 publish: true,
-                protocol: "http".into(),
-                type_: "bytestream".into(),
+                protocol: TunnelProtocol::Http,
+                type_: TunnelType::Bytestream,
                 ..Default::default()
             },
             target: TargetConfig {
@@ -497,7 +526,7 @@ mod tests {
     #[test]
     fn client_rules_apply() {
         let mut c = sample();
-        c.tunnel.protocol = "tcp".into();
+        c.tunnel.protocol = TunnelProtocol::Tcp;
         c.tunnel.http = Some(HttpConfig::default());
         assert!(c.validate().is_err());
         let mut c = sample();
@@ -505,23 +534,23 @@ mod tests {
         c.tunnel.geoip = vec!["FR".into()];
         assert!(c.validate().is_err());
         let mut c = sample();
-        c.tunnel.protocol = "tcp".into();
+        c.tunnel.protocol = TunnelProtocol::Tcp;
         c.tunnel.tcp_port = Some(10042);
-        let props = c.tunnel_options().unwrap().to_properties().unwrap();
+        let props = c.tunnel.options().unwrap().to_properties().unwrap();
         assert_eq!(props.protocol.as_deref(), Some("tcp"));
     }
 
     #[test]
     fn datagram_tunnels_forward_to_udp() {
         let mut c = sample();
-        c.tunnel.protocol = "dtls".into();
-        c.tunnel.type_ = "datagram".into();
+        c.tunnel.protocol = TunnelProtocol::Dtls;
+        c.tunnel.type_ = TunnelType::Datagram;
         c.tunnel.datagram_guaranteed_delivery = Some(true);
         let err = c.validate().unwrap_err().to_string();
         assert!(err.contains("target.protocol must be UDP"), "{err}");
         c.target.protocol = "UDP".into();
         c.validate().unwrap();
-        let props = c.tunnel_options().unwrap().to_properties().unwrap();
+        let props = c.tunnel.options().unwrap().to_properties().unwrap();
         assert_eq!(props.r#type.as_deref(), Some("datagram"));
         assert_eq!(props.datagram_guaranteed_delivery, Some(true));
         c.target.protocol = "SCTP".into();
@@ -534,15 +563,44 @@ mod tests {
         // HTTP/3 and quic tunnels stay refused, naming QUIC.
         let mut c = sample();
         c.tunnel.http = Some(HttpConfig {
-            version: Some("h3".into()),
+            version: Some(HttpVersion::H3),
             ..HttpConfig::default()
         });
         assert!(c.validate().unwrap_err().to_string().contains("QUIC"));
         let mut c = sample();
-        c.tunnel.protocol = "quic".into();
-        c.tunnel.type_ = "datagram".into();
+        c.tunnel.protocol = TunnelProtocol::Quic;
+        c.tunnel.type_ = TunnelType::Datagram;
         c.target.protocol = "UDP".into();
         assert!(c.validate().unwrap_err().to_string().contains("QUIC"));
+    }
+
+    #[test]
+    fn option_values_are_written_and_read_as_their_wire_strings() {
+        let mut c = sample();
+        c.tunnel.http = Some(HttpConfig {
+            version: Some(HttpVersion::H2c),
+            ..HttpConfig::default()
+        });
+        c.tunnel.tls = Some(TlsConfig {
+            mode: Some(TlsMode::Terminated),
+            min_version: Some(TlsMinVersion::Tls13),
+            ..TlsConfig::default()
+        });
+        let yaml = c.to_yaml().unwrap();
+        for line in [
+            "  protocol: http",
+            "  type: bytestream",
+            "    version: h2c",
+            "    mode: terminated",
+            "    minVersion: tls1.3",
+        ] {
+            assert!(yaml.lines().any(|l| l == line), "{line} not in\n{yaml}");
+        }
+        assert_eq!(AgentConfig::from_yaml(&yaml).unwrap(), c);
+        let err = AgentConfig::from_yaml(&yaml.replace("protocol: http", "protocol: webtty"))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("webtty") && err.contains("dtls"), "{err}");
     }
 
     #[test]

@@ -13,6 +13,10 @@ use kube::CustomResource;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
+/// The tunnel option values of the API: rstream-client's, so that the spec, the agent
+/// configuration and the wire share one set of types.
+pub use rstream_client::tunnel::{HttpVersion, TlsMinVersion, TlsMode, TunnelProtocol, TunnelType};
+
 /// API group.
 pub const GROUP: &str = "tunnels.rstream.io";
 /// API version.
@@ -30,8 +34,8 @@ fn default_true() -> Option<bool> {
     Some(true)
 }
 
-fn default_protocol() -> Option<Protocol> {
-    Some(Protocol::Http)
+fn default_protocol() -> Option<TunnelProtocol> {
+    Some(TunnelProtocol::Http)
 }
 
 fn default_http_version() -> Option<HttpVersion> {
@@ -302,61 +306,17 @@ pub struct RstreamConnectionStatus {
     pub engine: Option<String>,
 }
 
-/// Edge protocol of a tunnel.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
-#[serde(rename_all = "lowercase")]
-pub enum Protocol {
-    /// HTTP (default).
-    #[default]
-    Http,
-    /// TLS.
-    Tls,
-    /// DTLS: a datagram tunnel, carried over TLS; the target Service port must be UDP.
-    Dtls,
-    /// QUIC (refused: needs the QUIC transport, which the agent does not implement).
-    Quic,
-    /// Raw TCP on a public port.
-    Tcp,
-}
-
-impl Protocol {
-    /// The API string.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Http => "http",
-            Self::Tls => "tls",
-            Self::Dtls => "dtls",
-            Self::Quic => "quic",
-            Self::Tcp => "tcp",
-        }
-    }
-}
-
-/// Tunnel transport type.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
-#[serde(rename_all = "lowercase")]
-pub enum TunnelType {
-    /// Byte stream.
-    Bytestream,
-    /// Datagrams (protocol dtls; each datagram a length-prefixed record over TLS).
-    Datagram,
-}
-
-impl TunnelType {
-    /// The API string.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Bytestream => "bytestream",
-            Self::Datagram => "datagram",
-        }
-    }
-}
-
+// `http.version` is rstream-client's `HttpVersion`, whose `h2` this API never offered: its schema
+// keeps the three values the CRD has always listed. The tunnel's other option values are
+// rstream-client's types as they are, schema included (its `schemars` feature).
 /// HTTP version of an HTTP tunnel.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
-pub enum HttpVersion {
+#[derive(JsonSchema)]
+#[allow(
+    dead_code,
+    reason = "only the schema of `HttpSpec::version`, never a value"
+)]
+enum CrdHttpVersion {
     /// HTTP/1.1 (default).
-    #[default]
     #[serde(rename = "http/1.1")]
     Http11,
     /// HTTP/2 with prior knowledge.
@@ -365,38 +325,6 @@ pub enum HttpVersion {
     /// HTTP/3 (refused: needs the QUIC transport).
     #[serde(rename = "h3")]
     H3,
-}
-
-impl HttpVersion {
-    /// The API string.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Http11 => "http/1.1",
-            Self::H2c => "h2c",
-            Self::H3 => "h3",
-        }
-    }
-}
-
-/// Edge TLS handling.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
-#[serde(rename_all = "lowercase")]
-pub enum TlsMode {
-    /// The edge terminates TLS.
-    Terminated,
-    /// The edge forwards the TLS stream.
-    Passthrough,
-}
-
-/// Minimum TLS version at the edge.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
-pub enum TlsMinVersion {
-    /// TLS 1.2.
-    #[serde(rename = "tls1.2")]
-    Tls12,
-    /// TLS 1.3.
-    #[serde(rename = "tls1.3")]
-    Tls13,
 }
 
 /// Reference to an [`RstreamConnection`] in the tunnel's namespace.
@@ -455,6 +383,7 @@ pub struct HttpSpec {
         default = "default_http_version",
         skip_serializing_if = "Option::is_none"
     )]
+    #[schemars(with = "Option<CrdHttpVersion>")]
     pub version: Option<HttpVersion>,
     /// Edge authentication.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -568,7 +497,7 @@ pub struct RstreamTunnelSpec {
     pub publish: Option<bool>,
     /// Edge protocol (default http).
     #[serde(default = "default_protocol", skip_serializing_if = "Option::is_none")]
-    pub protocol: Option<Protocol>,
+    pub protocol: Option<TunnelProtocol>,
     /// Transport type (inferred when omitted).
     #[serde(default, rename = "type", skip_serializing_if = "Option::is_none")]
     pub type_: Option<TunnelType>,
@@ -656,8 +585,8 @@ pub struct RstreamTunnelStatus {
 
 impl RstreamTunnelSpec {
     /// The effective protocol.
-    pub fn protocol(&self) -> Protocol {
-        self.protocol.unwrap_or_default()
+    pub fn protocol(&self) -> TunnelProtocol {
+        self.protocol.unwrap_or(TunnelProtocol::Http)
     }
 
     /// The effective type: explicit, else datagram for dtls, quic and HTTP/3.
@@ -671,8 +600,8 @@ impl RstreamTunnelSpec {
             .and_then(|h| h.version)
             .is_some_and(|v| v == HttpVersion::H3);
         match self.protocol() {
-            Protocol::Dtls | Protocol::Quic => TunnelType::Datagram,
-            Protocol::Http if h3 => TunnelType::Datagram,
+            TunnelProtocol::Dtls | TunnelProtocol::Quic => TunnelType::Datagram,
+            TunnelProtocol::Http if h3 => TunnelType::Datagram,
             _ => TunnelType::Bytestream,
         }
     }

@@ -17,7 +17,7 @@ use kube::api::Api;
 use proxy_core::testing::{KillOnDrop, tagged_datagram, udp_echo_server};
 use rstream_client::engine::LocalEngine;
 use rstream_operator::agent_config::AgentConfig;
-use rstream_operator::api::RstreamTunnel;
+use rstream_operator::api::{RstreamTunnel, TunnelType};
 use rstream_operator::names;
 use tokio::net::UdpSocket;
 
@@ -162,7 +162,7 @@ async fn a_datagram_tunnel_carries_udp_to_its_service_intact_and_in_order() {
     let config = AgentConfig::from_yaml(&yaml).unwrap();
     assert_eq!(config.target.protocol, "UDP");
     assert_eq!(config.target.port, "5353");
-    assert_eq!(config.tunnel.type_, "datagram");
+    assert_eq!(config.tunnel.type_, TunnelType::Datagram);
     assert_eq!(config.tunnel.datagram_guaranteed_delivery, Some(true));
 
     // The agent as the Deployment would run it; Service DNS does not resolve here, so its target

@@ -22,7 +22,9 @@ use crate::agent_config::{
     AgentConfig, ConnectionConfig, HttpAuthConfig, HttpConfig, HttpGateConfig, KubernetesConfig,
     MtlsFiles, ProxyConfig, RetryConfig, TargetConfig, TlsConfig, TransportConfig, TunnelConfig,
 };
-use crate::api::{Protocol, RstreamTunnel, RstreamTunnelSpec, RstreamTunnelStatus, TunnelType};
+use crate::api::{
+    HttpVersion, RstreamTunnel, RstreamTunnelSpec, RstreamTunnelStatus, TunnelProtocol, TunnelType,
+};
 use crate::names;
 use crate::status::{self, messages, reasons, types};
 
@@ -61,11 +63,10 @@ impl ResolvedTarget {
     }
 }
 
-/// Builds the tunnel part of the agent configuration (and checks it with the client rules).
-pub fn tunnel_config(
-    tunnel: &RstreamTunnel,
-    hostname: Option<String>,
-) -> Result<TunnelConfig, String> {
+/// Builds the tunnel part of the agent configuration and checks it with the client rules
+/// ([`TunnelConfig::options`]), once per reconcile. Its hostname is the spec's; a generated one
+/// ([`choose_hostname`]) is set later, once the engine is known.
+pub fn tunnel_config(tunnel: &RstreamTunnel) -> Result<TunnelConfig, String> {
     let spec = &tunnel.spec;
     let namespace = tunnel.namespace().unwrap_or_default();
     let name = tunnel.name_any();
@@ -78,6 +79,9 @@ pub fn tunnel_config(
     if let Some(uid) = tunnel.uid() {
         labels.insert("rstream.kubernetes.uid".into(), uid);
     }
+    if protocol == TunnelProtocol::Tcp && spec.datagram_guaranteed_delivery == Some(true) {
+        return Err("protocol tcp forbids datagramGuaranteedDelivery".into());
+    }
     let config = TunnelConfig {
         name: spec
             .tunnel_name
@@ -87,9 +91,9 @@ pub fn tunnel_config(
             .map(str::to_owned)
             .unwrap_or_else(|| names::default_tunnel_name(&namespace, &name)),
         publish: spec.publish.unwrap_or(true),
-        protocol: protocol.as_str().to_owned(),
-        type_: spec.tunnel_type().as_str().to_owned(),
-        hostname,
+        protocol,
+        type_: spec.tunnel_type(),
+        hostname: requested_hostname(spec),
         labels,
         datagram_guaranteed_delivery: spec.datagram_guaranteed_delivery,
         allow_cross_region_routing: spec.allow_cross_region_routing,
@@ -98,7 +102,7 @@ pub fn tunnel_config(
         trusted_ips: spec.trusted_ips.clone().unwrap_or_default(),
         geoip: spec.geoip.clone().unwrap_or_default(),
         http: spec.http.as_ref().map(|h| HttpConfig {
-            version: Some(h.version.unwrap_or_default().as_str().to_owned()),
+            version: Some(h.version.unwrap_or(HttpVersion::Http11)),
             auth: h.auth.as_ref().map(|a| HttpAuthConfig {
                 token: a.token,
                 rstream: a.rstream,
@@ -108,41 +112,14 @@ pub fn tunnel_config(
             }),
         }),
         tls: spec.tls.as_ref().map(|t| TlsConfig {
-            mode: t.mode.map(|m| {
-                serde_json::to_value(m)
-                    .ok()
-                    .and_then(|v| v.as_str().map(str::to_owned))
-                    .unwrap_or_default()
-            }),
-            min_version: t.min_version.map(|m| {
-                serde_json::to_value(m)
-                    .ok()
-                    .and_then(|v| v.as_str().map(str::to_owned))
-                    .unwrap_or_default()
-            }),
+            mode: t.mode,
+            min_version: t.min_version,
             alpns: t.alpns.clone().unwrap_or_default(),
             mtls: t.mtls,
         }),
     };
-    if spec.protocol() == Protocol::Tcp && spec.datagram_guaranteed_delivery == Some(true) {
-        return Err("protocol tcp forbids datagramGuaranteedDelivery".into());
-    }
     // The client rules (private tunnels take no public option, datagram support...) decide.
-    let probe = AgentConfig {
-        connection: ConnectionConfig {
-            engine: "engine.invalid:443".into(),
-            ..ConnectionConfig::default()
-        },
-        tunnel: config.clone(),
-        target: TargetConfig {
-            host: "target.invalid".into(),
-            port: "1".into(),
-            protocol: "TCP".into(),
-        },
-        kubernetes: None,
-        retry: None,
-    };
-    probe.tunnel_options().map_err(|e| e.to_string())?;
+    config.options().map_err(|e| e.to_string())?;
     Ok(config)
 }
 
@@ -282,23 +259,31 @@ async fn resolve_target(
     }))
 }
 
+/// Whether the tunnel requests a hostname at all: not when private or TCP.
+fn takes_hostname(spec: &RstreamTunnelSpec) -> bool {
+    spec.publish != Some(false) && spec.protocol() != TunnelProtocol::Tcp
+}
+
+/// The spec's hostname, when the tunnel takes one.
+fn requested_hostname(spec: &RstreamTunnelSpec) -> Option<String> {
+    let hostname = spec.hostname.as_deref().map(str::trim);
+    hostname
+        .filter(|h| !h.is_empty() && takes_hostname(spec))
+        .map(str::to_owned)
+}
+
 /// The hostname to request: none for private or TCP tunnels; the spec's; a stable one generated
-/// earlier for this engine; or a new one.
+/// earlier for this engine; or a new one (both valid DNS names by construction).
 fn choose_hostname(
     spec: &RstreamTunnelSpec,
     status: Option<&RstreamTunnelStatus>,
     engine_host: &str,
 ) -> Option<String> {
-    if spec.publish == Some(false) || spec.protocol() == Protocol::Tcp {
+    if !takes_hostname(spec) {
         return None;
     }
-    if let Some(h) = spec
-        .hostname
-        .as_deref()
-        .map(str::trim)
-        .filter(|h| !h.is_empty())
-    {
-        return Some(h.to_owned());
+    if let Some(h) = requested_hostname(spec) {
+        return Some(h);
     }
     // Reuse only a hostname generated for this engine: the agent also writes the engine's answer
     // (e.g. an IP) into status.hostname, which must not become a requested hostname.
@@ -375,18 +360,21 @@ impl Reconciler for TunnelReconciler {
         let generation = tunnel.metadata.generation;
         let api: Api<RstreamTunnel> = Api::namespaced(ctx.client().clone(), &namespace);
 
-        // 1. The spec, beyond what the schema checks.
-        if let Err(message) = tunnel_config(&tunnel, None) {
-            let message = format!("invalid spec: {message}");
-            let blocked = Blocked {
-                accepted: Some((reasons::INVALID_SPEC, message.clone())),
-                resolved: None,
-                reason: reasons::INVALID_SPEC,
-                message,
-            };
-            self.write_blocked(&api, &tunnel, &blocked).await?;
-            return Ok(Action::Done);
-        }
+        // 1. The spec, beyond what the schema checks: the agent's tunnel, checked once.
+        let mut tunnel_part = match tunnel_config(&tunnel) {
+            Ok(config) => config,
+            Err(message) => {
+                let message = format!("invalid spec: {message}");
+                let blocked = Blocked {
+                    accepted: Some((reasons::INVALID_SPEC, message.clone())),
+                    resolved: None,
+                    reason: reasons::INVALID_SPEC,
+                    message,
+                };
+                self.write_blocked(&api, &tunnel, &blocked).await?;
+                return Ok(Action::Done);
+            }
+        };
 
         // 2. The connection and its Secrets; the engine.
         let resolved = match resolve_by_name(
@@ -448,7 +436,7 @@ impl Reconciler for TunnelReconciler {
             })
             .await?;
         }
-        let tunnel_part = tunnel_config(&tunnel, hostname.clone()).map_err(ManagerError::Render)?;
+        tunnel_part.hostname.clone_from(&hostname);
         let rstream_name = tunnel_part.name.clone();
         let config = agent_config(&tunnel, &resolved, &target, tunnel_part);
         let yaml = config
