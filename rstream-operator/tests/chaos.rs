@@ -22,8 +22,6 @@ use kube::api::{Api, Patch, PatchParams, PostParams};
 use rstream_operator::api::RstreamTunnel;
 use rstream_operator::names;
 
-const WAIT: Duration = Duration::from_secs(20);
-
 fn manager_events(plane: &ControlPlane, user: &str, from: usize) -> Vec<AuditEvent> {
     plane
         .audit_events()

@@ -21,8 +21,6 @@ use rstream_operator::api::{RstreamTunnel, TunnelType};
 use rstream_operator::names;
 use tokio::net::UdpSocket;
 
-const WAIT: Duration = Duration::from_secs(20);
-
 /// A namespace with the connection, a UDP echo Service and a TCP Service, the given tunnels and
 /// the manager running as a process under its own ServiceAccount.
 struct Setup {

@@ -17,8 +17,6 @@ use kube::api::{Api, Patch, PatchParams};
 use rstream_operator::agent_config::AgentConfig;
 use rstream_operator::manager::LEASE_NAME;
 
-const WAIT: Duration = Duration::from_secs(20);
-
 /// The manager's ServiceAccount kubeconfig in `ns` (leader election on).
 async fn manager_kubeconfig(ns: &str, sa: &str) -> std::path::PathBuf {
     let plane = plane().await;

@@ -19,6 +19,10 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::OnceCell;
 use tokio_util::sync::CancellationToken;
 
+mod fixtures;
+#[allow(unused_imports, reason = "a test binary may use none of them")]
+pub use fixtures::*;
+
 pub const MANAGER_SA: &str = "rstream-operator";
 static SETUP: OnceCell<()> = OnceCell::const_new();
 

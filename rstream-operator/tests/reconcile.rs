@@ -1,0 +1,360 @@
+//! The manager's tunnel reconcile against a real kube-apiserver (one per test binary), under its
+//! least-privilege identity: conditions, the agent's children and their credentials, restarts on
+//! rotation, deletion, and invalid specs.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use common::*;
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::Secret;
+use kube::ResourceExt as _;
+use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
+use rstream_operator::agent_config::AgentConfig;
+use rstream_operator::api::RstreamTunnel;
+use rstream_operator::names;
+
+#[tokio::test]
+async fn tunnel_conditions_name_each_missing_piece_until_only_the_agent_is_missing() {
+    let env = manager_env("resolve").await;
+    let (admin, ns) = (env.admin.clone(), env.ns.clone());
+    let (tunnels, conns) = (env.tunnels.clone(), env.conns.clone());
+
+    // A connection whose Secret does not exist yet.
+    env.create_connection().await;
+    env.create_tunnel().await;
+    let t = wait_condition(&tunnels, "web", "Resolved", "False", "SecretMissing", WAIT).await;
+    assert_eq!(condition(&t, "Accepted").unwrap().1, "ConnectionMissing");
+    assert_eq!(condition(&t, "Ready").unwrap().1, "ConnectionMissing");
+    assert!(t.status.unwrap().last_error.unwrap().contains("creds"));
+    wait_for("connection SecretMissing", WAIT, || async {
+        let c = conns.get("default").await.ok()?;
+        let ready = c
+            .status?
+            .conditions?
+            .into_iter()
+            .find(|c| c.type_ == "Ready")?;
+        (ready.status == "False" && ready.reason == "SecretMissing").then_some(())
+    })
+    .await;
+
+    // The Secret appears: the connection becomes Ready, the tunnel moves on to its Service.
+    create(&admin, &ns, &secret("creds", &[("token", "token-1")])).await;
+    let c = wait_for("connection Ready", WAIT, || async {
+        let c = conns.get("default").await.ok()?;
+        let s = c.status.clone()?;
+        s.conditions?
+            .iter()
+            .any(|c| c.type_ == "Ready" && c.status == "True")
+            .then_some(c)
+    })
+    .await;
+    assert_eq!(c.status.unwrap().engine.as_deref(), Some("127.0.0.1:7443"));
+    let t = wait_condition(&tunnels, "web", "Resolved", "False", "ServiceMissing", WAIT).await;
+    assert_eq!(condition(&t, "Accepted").unwrap().0, "True");
+    assert_eq!(condition(&t, "Ready").unwrap().1, "ServiceMissing");
+
+    // A Service without that port, then with it.
+    create(
+        &admin,
+        &ns,
+        &service(
+            "web",
+            serde_json::json!([{"name": "metrics", "port": 9090}]),
+        ),
+    )
+    .await;
+    wait_condition(
+        &tunnels,
+        "web",
+        "Resolved",
+        "False",
+        "ServicePortMissing",
+        WAIT,
+    )
+    .await;
+    Api::<k8s_openapi::api::core::v1::Service>::namespaced(admin.clone(), &ns)
+        .patch(
+            "web",
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({
+            "spec": {"ports": [{"name": "http", "port": 8080}]}})),
+        )
+        .await
+        .unwrap();
+    let t = wait_condition(
+        &tunnels,
+        "web",
+        "Ready",
+        "False",
+        "WaitingForDeployment",
+        WAIT,
+    )
+    .await;
+    let status = t.status.clone().unwrap();
+    assert_eq!(condition(&t, "Resolved").unwrap().0, "True");
+    assert_eq!(condition(&t, "AgentReady").unwrap().1, "DeploymentPending");
+    assert_eq!(condition(&t, "TunnelReady").unwrap().1, "TunnelConnecting");
+    assert_eq!(
+        status.target.as_deref(),
+        Some(format!("web.{ns}.svc:8080").as_str())
+    );
+    assert_eq!(
+        status.rstream_name.as_deref(),
+        Some(format!("{ns}-web").as_str())
+    );
+    assert!(status.last_error.is_none());
+    assert!(t.finalizers().iter().any(|f| f == names::FINALIZER));
+
+    env.finish_without_403().await;
+}
+
+#[tokio::test]
+async fn children_are_owned_restricted_and_get_credentials_by_reference() {
+    let env = manager_env("children").await;
+    let (t, base) = env.resolved_tunnel().await;
+    let status = t.status.clone().unwrap();
+    assert_eq!(status.agent_deployment.as_deref(), Some(base.as_str()));
+    let kids = children(&env.admin, &env.ns, &base).await;
+    let uid = t.uid().unwrap();
+    let cm = kids.configmap.unwrap();
+    let owners = [
+        cm.owner_references(),
+        kids.service_account.as_ref().unwrap().owner_references(),
+        kids.role.as_ref().unwrap().owner_references(),
+        kids.binding.as_ref().unwrap().owner_references(),
+        kids.deployment.as_ref().unwrap().owner_references(),
+    ];
+    for refs in owners {
+        assert_eq!(refs.len(), 1);
+        assert_eq!(refs[0].uid, uid);
+        assert_eq!(refs[0].controller, Some(true));
+        assert_eq!(refs[0].kind, "RstreamTunnel");
+    }
+    let config_yaml = cm.data.unwrap()[names::CONFIG_KEY].clone();
+    assert!(
+        !config_yaml.contains("token-1"),
+        "the token leaked into the ConfigMap"
+    );
+    let config = AgentConfig::from_yaml(&config_yaml).unwrap();
+    assert_eq!(config.connection.engine, "127.0.0.1:7443");
+    assert_eq!(config.target.host, format!("web.{}.svc", env.ns));
+    assert_eq!(config.target.port, "8080");
+    assert_eq!(config.tunnel.labels["app"], "web");
+    assert_eq!(
+        config.tunnel.labels["rstream.managed-by"],
+        "kubernetes-operator"
+    );
+    assert_eq!(
+        config
+            .tunnel
+            .http
+            .as_ref()
+            .unwrap()
+            .auth
+            .as_ref()
+            .unwrap()
+            .token,
+        Some(true)
+    );
+    let role = kids.role.unwrap();
+    for rule in role.rules.as_ref().unwrap() {
+        assert_eq!(
+            rule.resource_names.as_deref(),
+            Some(&["web".to_owned()][..])
+        );
+    }
+    let d = kids.deployment.unwrap();
+    assert_eq!(d.spec.replicas, Some(1));
+    assert_eq!(
+        d.spec.strategy.as_ref().unwrap().type_.as_deref(),
+        Some("Recreate")
+    );
+    let pod = d.spec.template.spec.as_ref().unwrap();
+    assert_eq!(pod.service_account_name.as_deref(), Some(base.as_str()));
+    let psc = pod.security_context.as_ref().unwrap();
+    assert_eq!(psc.run_as_non_root, Some(true));
+    assert_eq!(
+        psc.seccomp_profile.as_ref().unwrap().type_,
+        "RuntimeDefault"
+    );
+    let c = &pod.containers[0];
+    assert_eq!(
+        c.image.as_deref(),
+        Some("example.test/rstream-operator:dev")
+    );
+    assert_eq!(
+        c.command.as_deref(),
+        Some(&["/rstream-agent".to_owned()][..])
+    );
+    let sc = c.security_context.as_ref().unwrap();
+    assert_eq!(sc.allow_privilege_escalation, Some(false));
+    assert_eq!(sc.read_only_root_filesystem, Some(true));
+    assert_eq!(sc.run_as_non_root, Some(true));
+    assert_eq!(
+        sc.capabilities.as_ref().unwrap().drop.as_deref(),
+        Some(&["ALL".to_owned()][..])
+    );
+    let token_env = c
+        .env
+        .as_ref()
+        .unwrap()
+        .iter()
+        .find(|e| e.name == names::TOKEN_ENV)
+        .unwrap();
+    assert!(token_env.value.is_none());
+    let sel = token_env
+        .value_from
+        .as_ref()
+        .unwrap()
+        .secret_key_ref
+        .as_ref()
+        .unwrap();
+    assert_eq!((sel.name.as_str(), sel.key.as_str()), ("creds", "token"));
+    assert_eq!(config_hash(&d).len(), 16);
+    env.finish_without_403().await;
+}
+
+#[tokio::test]
+async fn rotating_the_token_restarts_the_agent() {
+    let env = manager_env("rotate").await;
+    let (_, base) = env.resolved_tunnel().await;
+    let deployments: Api<Deployment> = Api::namespaced(env.admin.clone(), &env.ns);
+    let first_hash = config_hash(&deployments.get(&base).await.unwrap());
+    Api::<Secret>::namespaced(env.admin.clone(), &env.ns)
+        .replace(
+            "creds",
+            &PostParams::default(),
+            &secret("creds", &[("token", "token-2")]),
+        )
+        .await
+        .unwrap();
+    wait_for("a new config hash", WAIT, || async {
+        let d = deployments.get(&base).await.ok()?;
+        let h = config_hash(&d);
+        (h != first_hash && !h.is_empty()).then_some(())
+    })
+    .await;
+    env.finish_without_403().await;
+}
+
+#[tokio::test]
+async fn an_available_agent_deployment_makes_the_agent_ready() {
+    let env = manager_env("available").await;
+    let (_, base) = env.resolved_tunnel().await;
+    // No kubelet here: the test reports the Deployment available, as its controller would.
+    Api::<Deployment>::namespaced(env.admin.clone(), &env.ns)
+        .patch_status(
+            &base,
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({
+            "status": {"replicas": 1, "readyReplicas": 1, "availableReplicas": 1}})),
+        )
+        .await
+        .unwrap();
+    wait_condition(
+        &env.tunnels,
+        "web",
+        "AgentReady",
+        "True",
+        "DeploymentAvailable",
+        WAIT,
+    )
+    .await;
+    env.finish_without_403().await;
+}
+
+#[tokio::test]
+async fn deleting_a_tunnel_deletes_its_children_before_the_finalizer_goes() {
+    let env = manager_env("delete").await;
+    let (_, base) = env.resolved_tunnel().await;
+    let tunnels = &env.tunnels;
+    // Deleting the tunnel: the manager deletes every child itself (no garbage collector runs
+    // here) and then removes its finalizer.
+    tunnels
+        .delete("web", &DeleteParams::default())
+        .await
+        .unwrap();
+    wait_for("the tunnel to be gone", WAIT, || async {
+        tunnels
+            .get_opt("web")
+            .await
+            .unwrap()
+            .is_none()
+            .then_some(())
+    })
+    .await;
+    let kids = children(&env.admin, &env.ns, &base).await;
+    assert!(kids.configmap.is_none() && kids.service_account.is_none());
+    assert!(kids.role.is_none() && kids.binding.is_none() && kids.deployment.is_none());
+
+    env.finish_without_403().await;
+}
+
+#[tokio::test]
+async fn invalid_specs_and_missing_connections_are_reported() {
+    let plane = plane().await;
+    let ns = plane.create_namespace("blocked").await.unwrap();
+    let admin = plane.client().await.unwrap();
+    let identity = manager_identity(plane, &ns, false).await;
+    let stop = start_manager(plane.client_as(&identity).await.unwrap(), &ns).await;
+    let tunnels: Api<RstreamTunnel> = Api::namespaced(admin.clone(), &ns);
+
+    // No connection named "other".
+    create(
+        &admin,
+        &ns,
+        &tunnel(
+            "orphan",
+            serde_json::json!({
+        "connectionRef": {"name": "other"}, "target": {"service": {"name": "web", "port": 80}}}),
+        ),
+    )
+    .await;
+    let t = wait_condition(
+        &tunnels,
+        "orphan",
+        "Accepted",
+        "False",
+        "ConnectionMissing",
+        WAIT,
+    )
+    .await;
+    assert!(condition(&t, "Accepted").unwrap().2.contains("other"));
+
+    // Rules only the client knows: a private tunnel takes no public option.
+    create(
+        &admin,
+        &ns,
+        &tunnel(
+            "private",
+            serde_json::json!({
+        "publish": false, "geoip": ["FR"], "target": {"service": {"name": "web", "port": 80}}}),
+        ),
+    )
+    .await;
+    let t = wait_condition(
+        &tunnels,
+        "private",
+        "Accepted",
+        "False",
+        "InvalidSpec",
+        WAIT,
+    )
+    .await;
+    assert_eq!(condition(&t, "Ready").unwrap().1, "InvalidSpec");
+    assert!(
+        t.status
+            .unwrap()
+            .last_error
+            .unwrap()
+            .contains("invalid spec")
+    );
+
+    stop.cancel();
+    let forbidden = forbidden_requests(plane, &sa_user(&ns, MANAGER_SA)).await;
+    assert!(
+        forbidden.is_empty(),
+        "the manager was denied: {forbidden:?}"
+    );
+}
