@@ -8,6 +8,7 @@ mod common;
 use common::*;
 use k8s_reconcile::testing::Identity;
 use kube::ResourceExt as _;
+use proxy_core::testing::{Tinyproxy, TinyproxyConfig};
 use rstream_operator::agent_config::AgentConfig;
 use rstream_operator::names;
 
@@ -189,9 +190,27 @@ async fn transport_options_the_agent_cannot_honour_are_refused_by_name() {
     env.finish_without_403().await;
 }
 
+/// An HTTP proxy that wants alice's credentials and may reach `port` only, with the Secrets of
+/// `env`'s connection: `creds` (its rstream `token`) and `proxy` (`user` and `password`).
+async fn proxy_and_secrets(env: &ManagerEnv, port: u16, token: &str) -> Tinyproxy {
+    let tiny = Tinyproxy::start(&TinyproxyConfig {
+        basic_auth: Some(("alice".into(), "s3cret".into())),
+        connect_ports: vec![port],
+    })
+    .await
+    .unwrap();
+    create(&env.admin, &env.ns, &secret("creds", &[("token", token)])).await;
+    create(
+        &env.admin,
+        &env.ns,
+        &secret("proxy", &[("user", "alice"), ("password", "s3cret")]),
+    )
+    .await;
+    tiny
+}
+
 #[tokio::test]
 async fn the_agent_reaches_its_engine_through_the_connections_http_proxy() {
-    use proxy_core::testing::{Tinyproxy, TinyproxyConfig};
     use rstream_client::engine::LocalEngine;
 
     let env = manager_env("agent-proxy").await;
@@ -203,26 +222,9 @@ async fn the_agent_reaches_its_engine_through_the_connections_http_proxy() {
         .unwrap();
     let ca = dir.path().join("engine-ca.pem");
     std::fs::write(&ca, engine.ca_pem()).unwrap();
-    // The proxy wants credentials and may reach the engine only.
-    let tiny = Tinyproxy::start(&TinyproxyConfig {
-        basic_auth: Some(("alice".into(), "s3cret".into())),
-        connect_ports: vec![engine.addr().port()],
-    })
-    .await
-    .unwrap();
     let backend = http_server("hello through the proxy").await;
-    create(
-        &env.admin,
-        &env.ns,
-        &secret("creds", &[("token", "proxy-token")]),
-    )
-    .await;
-    create(
-        &env.admin,
-        &env.ns,
-        &secret("proxy", &[("user", "alice"), ("password", "s3cret")]),
-    )
-    .await;
+    // The proxy wants credentials and may reach the engine only.
+    let tiny = proxy_and_secrets(&env, engine.addr().port(), "proxy-token").await;
     create(
         &env.admin,
         &env.ns,
@@ -335,7 +337,6 @@ async fn the_agent_reaches_its_engine_through_the_connections_http_proxy() {
 
 #[tokio::test]
 async fn the_managers_control_plane_lookup_goes_through_the_proxy() {
-    use proxy_core::testing::{Tinyproxy, TinyproxyConfig};
     use rstream_client::engine::LocalControlPlane;
 
     let env = manager_env("lookup-proxy").await;
@@ -349,24 +350,7 @@ async fn the_managers_control_plane_lookup_goes_through_the_proxy() {
         .unwrap();
     let cp_port: u16 = cp.url().rsplit(':').next().unwrap().parse().unwrap();
     // The proxy wants credentials and may reach the control plane only.
-    let tiny = Tinyproxy::start(&TinyproxyConfig {
-        basic_auth: Some(("alice".into(), "s3cret".into())),
-        connect_ports: vec![cp_port],
-    })
-    .await
-    .unwrap();
-    create(
-        &env.admin,
-        &env.ns,
-        &secret("creds", &[("token", "lookup-token")]),
-    )
-    .await;
-    create(
-        &env.admin,
-        &env.ns,
-        &secret("proxy", &[("user", "alice"), ("password", "s3cret")]),
-    )
-    .await;
+    let tiny = proxy_and_secrets(&env, cp_port, "lookup-token").await;
     create(
         &env.admin,
         &env.ns,
