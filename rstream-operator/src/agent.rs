@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use k8s_reconcile::app;
+use k8s_reconcile::app::{App, ClientArgs};
 use k8s_reconcile::conditions::Conditions;
 use k8s_reconcile::ops::Health;
 use kube::api::Api;
@@ -96,9 +96,8 @@ pub struct AgentOptions {
     pub target_override: Option<String>,
     /// Extra CA bundle (PEM) to trust for the engine (self-hosted engines with a private CA).
     pub ca_file: Option<PathBuf>,
-    /// kubeconfig for status reports from outside a cluster (`None`: in-cluster, then the usual
-    /// inference).
-    pub kubeconfig: Option<PathBuf>,
+    /// The client for status reports (`--kubeconfig` from outside a cluster).
+    pub client: ClientArgs,
 }
 
 /// Where and as whom to report.
@@ -477,8 +476,8 @@ fn client_for(config: &AgentConfig, options: &AgentOptions) -> Result<Client, Ag
     builder.tls(tls).build().map_err(bad)
 }
 
-/// Runs the agent until `shutdown`.
-pub async fn run(options: AgentOptions, shutdown: CancellationToken) -> Result<(), AgentError> {
+/// Runs the agent until SIGTERM or SIGINT.
+pub async fn run(options: AgentOptions) -> Result<(), AgentError> {
     let text =
         std::fs::read_to_string(&options.config).map_err(|cause| AgentError::ReadConfig {
             path: options.config.clone(),
@@ -497,17 +496,20 @@ pub async fn run(options: AgentOptions, shutdown: CancellationToken) -> Result<(
         .unwrap_or_else(|| config.target_address())
         .into();
 
-    let health = Health::new();
-    health.set("tunnel", false, "not online");
-    let mut registry = app::metrics_registry("rstream-agent", env!("CARGO_PKG_VERSION"));
+    let mut builder = App::builder("rstream-agent", env!("CARGO_PKG_VERSION"));
+    builder.health().set("tunnel", false, "not online");
     // Named as the RstreamTunnel when reporting to one, else as the rstream tunnel.
     let tunnel_label = (config.kubernetes.as_ref())
         .map(|k| k.tunnel_name.clone())
         .filter(|n| !n.is_empty())
         .unwrap_or_else(|| config.tunnel.name.clone());
-    let metrics = AgentMetrics::register(&mut registry, &tunnel_label);
-    let registry = Arc::new(registry);
-    app::serve_ops(options.health_bind_address, &health, &registry, &shutdown).await?;
+    let metrics = AgentMetrics::register(builder.registry(), &tunnel_label);
+    let app = builder
+        .serve_ops(options.health_bind_address)
+        .start()
+        .await?;
+    let health = app.health().clone();
+    let shutdown = app.shutdown().clone();
 
     let reporter = match config.kubernetes.as_ref().filter(|k| k.enabled) {
         Some(k) => {
@@ -522,7 +524,7 @@ pub async fn run(options: AgentOptions, shutdown: CancellationToken) -> Result<(
                 .as_deref()
                 .and_then(|e| std::env::var(e).ok())
                 .unwrap_or_default();
-            let kube = app::kube_client(options.kubeconfig.as_deref()).await?;
+            let kube = options.client.client().await?;
             Reporter {
                 api: Some(Api::namespaced(kube, &namespace)),
                 tunnel: k.tunnel_name.clone(),
@@ -584,6 +586,7 @@ pub async fn run(options: AgentOptions, shutdown: CancellationToken) -> Result<(
     relay_cancel.cancel();
     relays.close();
     relays.wait().await;
+    app.finish().await;
     Ok(())
 }
 
@@ -594,7 +597,7 @@ mod tests {
 
     #[test]
     fn the_agents_metrics_count_streams_and_what_they_carried() {
-        let mut registry = app::metrics_registry("rstream-agent", "9.9.9");
+        let mut registry = k8s_reconcile::app::metrics_registry("rstream-agent", "9.9.9");
         let metrics = AgentMetrics::register(&mut registry, "web");
         metrics.streams.inc();
         metrics.record(Relayed::Bytes {

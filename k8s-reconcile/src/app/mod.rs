@@ -12,7 +12,7 @@
 //!   operations server and the shutdown signal; [`LogArgs`] and [`ClientArgs`], the flags every
 //!   binary flattens into its own.
 //! * [`process`]: the leader identity, the async runtime, exit codes, the one way a fatal
-//!   error chain is printed, the Kubernetes client and the operations servers.
+//!   error chain is printed, the Kubernetes client.
 //!
 //! A binary's `main` then reads:
 //!
@@ -65,7 +65,7 @@ pub use flags::{go_bool_flags, parse_args, try_parse_args_from};
 pub use logging::{LogArgs, LogFormat, init_logging, parse_log_level};
 pub use process::{
     EXIT_FAILURE, EXIT_USAGE, block_on, block_on_threads, error_chain, exit_with, kube_client,
-    leader_identity, metrics_registry, own_namespace, serve_ops, usage_error,
+    leader_identity, metrics_registry, own_namespace, usage_error,
 };
 pub use values::{
     OptionalListenAddr, SecondsOrDuration, ValueError, parse_duration, parse_go_bool,

@@ -2,18 +2,13 @@
 
 use std::error::Error as StdError;
 use std::future::Future;
-use std::net::SocketAddr;
 use std::num::NonZeroUsize;
 use std::path::Path;
 use std::process::ExitCode;
-use std::sync::Arc;
 
 use prometheus_client::registry::Registry;
-use tokio::task::JoinHandle;
-use tokio_util::sync::CancellationToken;
 
 use crate::Error;
-use crate::ops::{self, Health};
 
 /// Exit code of a failure at run time.
 pub const EXIT_FAILURE: u8 = 1;
@@ -167,28 +162,6 @@ pub async fn kube_client(kubeconfig: Option<&Path>) -> Result<kube::Client, Erro
             })?,
     };
     kube::Client::try_from(config).map_err(Error::Kube)
-}
-
-/// Serves `/healthz`, `/readyz` and `/metrics` on every distinct address of `addrs` until
-/// `shutdown`. Each address is bound before this returns, so a taken port stops the start.
-pub async fn serve_ops(
-    addrs: impl IntoIterator<Item = SocketAddr>,
-    health: &Health,
-    registry: &Arc<Registry>,
-    shutdown: &CancellationToken,
-) -> Result<Vec<JoinHandle<()>>, Error> {
-    let mut bound: Vec<SocketAddr> = Vec::new();
-    let mut servers = Vec::new();
-    for addr in addrs {
-        if bound.contains(&addr) {
-            continue;
-        }
-        let router = ops::router(health.clone(), Arc::clone(registry));
-        servers.push(ops::serve(addr, router, shutdown.clone()).await?);
-        tracing::info!(%addr, "serving /healthz, /readyz and /metrics");
-        bound.push(addr);
-    }
-    Ok(servers)
 }
 
 #[cfg(test)]

@@ -4,14 +4,18 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::Parser;
-use k8s_reconcile::app::{self, LogFormat};
-use k8s_reconcile::ops;
+use k8s_reconcile::app::{self, ClientArgs, LogArgs};
 use rstream_operator::agent::{self, AgentError, AgentOptions};
 
 /// Keeps one rstream tunnel up, forwards its streams to the target Service and reports its state
 /// into the RstreamTunnel status.
 #[derive(Debug, Parser)]
-#[command(name = "rstream-agent", version)]
+#[command(
+    name = "rstream-agent",
+    version,
+    mut_arg("log_format", |a| a.env("RSTREAM_LOG_FORMAT")),
+    mut_arg("log_level", |a| a.env("RSTREAM_LOG_LEVEL"))
+)]
 struct Args {
     /// Agent configuration file (rendered by the manager).
     #[arg(
@@ -34,16 +38,10 @@ struct Args {
     /// Extra PEM CA bundle trusted for the engine (self-hosted engines with a private CA).
     #[arg(long, env = "RSTREAM_AGENT_CA_FILE")]
     ca_file: Option<PathBuf>,
-    /// kubeconfig for status reports when run outside a cluster (default: in-cluster config,
-    /// then $KUBECONFIG and ~/.kube/config).
-    #[arg(long)]
-    kubeconfig: Option<PathBuf>,
-    /// Log format.
-    #[arg(long, env = "RSTREAM_LOG_FORMAT", value_enum, default_value = "text")]
-    log_format: LogFormat,
-    /// Log level or filter (RUST_LOG wins when set).
-    #[arg(long, env = "RSTREAM_LOG_LEVEL", default_value = "info", value_parser = app::parse_log_level)]
-    log_level: String,
+    #[command(flatten)]
+    client: ClientArgs,
+    #[command(flatten)]
+    log: LogArgs,
 }
 
 async fn run(args: Args) -> Result<(), AgentError> {
@@ -52,14 +50,14 @@ async fn run(args: Args) -> Result<(), AgentError> {
         health_bind_address: args.health_bind_address,
         target_override: args.target_override,
         ca_file: args.ca_file,
-        kubeconfig: args.kubeconfig,
+        client: args.client,
     };
-    agent::run(options, ops::shutdown_on_signals()?).await
+    agent::run(options).await
 }
 
 fn main() -> ExitCode {
     let args: Args = app::parse_args();
-    app::init_logging(args.log_format, Some(&args.log_level));
+    args.log.init();
     // A configuration the agent cannot use is a usage error (exit 2), like a bad flag, in every
     // binary; it is found before anything starts.
     let mut unusable = None;
