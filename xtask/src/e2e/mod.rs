@@ -74,6 +74,74 @@ pub struct ChartReport {
     pub error: Option<String>,
 }
 
+/// What dashboards look for in every binary's `/metrics`: the process metrics (the build info
+/// is the binary's own, `<binary>_build_info`).
+const PROCESS_FAMILIES: [&str; 3] = [
+    "process_cpu_seconds",
+    "process_resident_memory_bytes",
+    "process_open_fds",
+];
+/// Names the binaries used before they took controller-runtime's; they must never come back.
+const RETIRED_FAMILIES: [&str; 3] = ["reconcile", "reconcile_duration_seconds", "leader"];
+
+/// Scrapes `addr`'s `/metrics` (retrying for 30 s) and records a scenario: the exposition has
+/// `<binary>_build_info`, the process metrics and every family of `required` (`# TYPE` names,
+/// counters without `_total`), and none of the retired names.
+async fn record_metric_names(
+    report: &mut ChartReport,
+    name: &str,
+    addr: std::net::SocketAddr,
+    binary: &str,
+    required: &[&str],
+) {
+    let started = Instant::now();
+    let build_info = format!("{}_build_info", binary.replace('-', "_"));
+    let wanted: Vec<&str> = std::iter::once(build_info.as_str())
+        .chain(PROCESS_FAMILIES)
+        .chain(required.iter().copied())
+        .collect();
+    // A family shows once it has a sample, which may lag the traffic that makes it.
+    let (metrics, families, missing) = loop {
+        let metrics = check::http_get(addr, "/metrics").await;
+        let families: Vec<String> = metrics
+            .as_ref()
+            .map(|m| {
+                m.lines()
+                    .filter_map(|l| l.strip_prefix("# TYPE ")?.split(' ').next())
+                    .map(str::to_owned)
+                    .collect()
+            })
+            .unwrap_or_default();
+        let missing: Vec<&str> = (wanted.iter().copied())
+            .filter(|family| !families.iter().any(|f| f == family))
+            .collect();
+        if (metrics.is_ok() && missing.is_empty()) || started.elapsed() > Duration::from_secs(30) {
+            break (metrics, families, missing);
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    };
+    let retired: Vec<&str> = RETIRED_FAMILIES
+        .into_iter()
+        .filter(|family| families.iter().any(|f| f == family))
+        .collect();
+    let controller_runtime: Vec<&String> = (families.iter())
+        .filter(|f| f.starts_with("controller_runtime_") || f.starts_with("leader_election_"))
+        .collect();
+    report.record(
+        name,
+        metrics.is_ok() && missing.is_empty() && retired.is_empty(),
+        started,
+        match &metrics {
+            Ok(_) => format!(
+                "{} metric families from {addr}; missing {missing:?}; retired names {retired:?}; \
+                 controller-runtime's {controller_runtime:?}",
+                families.len()
+            ),
+            Err(e) => format!("{addr}: {e}"),
+        },
+    );
+}
+
 impl ChartReport {
     fn new(chart: &str) -> Self {
         Self {

@@ -21,6 +21,8 @@ pub const RELEASE: &str = "pod-proxier";
 pub const SELECTOR: &str = "app.kubernetes.io/name=pod-proxier";
 pub const API_PORT: u16 = 3343;
 pub const ENTRY_PORT: u16 = 8849;
+/// The chart's `ports.metricsPort`.
+const METRICS_PORT: u16 = 8081;
 const V2_START: u16 = 9000;
 const V2_END: u16 = 9004;
 
@@ -125,6 +127,18 @@ async fn scenarios(
             denied_answer["msg"]
         ),
     );
+
+    // pod-proxier's /metrics after relaying that mapping, under the names dashboards use.
+    for (pod, ip) in check::wait_pods_ready(env.plane, &ns, SELECTOR, 1).await? {
+        super::record_metric_names(
+            report,
+            &format!("pod-proxier Pod {pod}'s /metrics has process_*, its build info, the mappings, the relay's and leader election's families"),
+            format!("{ip}:{METRICS_PORT}").parse()?,
+            "pod-proxier",
+            &["podproxier_mappings", "proxy_connections", "leader_election_master_status"],
+        )
+        .await;
+    }
 
     // The chart's Service as a NodePort carries the same mapping.
     let started = Instant::now();

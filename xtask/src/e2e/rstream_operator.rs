@@ -78,7 +78,6 @@ async fn scenarios(env: &Env<'_>, report: &mut ChartReport) -> anyhow::Result<()
         format!("manager {} ({}); {}", pods[0].0, pods[0].1, served.join(", ")),
     );
 
-    let started = Instant::now();
     let svc: Service = Api::namespaced(client.clone(), &ns)
         .get(&format!("{RELEASE}-metrics"))
         .await?;
@@ -87,53 +86,14 @@ async fn scenarios(env: &Env<'_>, report: &mut ChartReport) -> anyhow::Result<()
         .and_then(|s| s.cluster_ip)
         .context("no ClusterIP")?;
     let addr: SocketAddr = format!("{ip}:8080").parse()?;
-    let mut metrics = Err("not tried".to_owned());
-    while started.elapsed() < Duration::from_secs(30) {
-        metrics = check::http_get(addr, "/metrics").await;
-        if metrics.is_ok() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-    // The names dashboards look for: process_* and the build info from the start,
-    // controller-runtime's once a controller has worked; the old unprefixed names never.
-    let families: Vec<&str> = metrics
-        .as_ref()
-        .map(|m| {
-            m.lines()
-                .filter_map(|l| l.strip_prefix("# TYPE ")?.split(' ').next())
-                .collect()
-        })
-        .unwrap_or_default();
-    let required = [
-        "rstream_operator_build_info",
-        "process_cpu_seconds",
-        "process_resident_memory_bytes",
-        "process_open_fds",
-    ];
-    let missing: Vec<&str> = (required.iter().copied())
-        .filter(|name| !families.contains(name))
-        .collect();
-    let old: Vec<&str> = ["reconcile", "reconcile_duration_seconds", "leader"]
-        .into_iter()
-        .filter(|name| families.contains(name))
-        .collect();
-    let controller_runtime: Vec<&str> = (families.iter().copied())
-        .filter(|f| f.starts_with("controller_runtime_") || f.starts_with("leader_election_"))
-        .collect();
-    report.record(
-        "the manager's /metrics through the chart's metrics Service (what the optional ServiceMonitor scrapes) has process_*, the build info and no pre-controller-runtime names",
-        metrics.is_ok() && missing.is_empty() && old.is_empty(),
-        started,
-        match &metrics {
-            Ok(_) => format!(
-                "{} metric families from {addr}; missing {missing:?}; old names {old:?}; \
-                 controller-runtime's so far {controller_runtime:?}",
-                families.len()
-            ),
-            Err(e) => format!("{addr}: {e}"),
-        },
-    );
+    super::record_metric_names(
+        report,
+        "the manager's /metrics through the chart's metrics Service (what the optional ServiceMonitor scrapes) has process_*, the build info, controller-runtime's names and no retired ones",
+        addr,
+        "rstream-operator",
+        &["leader_election_master_status"],
+    )
+    .await;
 
     if let Err(err) = tunnel_scenarios(env, report, &ns).await {
         report.record(
@@ -445,6 +405,38 @@ pub async fn wait_condition(
     }
 }
 
+/// The IP of a running agent Pod of tunnel `tunnel`.
+async fn agent_pod_ip(
+    client: &kube::Client,
+    ns: &str,
+    tunnel: &str,
+) -> anyhow::Result<std::net::IpAddr> {
+    let status = Api::<RstreamTunnel>::namespaced(client.clone(), ns)
+        .get(tunnel)
+        .await?
+        .status
+        .context("the tunnel has no status")?;
+    let deployment = status
+        .agent_deployment
+        .context("no agent Deployment in the status")?;
+    let labels = Api::<Deployment>::namespaced(client.clone(), ns)
+        .get(&deployment)
+        .await?
+        .spec
+        .selector
+        .match_labels
+        .context("the agent Deployment has no selector")?;
+    let selector: Vec<String> = labels.iter().map(|(k, v)| format!("{k}={v}")).collect();
+    let pods = Api::<Pod>::namespaced(client.clone(), ns)
+        .list(&ListParams::default().labels(&selector.join(",")))
+        .await?;
+    pods.items
+        .into_iter()
+        .filter_map(|p| p.status?.pod_ip)
+        .find_map(|ip| ip.parse().ok())
+        .with_context(|| format!("no agent Pod of {deployment} has an IP"))
+}
+
 /// Waits until the Deployment `name` is `Available`; false if it is not within `limit`.
 async fn wait_available(
     deployments: &Api<Deployment>,
@@ -540,6 +532,32 @@ async fn tunnel_scenarios(env: &Env<'_>, report: &mut ChartReport, ns: &str) -> 
             Err(err) => format!("{err:#}"),
         },
     );
+
+    // The echo tunnel's agent counted what it carried, under the names its README lists.
+    match agent_pod_ip(&client, ns, "echo").await {
+        Ok(ip) => {
+            let port = u16::try_from(rstream_operator::manager::children::HEALTH_PORT)?;
+            let addr = SocketAddr::new(ip, port);
+            super::record_metric_names(
+                report,
+                "the echo tunnel's agent Pod /metrics has process_*, its build info and the tunnel and stream metrics",
+                addr,
+                "rstream-agent",
+                &[
+                    "rstream_agent_tunnel_online",
+                    "rstream_agent_streams",
+                    "rstream_agent_stream_bytes",
+                ],
+            )
+            .await;
+        }
+        Err(err) => report.record(
+            "the echo tunnel's agent Pod /metrics has process_*, its build info and the tunnel and stream metrics",
+            false,
+            Instant::now(),
+            format!("{err:#}"),
+        ),
+    }
 
     // 3. Token rotation: the agent restarts (config hash), the tunnel is Ready again and bytes
     //    go through both tunnels.

@@ -363,6 +363,18 @@ async fn scenarios(
         ),
     );
 
+    // Every replica's /metrics, leader and follower, under the names dashboards use.
+    for (pod, ip) in cluster.ready_pods().await? {
+        super::record_metric_names(
+            report,
+            &format!("steward Pod {pod}'s /metrics has process_*, its build info, the relay's and leader election's families"),
+            format!("{ip}:9090").parse()?,
+            "steward-tcp-proxy",
+            &["proxy_connections", "proxy_bytes", "leader_election_master_status"],
+        )
+        .await;
+    }
+
     // 3. The other endpoint mode: does kube-proxy route a ClusterIP used as an endpoint?
     let started = Instant::now();
     env.helm(&[
