@@ -1,0 +1,274 @@
+//! `bench proxy`'s judgement and prose: the goals its figures are held to, the report's notes
+//! (`proxy_notes.md` filled with this run's settings) and what each contender ran on.
+
+use std::process::Command;
+
+use super::profile::bounds;
+use super::relays::Relays;
+use super::{
+    BULK, CLOSED_PHASE, CPU_PER_GIB, DIRECT, HAPROXY_AUTO, HAPROXY_AUTO_2T, HAPROXY_FORCED,
+    HAPROXY_FORCED_2T, IDLE_FDS, IDLE_RSS, LATENCY_P99, PIPE_SIZE, PROFILE_DIR, PROXY_CORE,
+    PROXY_CORE_2T, SCALING, Workload, open_phase,
+};
+use crate::bench::Settings;
+use crate::bench::report::{Figure, Goal};
+use crate::bench::system::{self, GENERATOR_CPU, RELAY_CPU};
+
+/// The prose of the report, with `{placeholders}` filled by [`notes`].
+const NOTES_TEMPLATE: &str = include_str!("proxy_notes.md");
+
+/// What each contender ran on and with, for the report.
+pub(super) fn configuration(relays: &Relays) -> Vec<String> {
+    let haproxy_version = relays
+        .haproxy
+        .as_deref()
+        .and_then(|haproxy| Command::new(haproxy).arg("-v").output().ok())
+        .and_then(|output| {
+            String::from_utf8_lossy(&output.stdout)
+                .lines()
+                .next()
+                .map(str::to_owned)
+        })
+        .unwrap_or_else(|| "HAProxy not available".to_owned());
+    let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease")
+        .map_or_else(|_| "unknown".to_owned(), |text| text.trim().to_owned());
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|text| {
+            text.lines()
+                .find_map(|line| line.strip_prefix("model name"))
+                .map(|rest| rest.trim_start_matches([' ', '\t', ':']).to_owned())
+        })
+        .unwrap_or_else(|| "unknown".to_owned());
+    let pipe_budget = std::fs::read_to_string("/proc/sys/fs/pipe-user-pages-soft")
+        .ok()
+        .and_then(|text| text.trim().parse::<u64>().ok())
+        .filter(|pages| *pages > 0)
+        .map_or(16 << 20, |pages| pages * 4096 / 4);
+    let pinning = if system::can_pin() {
+        format!(
+            "generator and sink: CPU {GENERATOR_CPU}; one-thread relays (proxy-core, both HAProxy): taskset -c {RELAY_CPU}; two-thread relays: unpinned (both CPUs, shared with the generator)"
+        )
+    } else {
+        "nothing pinned (fewer than 2 usable CPUs)".to_owned()
+    };
+    vec![
+        format!("Machine: {cpu}; kernel {kernel}; {haproxy_version}."),
+        format!("Pinning: {pinning}."),
+        format!(
+            "{PROXY_CORE}: examples/tcp_relay, copy mode auto (buffered first bytes, then splice through a pooled {} KiB pipe once a read fills 16 KiB), pipe budget {} MiB (the default: a quarter of pipe-user-pages-soft), PrometheusObserver registered as in the binaries (registry not scraped), --no-keepalive (TCP keepalive off, as HAProxy without option tcpka; on by default it costs 4 setsockopt per upstream connection), --threads 1 (tokio's current-thread runtime: one event loop, no hand-offs between workers, as HAProxy nbthread 1; steward-tcp-proxy --threads 1 runs the same), RUST_LOG=warn; {PROXY_CORE_2T}: the same with --threads 2 (a multi-thread runtime with 2 workers).",
+            PIPE_SIZE >> 10,
+            pipe_budget >> 20
+        ),
+        format!(
+            "{HAPROXY_AUTO}: nbthread 1, mode tcp, option splice-auto, tune.pipesize {PIPE_SIZE}, maxpipes = maxconn, no option tcpka (its default); {HAPROXY_FORCED}: the same with option splice-request + option splice-response instead; the nbthread 2 variants differ only in nbthread."
+        ),
+    ]
+}
+
+/// How a ratio is judged against its bound.
+#[derive(Clone, Copy)]
+enum Bound {
+    AtLeast(f64),
+    AtMost(f64),
+    Below(f64),
+}
+
+pub(super) fn goals(figures: &[Figure]) -> Vec<Goal> {
+    let find = |name: &str| figures.iter().find(|f| f.name == name);
+    let mut goals = Vec::new();
+    for phase in std::iter::once(CLOSED_PHASE.to_owned()).chain([2_000, 5_000].map(open_phase)) {
+        let name = format!("{phase}: relay CPU per 1000 connections");
+        for haproxy in [HAPROXY_FORCED, HAPROXY_AUTO] {
+            goals.push(ratio_goal(
+                find(&name),
+                &name,
+                PROXY_CORE,
+                haproxy,
+                Bound::AtMost(0.9),
+            ));
+        }
+    }
+    let per_gib = find(CPU_PER_GIB.name);
+    goals.push(ratio_goal(
+        per_gib,
+        CPU_PER_GIB.name,
+        PROXY_CORE,
+        HAPROXY_FORCED,
+        Bound::AtMost(1.0),
+    ));
+    goals.push(ratio_goal(
+        per_gib,
+        CPU_PER_GIB.name,
+        PROXY_CORE,
+        HAPROXY_AUTO,
+        Bound::Below(1.0),
+    ));
+    for (streams, _, phase) in BULK {
+        let figure = find(phase);
+        if streams == 1 {
+            goals.push(ratio_goal(
+                figure,
+                phase,
+                PROXY_CORE,
+                DIRECT,
+                Bound::AtLeast(0.5),
+            ));
+        }
+        for haproxy in [HAPROXY_FORCED, HAPROXY_AUTO] {
+            goals.push(ratio_goal(
+                figure,
+                phase,
+                PROXY_CORE,
+                haproxy,
+                Bound::AtLeast(1.0),
+            ));
+        }
+    }
+    for (_, phase) in SCALING {
+        for haproxy in [HAPROXY_FORCED_2T, HAPROXY_AUTO_2T] {
+            goals.push(ratio_goal(
+                find(phase),
+                phase,
+                PROXY_CORE_2T,
+                haproxy,
+                Bound::AtLeast(1.0),
+            ));
+        }
+    }
+    if let Some(figure) = find(LATENCY_P99.name) {
+        for haproxy in [HAPROXY_FORCED, HAPROXY_AUTO] {
+            let added = |name: &str| Some(figure.median(name)? - figure.median(DIRECT)?);
+            let (ours, theirs) = (added(PROXY_CORE), added(haproxy));
+            goals.push(Goal {
+                goal: format!("added p99 latency <= {haproxy}'s"),
+                measured: format!(
+                    "proxy-core {} µs, {haproxy} {} µs over direct",
+                    shown(ours),
+                    shown(theirs)
+                ),
+                met: ours.zip(theirs).map(|(o, t)| o <= t),
+            });
+        }
+    }
+    if let Some(figure) = find(IDLE_RSS.name) {
+        let ours = figure.median(PROXY_CORE);
+        goals.push(Goal {
+            goal: "<= 8 KiB RSS per idle relayed connection".to_owned(),
+            measured: format!(
+                "proxy-core {} KiB",
+                ours.map_or_else(|| "?".to_owned(), |kib| format!("{kib:.1}"))
+            ),
+            met: ours.map(|kib| kib <= 8.0),
+        });
+    }
+    if let Some(figure) = find(IDLE_FDS.name) {
+        let ours = figure.median(PROXY_CORE);
+        goals.push(Goal {
+            goal: "2 descriptors per idle relayed connection (no pipe before data)".to_owned(),
+            measured: format!(
+                "proxy-core {}",
+                ours.map_or_else(|| "?".to_owned(), |fds| format!("{fds:.2}"))
+            ),
+            met: ours.map(|fds| fds <= 2.05),
+        });
+    }
+    goals
+}
+
+/// `ours`'s median against `reference`'s in one figure, judged by `bound`.
+fn ratio_goal(
+    figure: Option<&Figure>,
+    name: &str,
+    ours: &str,
+    reference: &str,
+    bound: Bound,
+) -> Goal {
+    let ratio = figure
+        .and_then(|figure| figure.median(ours).zip(figure.median(reference)))
+        .map(|(ours, theirs)| ours / theirs);
+    let (relation, met) = match bound {
+        Bound::AtLeast(x) => (format!(">= {x:.2}x"), ratio.map(|r| r >= x)),
+        Bound::AtMost(x) => (format!("<= {x:.2}x"), ratio.map(|r| r <= x)),
+        Bound::Below(x) => (format!("< {x:.2}x"), ratio.map(|r| r < x)),
+    };
+    Goal {
+        goal: format!("{name}: {ours} {relation} {reference}"),
+        measured: ratio.map_or_else(|| "not measured".to_owned(), |r| format!("{r:.2}x")),
+        met,
+    }
+}
+
+fn shown(value: Option<f64>) -> String {
+    value.map_or_else(|| "?".to_owned(), |v| format!("{v:+.0}"))
+}
+
+/// The report's prose: `proxy_notes.md` with this run's settings filled in, one note per
+/// paragraph; then what bounds the figures, from the `--profile` files, or nothing where there is
+/// no profile to cite.
+pub(super) fn notes(settings: &Settings, workload: &Workload, figures: &[Figure]) -> Vec<String> {
+    let idle_limit = if workload.idle_connections < 10_000 && !settings.quick {
+        format!(
+            " Fewer than 10 000 because the open-file limit here is {} and cannot be raised further, and HAProxy refuses to start unless the limit covers 2.5 descriptors per maxconn (it runs this phase with maxconn = this count and maxpipes 0).",
+            settings.fd_limit
+        )
+    } else {
+        String::new()
+    };
+    let values = [
+        ("warmup", format!("{:?}", workload.warmup)),
+        ("measure", format!("{:?}", workload.measure)),
+        ("generator_cpu", GENERATOR_CPU.to_string()),
+        ("relay_cpu", RELAY_CPU.to_string()),
+        ("latency_rate", workload.latency_rate.to_string()),
+        (
+            "latency_duration",
+            format!("{:?}", workload.latency_duration),
+        ),
+        ("concurrency", workload.connection_concurrency.to_string()),
+        (
+            "open_rates",
+            workload.open_rates.map(|r| r.to_string()).join(" and "),
+        ),
+        ("idle_connections", workload.idle_connections.to_string()),
+        ("idle_limit", idle_limit),
+        ("profile_dir", PROFILE_DIR.to_owned()),
+    ];
+    let mut text = NOTES_TEMPLATE.to_owned();
+    for (key, value) in values {
+        text = text.replace(&format!("{{{key}}}"), &value);
+    }
+    let mut notes: Vec<String> = text
+        .split("\n\n")
+        .filter(|paragraph| !paragraph.trim_start().starts_with("<!--"))
+        .map(|paragraph| paragraph.split_whitespace().collect::<Vec<_>>().join(" "))
+        .filter(|paragraph| !paragraph.is_empty())
+        .collect();
+    notes.extend(bounds(figures));
+    notes
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::bench::report::{Metric, Recorder};
+
+    #[test]
+    fn ratio_goals_judge_each_bound() {
+        let mut recorder = Recorder::default();
+        let metric = Metric::lower("cost", "CPU ms");
+        recorder.record(metric, PROXY_CORE, 90.0);
+        recorder.record(metric, HAPROXY_FORCED, 100.0);
+        let figures = recorder.finish(&[]);
+        let goal =
+            |bound| ratio_goal(figures.first(), "cost", PROXY_CORE, HAPROXY_FORCED, bound).met;
+        assert_eq!(goal(Bound::AtMost(0.9)), Some(true));
+        assert_eq!(goal(Bound::AtMost(0.89)), Some(false));
+        assert_eq!(goal(Bound::Below(0.9)), Some(false));
+        assert_eq!(goal(Bound::AtLeast(0.95)), Some(false));
+        assert_eq!(
+            ratio_goal(None, "cost", PROXY_CORE, HAPROXY_AUTO, Bound::AtMost(1.0)).met,
+            None
+        );
+    }
+}
