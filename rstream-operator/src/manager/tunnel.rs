@@ -65,7 +65,7 @@ impl ResolvedTarget {
 
 /// Builds the tunnel part of the agent configuration and checks it with the client rules
 /// ([`TunnelConfig::options`]), once per reconcile. Its hostname is the spec's; a generated one
-/// ([`choose_hostname`]) is set later, once the engine is known.
+/// (`choose_hostname`) is set later, once the engine is known.
 pub fn tunnel_config(tunnel: &RstreamTunnel) -> Result<TunnelConfig, String> {
     let spec = &tunnel.spec;
     let namespace = tunnel.namespace().unwrap_or_default();
