@@ -6,7 +6,9 @@
 
 use std::collections::BTreeMap;
 
-use k8s_openapi::api::core::v1::{Affinity, ResourceRequirements, Toleration};
+use k8s_openapi::api::core::v1::{
+    Affinity, LocalObjectReference, ResourceRequirements, Toleration,
+};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::CustomResource;
@@ -276,6 +278,11 @@ pub struct RstreamConnectionSpec {
     /// Agent-to-engine network options.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub transport: Option<TransportSpec>,
+    /// Image pull Secrets of the agent Pods of the tunnels using this connection, in each
+    /// tunnel's namespace, instead of the manager's `--agent-image-pull-secrets` (an empty list
+    /// means none).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub agent_image_pull_secrets: Option<Vec<LocalObjectReference>>,
 }
 
 /// Observed state of an [`RstreamConnection`]. The resolution fields are cleared when not Ready.

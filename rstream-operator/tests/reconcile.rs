@@ -8,6 +8,7 @@ mod common;
 use common::*;
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::Secret;
+use k8s_reconcile::testing::eventually;
 use kube::ResourceExt as _;
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use rstream_operator::agent_config::AgentConfig;
@@ -212,6 +213,40 @@ async fn children_are_owned_restricted_and_get_credentials_by_reference() {
         .unwrap();
     assert_eq!((sel.name.as_str(), sel.key.as_str()), ("creds", "token"));
     assert_eq!(config_hash(&d).len(), 16);
+    let pull_secrets = |d: &Deployment| -> Vec<String> {
+        (d.spec
+            .template
+            .spec
+            .as_ref()
+            .unwrap()
+            .image_pull_secrets
+            .iter())
+        .flatten()
+        .map(|r| r.name.clone())
+        .collect()
+    };
+    // The manager's pull Secrets by default; the connection's own list when it sets one.
+    assert_eq!(pull_secrets(&d), [MANAGER_PULL_SECRET]);
+    env.conns
+        .patch(
+            "default",
+            &PatchParams::default(),
+            &Patch::Merge(
+                serde_json::json!({"spec": {"agentImagePullSecrets": [{"name": "own-registry"}]}}),
+            ),
+        )
+        .await
+        .unwrap();
+    let deployments: Api<Deployment> = Api::namespaced(env.admin.clone(), &env.ns);
+    eventually(
+        "the connection's pull Secrets on the agent",
+        WAIT,
+        || async {
+            let d = deployments.get(&base).await.unwrap();
+            pull_secrets(&d) == ["own-registry"]
+        },
+    )
+    .await;
     env.finish_without_403().await;
 }
 

@@ -149,6 +149,21 @@ fn default_resources() -> ResourceRequirements {
     }
 }
 
+/// The agent Pods' image pull Secrets: the connection's own list when it sets one (empty: none),
+/// else the manager's.
+fn pull_secrets(
+    connection: &RstreamConnection,
+    manager: &[String],
+) -> Option<Vec<LocalObjectReference>> {
+    let secrets: Vec<LocalObjectReference> = match &connection.spec.agent_image_pull_secrets {
+        Some(own) => own.clone(),
+        None => (manager.iter())
+            .map(|name| LocalObjectReference { name: name.clone() })
+            .collect(),
+    };
+    (!secrets.is_empty()).then_some(secrets)
+}
+
 /// The agent Deployment: one replica, Recreate, restricted pod security, token from the Secret.
 pub fn deployment(
     cx: &ChildContext,
@@ -310,12 +325,7 @@ pub fn deployment(
                     tolerations: agent.tolerations.clone(),
                     affinity: agent.affinity.clone(),
                     priority_class_name: agent.priority_class_name.clone(),
-                    image_pull_secrets: (!image_pull_secrets.is_empty()).then(|| {
-                        image_pull_secrets
-                            .iter()
-                            .map(|name| LocalObjectReference { name: name.clone() })
-                            .collect()
-                    }),
+                    image_pull_secrets: pull_secrets(connection, image_pull_secrets),
                     containers: vec![container],
                     volumes: Some(volumes),
                     ..PodSpec::default()

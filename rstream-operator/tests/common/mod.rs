@@ -63,6 +63,9 @@ pub async fn prepare(plane: &ControlPlane) {
         .unwrap();
 }
 
+/// The image pull Secret the test manager gives every agent (`--agent-image-pull-secrets`).
+pub const MANAGER_PULL_SECRET: &str = "registry-of-the-manager";
+
 /// Runs the manager in this process as `client` (its ServiceAccount), scoped to `ns`.
 pub async fn start_manager(client: Client, ns: &str) -> CancellationToken {
     start_manager_with(client, ns, None).await
@@ -77,7 +80,7 @@ pub async fn start_manager_with(
     let shutdown = CancellationToken::new();
     let options = ManagerOptions {
         agent_image: "example.test/rstream-operator:dev".into(),
-        agent_image_pull_secrets: Vec::new(),
+        agent_image_pull_secrets: vec![MANAGER_PULL_SECRET.to_owned()],
         leader_election,
         resync: Duration::from_secs(300),
         concurrency: 4,
