@@ -332,19 +332,6 @@ async fn a_forbidden_endpoints_write_closes_the_gate_after_one_403() {
         .kubeconfig_as(&Identity::service_account(&ns, "steward-tcp-proxy"))
         .await
         .unwrap();
-    // A stale slice of the kubernetes Service, which the full role would prune: the narrow one
-    // has no delete, so it must be left alone, not tried.
-    let slices: Api<EndpointSlice> = Api::namespaced(client.clone(), "default");
-    let stale: EndpointSlice = serde_json::from_value(serde_json::json!({
-        "metadata": {"name": "kubernetes-stale", "labels": {
-            "kubernetes.io/service-name": "kubernetes",
-            "endpointslice.kubernetes.io/managed-by": "steward-tcp-proxy"}},
-        "addressType": "IPv4",
-        "endpoints": [{"addresses": ["10.0.0.99"]}],
-        "ports": [{"name": "https", "port": 6443, "protocol": "TCP"}],
-    }))
-    .unwrap();
-    slices.create(&PostParams::default(), &stale).await.unwrap();
     let proxy = Proxy::start(
         &kubeconfig,
         &apiserver_addr(plane),
