@@ -12,12 +12,10 @@ use std::time::Duration;
 
 use k8s_reconcile::app;
 use rstream_client::forward::TargetKind;
-use rstream_client::tunnel::{
-    HttpVersion, TlsMinVersion, TlsMode, TunnelOptions, TunnelProtocol, TunnelType,
-};
+use rstream_client::tunnel::{HttpVersion, TunnelOptions, TunnelProtocol, TunnelType};
 use serde::{Deserialize, Serialize};
 
-use crate::api::{BindSpec, DnsSpec, IpFamily, TransportMode};
+use crate::api::{BindSpec, DnsSpec, HttpSpec, IpFamily, TlsSpec, TransportMode};
 
 /// Why a configuration cannot be used.
 #[derive(Debug, thiserror::Error)]
@@ -178,10 +176,10 @@ pub struct TunnelConfig {
     pub geoip: Vec<String>,
     /// HTTP options.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub http: Option<HttpConfig>,
+    pub http: Option<HttpSpec>,
     /// Edge TLS options.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub tls: Option<TlsConfig>,
+    pub tls: Option<TlsSpec>,
 }
 
 /// An HTTP bytestream tunnel (the RstreamTunnel's defaults) with no name yet.
@@ -240,7 +238,7 @@ impl TunnelConfig {
         if let Some(tls) = &self.tls {
             o.tls_mode = tls.mode;
             o.tls_min_version = tls.min_version;
-            o.tls_alpns = tls.alpns.clone();
+            o.tls_alpns = tls.alpns.clone().unwrap_or_default();
             o.mtls_auth = tls.mtls;
         }
         if o.datagram_guaranteed_delivery == Some(true) && self.type_ != TunnelType::Datagram {
@@ -251,60 +249,6 @@ impl TunnelConfig {
         o.to_properties().map_err(bad)?;
         Ok(o)
     }
-}
-
-/// HTTP options.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, rename_all = "camelCase")]
-pub struct HttpConfig {
-    /// `http/1.1` (when omitted), `h2c` or `h3`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub version: Option<HttpVersion>,
-    /// Edge authentication.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub auth: Option<HttpAuthConfig>,
-    /// Browser challenge.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub gate: Option<HttpGateConfig>,
-}
-
-/// Edge authentication.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct HttpAuthConfig {
-    /// Bearer token required.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub token: Option<bool>,
-    /// rstream login required.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub rstream: Option<bool>,
-}
-
-/// Browser challenge.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct HttpGateConfig {
-    /// Challenge on.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub challenge: Option<bool>,
-}
-
-/// Edge TLS options.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, rename_all = "camelCase")]
-pub struct TlsConfig {
-    /// `terminated` or `passthrough`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub mode: Option<TlsMode>,
-    /// `tls1.2` or `tls1.3`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub min_version: Option<TlsMinVersion>,
-    /// Edge ALPNs.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub alpns: Vec<String>,
-    /// Downstream client certificates required.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub mtls: Option<bool>,
 }
 
 /// Forwarding target.
@@ -472,6 +416,7 @@ impl AgentConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use rstream_client::tunnel::{TlsMinVersion, TlsMode};
 
     fn sample() -> AgentConfig {
         AgentConfig {
@@ -527,7 +472,7 @@ mod tests {
     fn client_rules_apply() {
         let mut c = sample();
         c.tunnel.protocol = TunnelProtocol::Tcp;
-        c.tunnel.http = Some(HttpConfig::default());
+        c.tunnel.http = Some(HttpSpec::default());
         assert!(c.validate().is_err());
         let mut c = sample();
         c.tunnel.publish = false;
@@ -562,9 +507,9 @@ mod tests {
         );
         // HTTP/3 and quic tunnels stay refused, naming QUIC.
         let mut c = sample();
-        c.tunnel.http = Some(HttpConfig {
+        c.tunnel.http = Some(HttpSpec {
             version: Some(HttpVersion::H3),
-            ..HttpConfig::default()
+            ..HttpSpec::default()
         });
         assert!(c.validate().unwrap_err().to_string().contains("QUIC"));
         let mut c = sample();
@@ -577,14 +522,14 @@ mod tests {
     #[test]
     fn option_values_are_written_and_read_as_their_wire_strings() {
         let mut c = sample();
-        c.tunnel.http = Some(HttpConfig {
+        c.tunnel.http = Some(HttpSpec {
             version: Some(HttpVersion::H2c),
-            ..HttpConfig::default()
+            ..HttpSpec::default()
         });
-        c.tunnel.tls = Some(TlsConfig {
+        c.tunnel.tls = Some(TlsSpec {
             mode: Some(TlsMode::Terminated),
             min_version: Some(TlsMinVersion::Tls13),
-            ..TlsConfig::default()
+            ..TlsSpec::default()
         });
         let yaml = c.to_yaml().unwrap();
         for line in [

@@ -19,8 +19,8 @@ use super::ManagerError;
 use super::children::{self, ChildContext};
 use super::resolve::{ResolveError, Resolved, resolve_by_name};
 use crate::agent_config::{
-    AgentConfig, ConnectionConfig, HttpAuthConfig, HttpConfig, HttpGateConfig, KubernetesConfig,
-    MtlsFiles, ProxyConfig, RetryConfig, TargetConfig, TlsConfig, TransportConfig, TunnelConfig,
+    AgentConfig, ConnectionConfig, KubernetesConfig, MtlsFiles, ProxyConfig, RetryConfig,
+    TargetConfig, TransportConfig, TunnelConfig,
 };
 use crate::api::{
     HttpVersion, RstreamTunnel, RstreamTunnelSpec, RstreamTunnelStatus, TunnelProtocol, TunnelType,
@@ -101,21 +101,14 @@ pub fn tunnel_config(tunnel: &RstreamTunnel) -> Result<TunnelConfig, String> {
         upstream_tls: spec.upstream_tls,
         trusted_ips: spec.trusted_ips.clone().unwrap_or_default(),
         geoip: spec.geoip.clone().unwrap_or_default(),
-        http: spec.http.as_ref().map(|h| HttpConfig {
-            version: Some(h.version.unwrap_or(HttpVersion::Http11)),
-            auth: h.auth.as_ref().map(|a| HttpAuthConfig {
-                token: a.token,
-                rstream: a.rstream,
-            }),
-            gate: h.gate.as_ref().map(|g| HttpGateConfig {
-                challenge: g.challenge,
-            }),
+        // The CRD's own blocks; the version and ALPNs written as the agent reads them.
+        http: spec.http.clone().map(|mut h| {
+            h.version.get_or_insert(HttpVersion::Http11);
+            h
         }),
-        tls: spec.tls.as_ref().map(|t| TlsConfig {
-            mode: t.mode,
-            min_version: t.min_version,
-            alpns: t.alpns.clone().unwrap_or_default(),
-            mtls: t.mtls,
+        tls: spec.tls.clone().map(|mut t| {
+            t.alpns = t.alpns.filter(|a| !a.is_empty());
+            t
         }),
     };
     // The client rules (private tunnels take no public option, datagram support...) decide.
