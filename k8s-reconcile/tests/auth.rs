@@ -125,16 +125,12 @@ async fn a_service_account_token_is_authenticated_and_its_rbac_applied() {
 async fn bad_or_missing_tokens_are_refused() {
     let plane = ControlPlane::shared().await.unwrap();
     let auth = Authenticator::new(plane.client().await.unwrap());
-    assert_eq!(
-        auth.authenticate(&HeaderMap::new()).await.unwrap_err(),
-        AuthError::MissingToken
-    );
+    let err = auth.authenticate(&HeaderMap::new()).await.unwrap_err();
+    assert!(matches!(err, AuthError::MissingToken), "{err:?}");
     let mut basic = HeaderMap::new();
     basic.insert(http::header::AUTHORIZATION, "Basic YTpi".parse().unwrap());
-    assert_eq!(
-        auth.authenticate(&basic).await.unwrap_err(),
-        AuthError::MalformedHeader
-    );
+    let err = auth.authenticate(&basic).await.unwrap_err();
+    assert!(matches!(err, AuthError::MalformedHeader), "{err:?}");
     let err = auth.authenticate(&bearer("not-a-token")).await.unwrap_err();
     assert!(matches!(err, AuthError::InvalidToken(_)), "{err:?}");
     assert!(
@@ -157,4 +153,12 @@ async fn a_client_that_may_not_review_makes_checks_unavailable() {
     let auth = Authenticator::new(weak);
     let err = auth.authenticate(&bearer(&token)).await.unwrap_err();
     assert!(matches!(err, AuthError::Unavailable(_)), "{err:?}");
+    // The API server's refusal is the source, for a caller to inspect.
+    let source = std::error::Error::source(&err)
+        .and_then(|e| e.downcast_ref::<kube::Error>())
+        .expect("the kube error is the source");
+    assert!(
+        matches!(source, kube::Error::Api(status) if status.code == 403),
+        "{source:?}"
+    );
 }

@@ -47,9 +47,10 @@ const BUSY_BODY: &str =
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum StartError {
-    /// No usable kubeconfig, or the API server does not answer.
+    /// No usable kubeconfig, or the API server does not answer (the cause is also the
+    /// `source()`).
     #[error("cannot reach a Kubernetes API server: {0}\n\n{LOCAL_TRIAL_HINT}")]
-    NoCluster(String),
+    NoCluster(#[source] NoClusterCause),
     /// The CRD is not installed.
     #[error(
         "the PortMapping CRD ({}) is not installed in this cluster. Install it with \
@@ -94,17 +95,33 @@ pub enum DataPlaneError {
     },
 }
 
+/// Why no API server could be reached.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum NoClusterCause {
+    /// No client: no kubeconfig, or an unusable one.
+    #[error(transparent)]
+    Client(k8s_reconcile::Error),
+    /// The version request failed.
+    #[error(transparent)]
+    Kube(kube::Error),
+    /// The version request got no answer in time.
+    #[error("no answer within {0:?}")]
+    Silent(Duration),
+}
+
+/// How long the API server has to answer the first request.
+const FIRST_ANSWER: Duration = Duration::from_secs(10);
+
 /// A client from `--kubeconfig`, or the usual inference.
 pub async fn client(kubeconfig: Option<&Path>) -> Result<Client, StartError> {
     let client = k8s_reconcile::app::kube_client(kubeconfig)
         .await
-        .map_err(|e| StartError::NoCluster(e.to_string()))?;
-    match tokio::time::timeout(Duration::from_secs(10), client.apiserver_version()).await {
+        .map_err(|e| StartError::NoCluster(NoClusterCause::Client(e)))?;
+    match tokio::time::timeout(FIRST_ANSWER, client.apiserver_version()).await {
         Ok(Ok(_)) => Ok(client),
-        Ok(Err(err)) => Err(StartError::NoCluster(err.to_string())),
-        Err(_) => Err(StartError::NoCluster(
-            "no answer within 10 seconds".to_owned(),
-        )),
+        Ok(Err(err)) => Err(StartError::NoCluster(NoClusterCause::Kube(err))),
+        Err(_) => Err(StartError::NoCluster(NoClusterCause::Silent(FIRST_ANSWER))),
     }
 }
 

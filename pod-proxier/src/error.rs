@@ -34,7 +34,7 @@ pub enum ApiError {
     BadRequest(String),
     /// Authentication or authorization failed (a refusal says what pod-proxier allows).
     #[error("{0}{hint}", hint = if matches!(.0, AuthError::Forbidden { .. }) { FORBIDDEN_HINT } else { "" })]
-    Auth(AuthError),
+    Auth(#[from] AuthError),
     /// Allowed caller, but the target is outside what pod-proxier serves.
     #[error("{0}")]
     OutOfScope(String),
@@ -56,7 +56,7 @@ pub enum ApiError {
     Disabled(String),
     /// Query or form fields, or the body, refused (400, or 413 over the size limit).
     #[error("{0}")]
-    Request(RequestError),
+    Request(#[from] RequestError),
     /// The body's content type is not supported.
     #[error("{0}")]
     UnsupportedMediaType(String),
@@ -71,32 +71,11 @@ pub enum ApiError {
     Timeout(u64),
     /// The Kubernetes API server failed.
     #[error("Kubernetes API call failed: {0}")]
-    Kube(kube::Error),
+    Kube(#[from] kube::Error),
 }
 
 /// Appended to a refusal.
 const FORBIDDEN_HINT: &str = ": pod-proxier allows what `kubectl port-forward` would need";
-
-// By hand, not `#[from]`: the message already carries the cause, so it is not also a `source()`.
-impl From<AuthError> for ApiError {
-    fn from(err: AuthError) -> Self {
-        Self::Auth(err)
-    }
-}
-
-// By hand, not `#[from]`: the message already carries the cause, so it is not also a `source()`.
-impl From<RequestError> for ApiError {
-    fn from(err: RequestError) -> Self {
-        Self::Request(err)
-    }
-}
-
-// By hand, not `#[from]`: the message already carries the cause, so it is not also a `source()`.
-impl From<kube::Error> for ApiError {
-    fn from(err: kube::Error) -> Self {
-        Self::Kube(err)
-    }
-}
 
 impl ApiError {
     /// The HTTP status.

@@ -120,12 +120,13 @@ pub enum Error {
     Connect {
         /// The address dialed.
         addr: String,
-        /// The cause.
+        /// The cause (also the `source()`).
+        #[source]
         cause: Arc<std::io::Error>,
     },
     /// An I/O error on an established connection.
     #[error("I/O error: {0}")]
-    Io(Arc<std::io::Error>),
+    Io(#[source] Arc<std::io::Error>),
     /// An operation did not complete in time.
     #[error("timed out: {0}")]
     Timeout(String),
@@ -179,11 +180,23 @@ pub enum Error {
         body: String,
     },
     /// The control plane response is not usable.
-    #[error("invalid control plane response: {0}")]
-    ApiInvalidResponse(String),
+    #[error("invalid control plane response: {reason}")]
+    ApiInvalidResponse {
+        /// What is wrong with it.
+        reason: String,
+        /// The JSON decoder's or the body reader's error, when one is the cause.
+        #[source]
+        cause: Option<Arc<dyn std::error::Error + Send + Sync>>,
+    },
     /// The engine address could not be derived from the project.
-    #[error("engine resolution failed: {0}")]
-    EngineResolution(String),
+    #[error("engine resolution failed: {reason}")]
+    EngineResolution {
+        /// Why.
+        reason: String,
+        /// The error of the address the project gave, when one is the cause.
+        #[source]
+        cause: Option<Arc<Error>>,
+    },
     /// The tunnel is invalid (e.g. nothing to display).
     #[error("invalid tunnel: {0}")]
     InvalidTunnel(String),
@@ -203,7 +216,8 @@ pub enum Error {
     /// credentials, timed out).
     #[error("{cause}")]
     Proxy {
-        /// What the proxy (or the way to it) did.
+        /// What the proxy (or the way to it) did (also the `source()`).
+        #[source]
         cause: Arc<proxy_core::http_connect::HttpConnectError>,
     },
 }
@@ -355,7 +369,7 @@ pub enum DatagramError {
     },
     /// The underlying stream failed.
     #[error("datagram stream I/O error: {0}")]
-    Io(Arc<io::Error>),
+    Io(#[source] Arc<io::Error>),
 }
 
 impl From<io::Error> for DatagramError {

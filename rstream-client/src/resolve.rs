@@ -412,9 +412,9 @@ async fn get_json(
         return Err(Error::ApiHttp { status, body: text });
     }
     let value: Value = serde_json::from_slice(&body)
-        .map_err(|e| Error::ApiInvalidResponse(format!("not JSON: {e}")))?;
+        .map_err(|e| invalid_response_from(format!("not JSON: {e}"), e))?;
     if !value.is_object() {
-        return Err(Error::ApiInvalidResponse("expected a JSON object".into()));
+        return Err(invalid_response("expected a JSON object"));
     }
     Ok(value)
 }
@@ -438,13 +438,40 @@ where
         let body = Limited::new(response.into_body(), MAX_BODY)
             .collect()
             .await
-            .map_err(|e| Error::ApiInvalidResponse(format!("cannot read the body: {e}")))?
+            .map_err(|e| invalid_response_from(format!("cannot read the body: {e}"), e))?
             .to_bytes();
         Ok((status, body))
     }
     .await;
     conn_task.abort();
     result
+}
+
+/// A control-plane answer that is unusable for `reason`, with no underlying error.
+fn invalid_response(reason: impl Into<String>) -> Error {
+    Error::ApiInvalidResponse {
+        reason: reason.into(),
+        cause: None,
+    }
+}
+
+/// A control-plane answer that is unusable because of `cause` (kept as the `source()`).
+fn invalid_response_from(
+    reason: String,
+    cause: impl Into<Box<dyn std::error::Error + Send + Sync>>,
+) -> Error {
+    Error::ApiInvalidResponse {
+        reason,
+        cause: Some(std::sync::Arc::from(cause.into())),
+    }
+}
+
+/// The project's engine address does not parse.
+fn unusable_engine(cause: Error) -> Error {
+    Error::EngineResolution {
+        reason: cause.to_string(),
+        cause: Some(std::sync::Arc::new(cause)),
+    }
 }
 
 fn str_field<'a>(v: &'a Value, key: &str) -> Option<&'a str> {
@@ -461,10 +488,8 @@ fn port_field(v: &Value, key: &str) -> Result<Option<u16>> {
             Some(n) if n <= 0 => Ok(None),
             Some(n) => u16::try_from(n)
                 .map(Some)
-                .map_err(|_| Error::ApiInvalidResponse(format!("'{key}' is out of range"))),
-            None => Err(Error::ApiInvalidResponse(format!(
-                "'{key}' is not an integer"
-            ))),
+                .map_err(|_| invalid_response(format!("'{key}' is out of range"))),
+            None => Err(invalid_response(format!("'{key}' is not an integer"))),
         },
     }
 }
@@ -485,15 +510,12 @@ pub fn engine_from_project(project: &Value, region: Option<&str>) -> Result<Engi
                 "region selection is only available for global projects".into(),
             ));
         }
-        let endpoint =
-            endpoint.ok_or_else(|| Error::ApiInvalidResponse("missing 'endpoint'".into()))?;
+        let endpoint = endpoint.ok_or_else(|| invalid_response("missing 'endpoint'"))?;
         let entries = match project.get("regionalEndpoints") {
             None | Some(Value::Null) => Vec::new(),
             Some(Value::Array(a)) => a.clone(),
             Some(_) => {
-                return Err(Error::ApiInvalidResponse(
-                    "'regionalEndpoints' is not an array".into(),
-                ));
+                return Err(invalid_response("'regionalEndpoints' is not an array"));
             }
         };
         let mut available = Vec::new();
@@ -505,9 +527,7 @@ pub fn engine_from_project(project: &Value, region: Option<&str>) -> Result<Engi
                 str_field(entry, "domain"),
                 port_field(entry, "enginePort")?,
             ) else {
-                return Err(Error::ApiInvalidResponse(
-                    "invalid 'regionalEndpoints' entry".into(),
-                ));
+                return Err(invalid_response("invalid 'regionalEndpoints' entry"));
             };
             let r = r.to_ascii_lowercase();
             if r == region {
@@ -521,21 +541,22 @@ pub fn engine_from_project(project: &Value, region: Option<&str>) -> Result<Engi
         return match matches.as_slice() {
             [] => Err(Error::RegionUnavailable { region, available }),
             [(domain, port)] => EngineAddress::parse(&format!("{endpoint}.{domain}:{port}"))
-                .map_err(|e| Error::EngineResolution(e.to_string())),
+                .map_err(unusable_engine),
             _ => Err(Error::RegionAmbiguous(region)),
         };
     }
     if let (Some(endpoint), Some(domain)) = (endpoint, str_field(project, "domain")) {
         let port = port_field(project, "enginePort")?.unwrap_or(DEFAULT_ENGINE_PORT);
         return EngineAddress::parse(&format!("{endpoint}.{domain}:{port}"))
-            .map_err(|e| Error::EngineResolution(e.to_string()));
+            .map_err(unusable_engine);
     }
     if let Some(url) = str_field(project, "url") {
-        return EngineAddress::parse(url).map_err(|e| Error::EngineResolution(e.to_string()));
+        return EngineAddress::parse(url).map_err(unusable_engine);
     }
-    Err(Error::EngineResolution(
-        "the project has no endpoint/domain and no url".into(),
-    ))
+    Err(Error::EngineResolution {
+        reason: "the project has no endpoint/domain and no url".into(),
+        cause: None,
+    })
 }
 
 #[cfg(test)]
@@ -629,12 +650,12 @@ mod tests {
         );
         assert!(matches!(
             engine_from_project(&json!({}), None),
-            Err(Error::EngineResolution(_))
+            Err(Error::EngineResolution { .. })
         ));
         let bad_entry = json!({"endpoint": "abc", "regionalEndpoints": [{"region": "eu"}]});
         assert!(matches!(
             engine_from_project(&bad_entry, Some("eu")),
-            Err(Error::ApiInvalidResponse(_))
+            Err(Error::ApiInvalidResponse { .. })
         ));
     }
 

@@ -57,7 +57,7 @@ pub enum AgentError {
     Proxy(String),
     /// The Kubernetes client cannot be built.
     #[error("Kubernetes client: {0}")]
-    Kube(kube::Error),
+    Kube(#[from] kube::Error),
     /// The health server cannot start, or the Kubernetes client cannot be configured.
     #[error(transparent)]
     Ops(#[from] k8s_reconcile::Error),
@@ -75,13 +75,6 @@ impl AgentError {
                 | Self::Unsupported(_)
                 | Self::Proxy(_)
         )
-    }
-}
-
-// By hand, not `#[from]`: the message carries the cause, so it is not also a `source()`.
-impl From<kube::Error> for AgentError {
-    fn from(err: kube::Error) -> Self {
-        Self::Kube(err)
     }
 }
 

@@ -23,17 +23,10 @@ use crate::api::{BindSpec, DnsSpec, HttpSpec, IpFamily, TlsSpec, TransportMode};
 pub enum ConfigError {
     /// The YAML does not decode (syntax, unknown key, wrong type).
     #[error("decoding the agent configuration: {0}")]
-    Decode(serde_yaml_ng::Error),
+    Decode(#[from] serde_yaml_ng::Error),
     /// A value is missing or impossible.
     #[error("invalid agent configuration: {0}")]
     Invalid(String),
-}
-
-// By hand, not `#[from]`: the message carries the cause, so it is not also a `source()`.
-impl From<serde_yaml_ng::Error> for ConfigError {
-    fn from(err: serde_yaml_ng::Error) -> Self {
-        Self::Decode(err)
-    }
 }
 
 fn invalid(message: impl Into<String>) -> ConfigError {

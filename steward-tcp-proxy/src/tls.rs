@@ -56,14 +56,7 @@ pub enum TlsError {
     },
     /// rustls refused the configuration.
     #[error("TLS configuration: {0}")]
-    Rustls(rustls::Error),
-}
-
-// By hand, not `#[from]`: the message carries the cause, so it is not also a `source()`.
-impl From<rustls::Error> for TlsError {
-    fn from(err: rustls::Error) -> Self {
-        Self::Rustls(err)
-    }
+    Rustls(#[from] rustls::Error),
 }
 
 /// The serving certificate, reloaded when its files change.

@@ -130,17 +130,18 @@ pub async fn serve_api(
     }
 }
 
-/// Why query or form fields, or a request body, are refused.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+/// Why query or form fields, or a request body, are refused. The parser's or axum's error is
+/// also the `source()`.
+#[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum RequestError {
     /// Not `application/x-www-form-urlencoded` text.
-    #[error("malformed {what}: {cause}")]
+    #[error("malformed {what}: {source}")]
     Malformed {
         /// `query` or `form`.
         what: String,
-        /// The parser's message.
-        cause: String,
+        /// The parser's error.
+        source: serde_urlencoded::de::Error,
     },
     /// A field that is not expected.
     #[error("unknown {what} parameter {name:?}; expected {expected}")]
@@ -175,10 +176,10 @@ pub enum RequestError {
         limit: usize,
     },
     /// The body could not be read.
-    #[error("cannot read the request body: {cause}")]
+    #[error("cannot read the request body: {}", source.body_text())]
     Unreadable {
-        /// Why.
-        cause: String,
+        /// axum's rejection.
+        source: BytesRejection,
     },
 }
 
@@ -200,9 +201,9 @@ impl Fields {
     /// Parses `text` (`a=1&b=2`); `what` (`query`, `form`) names it in errors.
     pub fn parse(text: &str, allowed: &[&str], what: &str) -> Result<Self, RequestError> {
         let pairs: Vec<(String, String)> =
-            serde_urlencoded::from_str(text).map_err(|e| RequestError::Malformed {
+            serde_urlencoded::from_str(text).map_err(|source| RequestError::Malformed {
                 what: what.to_owned(),
-                cause: e.to_string(),
+                source,
             })?;
         let mut seen = BTreeSet::new();
         for (name, _) in &pairs {
@@ -250,9 +251,7 @@ pub fn read_body(body: Result<Bytes, BytesRejection>, limit: usize) -> Result<By
         if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
             RequestError::TooLarge { limit }
         } else {
-            RequestError::Unreadable {
-                cause: rejection.body_text(),
-            }
+            RequestError::Unreadable { source: rejection }
         }
     })
 }

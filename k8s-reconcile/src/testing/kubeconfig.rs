@@ -63,12 +63,11 @@ impl Identity {
 
 /// Builds a client from kubeconfig text (JSON or YAML).
 async fn client_from_kubeconfig(text: &str) -> Result<Client, TestingError> {
-    let kubeconfig =
-        Kubeconfig::from_yaml(text).map_err(|e| TestingError::Config(e.to_string()))?;
+    let kubeconfig = Kubeconfig::from_yaml(text).map_err(|e| TestingError::Client(e.into()))?;
     let config = Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
         .await
-        .map_err(|e| TestingError::Config(e.to_string()))?;
-    Client::try_from(config).map_err(|e| TestingError::Config(e.to_string()))
+        .map_err(|e| TestingError::Client(e.into()))?;
+    Client::try_from(config).map_err(|e| TestingError::Client(e.into()))
 }
 
 impl ControlPlane {

@@ -90,24 +90,47 @@ pub enum TestingError {
     Io {
         /// What was being done.
         context: String,
-        /// The underlying error (in the message, so not also a `source()`).
+        /// The underlying error (also the `source()`).
+        #[source]
         cause: std::io::Error,
     },
     /// Certificate generation failed.
     #[error("generating certificates: {0}")]
-    Pki(String),
+    Pki(#[source] Box<dyn std::error::Error + Send + Sync>),
     /// A server did not become ready in time, or exited while starting.
     #[error("the test control plane did not start: {0}")]
     Start(String),
     /// A client could not be built from the generated kubeconfig.
     #[error("building a client: {0}")]
+    Client(#[source] Box<dyn std::error::Error + Send + Sync>),
+    /// An object the harness made or was given is unusable (no kind, no port, no token).
+    #[error("{0}")]
     Config(String),
+    /// A watch the harness waits on failed.
+    #[error("watching {what}: {cause}")]
+    Watch {
+        /// The watched object.
+        what: String,
+        /// The watcher's error (also the `source()`).
+        #[source]
+        cause: kube::runtime::wait::Error,
+    },
+    /// An object the harness made does not decode into its type.
+    #[error("{what}: {cause}")]
+    Decode {
+        /// The object.
+        what: String,
+        /// The decoder's error (also the `source()`).
+        #[source]
+        cause: serde_json::Error,
+    },
     /// An API call made by the harness failed.
     #[error("{context}: {cause}")]
     Kube {
         /// What was being done.
         context: String,
-        /// The underlying error (in the message, so not also a `source()`).
+        /// The underlying error (also the `source()`).
+        #[source]
         cause: kube::Error,
     },
     /// The machine cannot host a node: the message names every missing piece (root, a host
@@ -403,7 +426,7 @@ impl ControlPlane {
                 .request_text(
                     http::Request::get("/readyz")
                         .body(Vec::new())
-                        .map_err(|e| TestingError::Start(e.to_string()))?,
+                        .map_err(|e| TestingError::Start(format!("a /readyz request: {e}")))?,
                 )
                 .await;
             match ready {
@@ -507,7 +530,10 @@ impl ControlPlane {
                 .map_err(|_| {
                     TestingError::Timeout(timeout, format!("CRD {name} to be Established"))
                 })?
-                .map_err(|e| TestingError::Start(format!("watching CRD {name}: {e}")))?;
+                .map_err(|cause| TestingError::Watch {
+                    what: format!("CRD {name}"),
+                    cause,
+                })?;
         }
         Ok(())
     }

@@ -149,6 +149,6 @@ fn name(common_name: &str, organization: Option<&str>) -> DistinguishedName {
     dn
 }
 
-fn pki_err(err: impl std::fmt::Display) -> TestingError {
-    TestingError::Pki(err.to_string())
+fn pki_err(err: impl std::error::Error + Send + Sync + 'static) -> TestingError {
+    TestingError::Pki(Box::new(err))
 }

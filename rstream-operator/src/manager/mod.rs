@@ -34,20 +34,13 @@ pub use tunnel::TunnelReconciler;
 pub enum ManagerError {
     /// A Kubernetes API call failed.
     #[error("Kubernetes API: {0}")]
-    Kube(kube::Error),
+    Kube(#[from] kube::Error),
     /// The framework (apply, finalizer) failed.
     #[error(transparent)]
     Framework(#[from] k8s_reconcile::Error),
     /// The agent configuration could not be rendered.
     #[error("rendering the agent configuration: {0}")]
     Render(String),
-}
-
-// By hand, not `#[from]`: the message carries the cause, so it is not also a `source()`.
-impl From<kube::Error> for ManagerError {
-    fn from(err: kube::Error) -> Self {
-        Self::Kube(err)
-    }
 }
 
 /// Name of the tunnel controller (metrics, field manager).

@@ -34,14 +34,7 @@ pub enum ResolveError {
     InvalidSpec(String),
     /// An API call failed (retried with backoff).
     #[error("Kubernetes API: {0}")]
-    Kube(kube::Error),
-}
-
-// By hand, not `#[from]`: the message carries the cause, so it is not also a `source()`.
-impl From<kube::Error> for ResolveError {
-    fn from(err: kube::Error) -> Self {
-        Self::Kube(err)
-    }
+    Kube(#[from] kube::Error),
 }
 
 /// A usable connection.

@@ -490,7 +490,10 @@ impl Deadline {
 }
 
 fn from_json<T: serde::de::DeserializeOwned>(value: serde_json::Value) -> Result<T, TestingError> {
-    serde_json::from_value(value).map_err(|e| TestingError::Config(format!("a check object: {e}")))
+    serde_json::from_value(value).map_err(|cause| TestingError::Decode {
+        what: "a check object".to_owned(),
+        cause,
+    })
 }
 
 fn kube_err(context: &'static str) -> impl Fn(kube::Error) -> TestingError {

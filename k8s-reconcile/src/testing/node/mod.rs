@@ -448,8 +448,11 @@ impl Node {
         let client = plane.client().await?;
         let params = PatchParams::apply("kube-netkit-node").force();
         for object in dns::objects() {
-            let object: DynamicObject = serde_json::from_value(object)
-                .map_err(|e| TestingError::Config(format!("CoreDNS object: {e}")))?;
+            let object: DynamicObject =
+                serde_json::from_value(object).map_err(|cause| TestingError::Decode {
+                    what: "a CoreDNS object".to_owned(),
+                    cause,
+                })?;
             let types = object
                 .types
                 .clone()
@@ -565,7 +568,10 @@ async fn write_kubernetes_endpoints(plane: &ControlPlane) -> Result<(), TestingE
         "metadata": { "name": "kubernetes", "labels": { "endpointslice.kubernetes.io/skip-mirror": "true" } },
         "subsets": [{ "addresses": [{ "ip": ip }], "ports": [{ "name": "https", "port": port, "protocol": "TCP" }] }],
     }))
-    .map_err(|e| TestingError::Config(e.to_string()))?;
+    .map_err(|cause| TestingError::Decode {
+        what: "the kubernetes Endpoints".to_owned(),
+        cause,
+    })?;
     let slice: EndpointSlice = serde_json::from_value(serde_json::json!({
         "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
         "metadata": { "name": "kubernetes", "labels": { "kubernetes.io/service-name": "kubernetes" } },
@@ -573,7 +579,10 @@ async fn write_kubernetes_endpoints(plane: &ControlPlane) -> Result<(), TestingE
         "endpoints": [{ "addresses": [ip], "conditions": { "ready": true } }],
         "ports": [{ "name": "https", "port": port, "protocol": "TCP" }],
     }))
-    .map_err(|e| TestingError::Config(e.to_string()))?;
+    .map_err(|cause| TestingError::Decode {
+        what: "the kubernetes EndpointSlice".to_owned(),
+        cause,
+    })?;
     let kube_err = |source| TestingError::Kube {
         context: "writing the kubernetes endpoints".to_owned(),
         cause: source,
