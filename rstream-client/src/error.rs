@@ -322,7 +322,7 @@ pub enum FrameError {
     },
     /// The payload is not a valid protobuf `Message`.
     #[error("malformed frame payload: {0}")]
-    Decode(String),
+    Decode(#[source] prost::DecodeError),
     /// The connection ended in the middle of a frame.
     #[error("connection closed in the middle of a frame ({got} of {expected} bytes)")]
     Truncated {

@@ -31,9 +31,10 @@ pub fn encode_into(message: &Message, buf: &mut BytesMut) -> Result<(), FrameErr
     buf.reserve(HEADER_LEN + len);
     // `len` fits in u32 because it is <= MAX_FRAME_LEN.
     buf.put_u32(len as u32);
+    // prost fails only when the buffer cannot take `len` more bytes.
     message
         .encode(buf)
-        .map_err(|e| FrameError::Decode(e.to_string()))
+        .map_err(|_| FrameError::TooLarge { len })
 }
 
 /// Decodes one frame from the front of `buf`.
@@ -56,7 +57,7 @@ pub fn decode(buf: &mut BytesMut) -> Result<Option<Message>, FrameError> {
     let payload = buf.split_to(len);
     Message::decode(payload.freeze())
         .map(Some)
-        .map_err(|e| FrameError::Decode(e.to_string()))
+        .map_err(FrameError::Decode)
 }
 
 /// Reads frames from `io`, keeping the bytes that follow the last frame.
