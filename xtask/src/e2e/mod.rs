@@ -9,7 +9,8 @@
 //! `target/e2e/report.md`: per chart the install-to-Ready time, each scenario with its result and
 //! timing, and every container's restart count.
 //!
-//! One file per chart: [`steward`], [`pod_proxier`], [`rstream_operator`]. Nothing here writes a
+//! One file per chart: [`steward`], [`pod_proxier`], [`rstream_operator`]; [`partition`] cuts the
+//! node off from the API server during pod-proxier's run. Nothing here writes a
 //! status that a kubelet or a controller would write. Before steward runs, the test harness
 //! points `default/kubernetes` at the API server once, as the operator of a hosted control plane
 //! does (the API server's own reconciler is off); steward then takes the objects over.
@@ -17,6 +18,7 @@
 //! `cargo xtask demo` runs on the same cluster: [`ensure_tools`], [`start_cluster`], [`Env::new`],
 //! each chart's `install` and the steps the demo shows are shared from here, so they exist once.
 
+pub mod partition;
 pub mod pod_proxier;
 pub mod rstream_operator;
 pub mod steward;
@@ -671,7 +673,7 @@ async fn restarts(client: &kube::Client, ns: &str) -> anyhow::Result<Vec<Restart
     Ok(out)
 }
 
-fn url_port(url: &str) -> anyhow::Result<u16> {
+pub(crate) fn url_port(url: &str) -> anyhow::Result<u16> {
     url.rsplit(':')
         .next()
         .and_then(|p| p.trim_end_matches('/').parse().ok())

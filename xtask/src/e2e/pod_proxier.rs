@@ -291,6 +291,16 @@ async fn scenarios(
         ),
     );
 
+    // The node cut off from the API server: what is mapped keeps relaying.
+    let served = super::partition::Served {
+        api,
+        token: &allowed,
+        entry,
+        pod: format!("{work}/{}", profiled_pod.0),
+        v2,
+    };
+    super::partition::pod_proxier(env, report, &served).await;
+
     // Expiry: the entry port answers until the mapping's deadline, then refuses within 1 s.
     let started = Instant::now();
     let outcome = expiry(api, entry, &allowed, &format!("{work}/{}", profiled_pod.0)).await;
@@ -748,6 +758,18 @@ pub async fn http(
     token: Option<&str>,
     body: Option<&str>,
 ) -> anyhow::Result<(u16, Value)> {
+    http_within(addr, method, path, token, body, Duration::from_secs(10)).await
+}
+
+/// [`http`], waiting up to `limit` for the whole answer.
+pub async fn http_within(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    token: Option<&str>,
+    body: Option<&str>,
+    limit: Duration,
+) -> anyhow::Result<(u16, Value)> {
     let mut request = format!("{method} {path} HTTP/1.0\r\nHost: {addr}\r\n");
     if let Some(token) = token {
         request.push_str(&format!("Authorization: Bearer {token}\r\n"));
@@ -767,7 +789,7 @@ pub async fn http(
         stream.read_to_end(&mut response).await?;
         anyhow::Ok(String::from_utf8_lossy(&response).into_owned())
     };
-    let text = tokio::time::timeout(Duration::from_secs(10), exchange)
+    let text = tokio::time::timeout(limit, exchange)
         .await
         .context("timed out")??;
     let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
@@ -780,7 +802,7 @@ pub async fn http(
 }
 
 /// Sends `len` bytes to a TCP echo server at `addr` and checks they come back intact.
-async fn tcp_echo(addr: SocketAddr, len: usize) -> anyhow::Result<Duration> {
+pub async fn tcp_echo(addr: SocketAddr, len: usize) -> anyhow::Result<Duration> {
     let started = Instant::now();
     let exchange = async {
         let stream = tokio::net::TcpStream::connect(addr).await?;

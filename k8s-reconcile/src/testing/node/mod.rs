@@ -10,8 +10,9 @@
 //! tarball into containerd, and Pods use `imagePullPolicy: Never` or `IfNotPresent`.
 //!
 //! # Layout
-//! * `network`: the node's namespace, its link to the host, routes, guard rules and the one
-//!   teardown script (run on drop, and by a guardian if the test binary dies first);
+//! * `network`: the node's namespace, its link to the host, routes, guard rules, the cut of the
+//!   link to the API server ([`Node::cut_apiserver_link`]) and the one teardown script (run on
+//!   drop, and by a guardian if the test binary dies first);
 //! * `config`: configuration files of containerd, the CNI bridge, kubelet and kube-proxy;
 //! * `dns`: the CoreDNS objects;
 //! * [`check`]: what a working node must do, step by step (`cargo xtask cluster --node --check`).
@@ -205,6 +206,21 @@ impl Node {
             tarball.display(),
             String::from_utf8_lossy(&output.stderr).trim()
         )))
+    }
+
+    /// Cuts the node off from the API server listening on `apiserver_port` (the port of
+    /// [`ControlPlane::server_url`]): every packet between the node's namespace (kubelet,
+    /// kube-proxy, Pods) and that port is dropped, as by a broken link, until
+    /// [`Node::restore_apiserver_link`]. Nothing else on the node link is touched, so the host
+    /// still reaches Pods, ClusterIPs and NodePorts. The node's teardown removes a cut left in
+    /// place.
+    pub fn cut_apiserver_link(&self, apiserver_port: u16) -> Result<(), TestingError> {
+        network::cut_apiserver_link(&self.network.dir, apiserver_port)
+    }
+
+    /// Ends the cut of [`Node::cut_apiserver_link`].
+    pub fn restore_apiserver_link(&self) -> Result<(), TestingError> {
+        network::restore_apiserver_link()
     }
 
     /// The last lines of each node component's log.

@@ -227,6 +227,50 @@ fn node_guard_rules() -> String {
     )
 }
 
+/// The nftables table that cuts the node off from the API server; the node's namespace takes it
+/// with it at teardown.
+const PARTITION_TABLE: &str = "kube_netkit_partition";
+
+/// Inside the node: drop, silently as a broken link does, every packet between the node (kubelet,
+/// kube-proxy, and Pods reaching the `kubernetes` Service, forwarded after kube-proxy's DNAT) and
+/// the API server's port on the host. Everything else on the link (the host reaching NodePorts,
+/// ClusterIPs and Pods) still flows.
+fn partition_rules(apiserver_port: u16) -> String {
+    let to = format!("ip daddr {HOST_IP} tcp dport {apiserver_port} drop");
+    let from = format!("ip saddr {HOST_IP} tcp sport {apiserver_port} drop");
+    format!(
+        r#"table inet {PARTITION_TABLE} {{
+    chain output {{
+        type filter hook output priority -20; policy accept;
+        {to}
+    }}
+    chain input {{
+        type filter hook input priority -20; policy accept;
+        {from}
+    }}
+    chain forward {{
+        type filter hook forward priority -20; policy accept;
+        {to}
+        {from}
+    }}
+}}
+"#
+    )
+}
+
+/// Cuts the node's link to the API server listening on `apiserver_port` (see
+/// [`partition_rules`]); the rules are written to `dir` first.
+pub(super) fn cut_apiserver_link(dir: &Path, apiserver_port: u16) -> Result<(), TestingError> {
+    let rules = dir.join("partition.nft");
+    write(&rules, &partition_rules(apiserver_port))?;
+    in_node("nft", &["-f", &rules.display().to_string()])
+}
+
+/// Removes the cut of [`cut_apiserver_link`].
+pub(super) fn restore_apiserver_link() -> Result<(), TestingError> {
+    in_node("nft", &["delete", "table", "inet", PARTITION_TABLE])
+}
+
 /// The one teardown of a node, idempotent; run by `Drop` and, if the test binary dies first, by
 /// the guardian. Order: processes (ours, then every shim and container of our containerd), mounts
 /// under the node directory, Pod network namespaces it added, the node namespace (taking its

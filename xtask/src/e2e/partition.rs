@@ -1,0 +1,225 @@
+//! The node cut off from the API server (nftables in the node's namespace drop every packet
+//! between the node and the API server's port, as a broken link does) while pod-proxier serves
+//! mappings: the data plane keeps relaying what it already knows, the API says it cannot check
+//! credentials instead of hanging, nothing restarts, and everything converges when the link
+//! returns.
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use anyhow::Context as _;
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::Node as NodeObject;
+use kube::api::Api;
+
+use super::pod_proxier::{http_within, tcp_echo};
+use super::{ChartReport, Env, url_port};
+use k8s_reconcile::testing::node::{NODE_NAME, check};
+
+/// How long the link stays cut: less than the node-monitor grace period (50 s), so the Node must
+/// stay Ready, and more than the API's request timeout (10 s) and a token's cache life (10 s), so
+/// the API must meet the cut.
+const CUT: Duration = Duration::from_secs(30);
+/// How often the data plane is tried during the cut.
+const PROBE_EVERY: Duration = Duration::from_secs(2);
+/// How long the client waits for the API during the cut: its own request timeout (10 s) plus room.
+const API_WAIT: Duration = Duration::from_secs(25);
+/// After the link returns, how long kubelet and pod-proxier have to converge.
+const CONVERGE_LIMIT: Duration = Duration::from_secs(60);
+
+/// What pod-proxier serves when the link is cut.
+pub struct Served<'a> {
+    /// pod-proxier's API (its Service).
+    pub api: SocketAddr,
+    /// A token the API accepts for `GET /api/v1/mappings`.
+    pub token: &'a str,
+    /// A V1 mapping's entry port (its Service), relaying to a TCP echo.
+    pub entry: SocketAddr,
+    /// The V1 mapping's Pod (`namespace/name`), mapped again first so it outlives the cut.
+    pub pod: String,
+    /// A V2 mapping's entry port (its Service), relaying to the HTTP workload.
+    pub v2: SocketAddr,
+}
+
+/// Cuts the link for [`CUT`] and records the scenario.
+pub async fn pod_proxier(env: &Env<'_>, report: &mut ChartReport, served: &Served<'_>) {
+    let started = Instant::now();
+    let outcome = cut_and_converge(env, served).await;
+    report.record(
+        "node cut off from the API server for 30 s (nftables in the node's namespace): V1 and V2 mappings keep relaying, the API answers 503 instead of hanging, the Node stays Ready, and after the link returns the API and kubelet's lease converge",
+        outcome.as_ref().is_ok_and(|o| o.passed()),
+        started,
+        match outcome {
+            Ok(outcome) => outcome.describe(),
+            Err(e) => format!("{e:#}"),
+        },
+    );
+}
+
+#[derive(Debug, Default)]
+struct Outcome {
+    echoes: (usize, usize),
+    v2_answers: (usize, usize),
+    /// The API's answer during the cut: status, and how long it took.
+    api_during: Option<(u16, Duration)>,
+    api_error: Option<String>,
+    node_ready_during: bool,
+    /// From the link's return to the first `200` of the API.
+    api_back_after: Option<Duration>,
+    /// From the link's return to kubelet renewing its lease.
+    lease_back_after: Option<Duration>,
+}
+
+impl Outcome {
+    fn passed(&self) -> bool {
+        let all = |(ok, of): (usize, usize)| of > 0 && ok == of;
+        all(self.echoes)
+            && all(self.v2_answers)
+            && matches!(self.api_during, Some((503, took)) if took < API_WAIT)
+            && self.node_ready_during
+            && self.api_back_after.is_some()
+            && self.lease_back_after.is_some()
+    }
+
+    fn describe(&self) -> String {
+        let api_during = match (&self.api_during, &self.api_error) {
+            (Some((status, took)), _) => format!("{status} after {took:.1?}"),
+            (None, Some(e)) => format!("no answer: {e}"),
+            (None, None) => "not asked".to_owned(),
+        };
+        let after = |d: Option<Duration>| {
+            d.map(|d| format!("{d:.1?}"))
+                .unwrap_or_else(|| format!("not within {CONVERGE_LIMIT:?}"))
+        };
+        format!(
+            "during the cut: V1 echo {}/{}, V2 answers {}/{}, API (GET /api/v1/mappings) {api_during}, Node Ready throughout: {}; after the link returned: API 200 after {}, kubelet's lease renewed after {}",
+            self.echoes.0,
+            self.echoes.1,
+            self.v2_answers.0,
+            self.v2_answers.1,
+            self.node_ready_during,
+            after(self.api_back_after),
+            after(self.lease_back_after),
+        )
+    }
+}
+
+async fn cut_and_converge(env: &Env<'_>, served: &Served<'_>) -> anyhow::Result<Outcome> {
+    let node = env.plane.node().context("the control plane has no node")?;
+    let port = url_port(env.plane.server_url())?;
+    let client = env.plane.client().await?;
+    let body = serde_json::json!({ "pod_name": served.pod, "time": 300 }).to_string();
+    let (status, answer) = http_within(
+        served.api,
+        "POST",
+        "/api/v1/mapping",
+        Some(served.token),
+        Some(&body),
+        API_WAIT,
+    )
+    .await?;
+    anyhow::ensure!(
+        status == 200 && answer["data"]["extended"] == true,
+        "extending the V1 mapping before the cut: {status} {answer}"
+    );
+    node.cut_apiserver_link(port)?;
+    let cut_at = Instant::now();
+    // Whatever happens below, the link comes back.
+    let during = during_cut(&client, served, cut_at).await;
+    let restored = node.restore_apiserver_link();
+    let (returned_at, returned) = (Instant::now(), k8s_openapi::jiff::Timestamp::now());
+    restored?;
+    let mut outcome = during?;
+
+    // Converged: the API checks credentials again, and kubelet renews its lease.
+    let leases: Api<Lease> = Api::namespaced(client.clone(), "kube-node-lease");
+    let deadline = returned_at + CONVERGE_LIMIT;
+    while Instant::now() < deadline
+        && (outcome.api_back_after.is_none() || outcome.lease_back_after.is_none())
+    {
+        if outcome.api_back_after.is_none()
+            && let Ok((200, _)) = http_within(
+                served.api,
+                "GET",
+                "/api/v1/mappings",
+                Some(served.token),
+                None,
+                API_WAIT,
+            )
+            .await
+        {
+            outcome.api_back_after = Some(returned_at.elapsed());
+        }
+        if outcome.lease_back_after.is_none() {
+            let renewed = leases
+                .get(NODE_NAME)
+                .await?
+                .spec
+                .and_then(|s| s.renew_time)
+                .map(|t| t.0);
+            // The API server shares this machine's clock.
+            if renewed.is_some_and(|t| t > returned) {
+                outcome.lease_back_after = Some(returned_at.elapsed());
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    Ok(outcome)
+}
+
+/// The cut's [`CUT`]: the data plane probed every [`PROBE_EVERY`], the API asked once, the Node's
+/// Ready condition read from the API server (which the host still reaches).
+async fn during_cut(
+    client: &kube::Client,
+    served: &Served<'_>,
+    cut_at: Instant,
+) -> anyhow::Result<Outcome> {
+    let mut outcome = Outcome {
+        node_ready_during: true,
+        ..Outcome::default()
+    };
+    let api = async {
+        // Past a cached token's life, so the API has to ask the API server.
+        tokio::time::sleep(Duration::from_secs(11)).await;
+        let asked = Instant::now();
+        let answer = http_within(
+            served.api,
+            "GET",
+            "/api/v1/mappings",
+            Some(served.token),
+            None,
+            API_WAIT,
+        )
+        .await;
+        (answer.map(|(status, _)| status), asked.elapsed())
+    };
+    let probes = async {
+        let nodes: Api<NodeObject> = Api::all(client.clone());
+        let (mut echoes, mut answers, mut ready) = ((0, 0), (0, 0), true);
+        while cut_at.elapsed() < CUT {
+            echoes.1 += 1;
+            echoes.0 += usize::from(tcp_echo(served.entry, 4096).await.is_ok());
+            answers.1 += 1;
+            answers.0 += usize::from(check::http_get(served.v2, "/").await.is_ok());
+            let node = nodes.get(NODE_NAME).await?;
+            ready &= node
+                .status
+                .and_then(|s| s.conditions)
+                .unwrap_or_default()
+                .iter()
+                .any(|c| c.type_ == "Ready" && c.status == "True");
+            tokio::time::sleep(PROBE_EVERY).await;
+        }
+        anyhow::Ok((echoes, answers, ready))
+    };
+    let ((answer, took), probed) = tokio::join!(api, probes);
+    let (echoes, answers, ready) = probed?;
+    outcome.echoes = echoes;
+    outcome.v2_answers = answers;
+    outcome.node_ready_during = ready;
+    match answer {
+        Ok(status) => outcome.api_during = Some((status, took)),
+        Err(e) => outcome.api_error = Some(format!("{e:#} after {took:.1?}")),
+    }
+    Ok(outcome)
+}
