@@ -553,7 +553,10 @@ async fn scenarios(
         outcome.describe(),
     );
 
-    // 6. The chart as users meet it: NOTES.txt says what to check next; `helm test` passes.
+    // 6. The node cut off from the API server for 30 s; steward converges when it returns.
+    super::partition::steward(env, report, &cluster).await;
+
+    // 7. The chart as users meet it: NOTES.txt says what to check next; `helm test` passes.
     super::helm_test_scenario(env, report, RELEASE, &ns, &installed, "/readyz").await;
     Ok(())
 }
