@@ -1,7 +1,8 @@
 //! Reflector stores by kind, so that reads of watched objects come from memory.
 //!
-//! A controller watches the kinds it owns anyway; [`Caches`] keeps those watches' stores, one per
-//! kind, and [`Caches::get`] answers from a store once its first list has completed. The
+//! A controller watches the kinds it owns or is triggered by anyway; [`Caches`] keeps those
+//! watches' stores, one per kind, and [`Caches::get`] answers from a store once its first list
+//! has completed. The
 //! [`Applier`](crate::Applier) of a controller compares the cached copy before anything else, so
 //! a steady state costs the API server no reads either.
 //!

@@ -140,8 +140,8 @@ impl Context {
         &self.applier
     }
 
-    /// The stores of the kinds the controller owns, filled by its watches (empty for a context
-    /// made with [`Self::new`]).
+    /// The stores of the kinds the controller owns or watches, filled by its watches (empty for
+    /// a context made with [`Self::new`]).
     pub fn caches(&self) -> &Caches {
         &self.caches
     }
@@ -270,16 +270,27 @@ impl<R: Reconciler> ControllerBuilder<R> {
         self
     }
 
-    /// Reconcile what `mapper` names when an object of `api` changes.
+    /// Reconcile what `mapper` names when an object of `api` changes. As with [`Self::owns`],
+    /// the watched objects are kept in [`Context::caches`], so a reconciler reads them there
+    /// instead of asking the API server on every resync (the price is their memory: watch
+    /// Secrets in the namespaces that hold the ones you need, not the whole cluster, where that
+    /// is known).
     pub fn watches<C, F>(mut self, api: Api<C>, config: watcher::Config, mapper: F) -> Self
     where
         C: Resource<DynamicType = ()> + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
         F: Fn(C) -> Vec<ObjectRef<R::Resource>> + Send + Sync + 'static,
     {
         let mapper = Arc::new(mapper);
-        self.setup.push(Arc::new(move |c, _caches| {
+        self.setup.push(Arc::new(move |c, caches| {
+            let (store, writer) = reflector::store();
+            caches.insert(store);
+            let events = reflector::reflector(
+                writer,
+                watcher::watcher(api.clone(), config.clone())
+                    .backoff(crate::watch_set::WatchBackoff::default()),
+            );
             let mapper = Arc::clone(&mapper);
-            c.watches(api.clone(), config.clone(), move |obj| mapper(obj))
+            c.watches_stream(events.touched_objects(), move |obj| mapper(obj))
         }));
         self
     }

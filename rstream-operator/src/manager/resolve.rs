@@ -52,14 +52,30 @@ pub struct Resolved {
     pub agent_secret_versions: Vec<String>,
 }
 
+/// The Secrets of a connection's namespace, read from the controller's watch cache once it has
+/// synced (so a resync costs the API server no read), else from the server.
+struct Secrets<'a> {
+    api: Api<Secret>,
+    cached: &'a Caches,
+    namespace: String,
+}
+
+impl Secrets<'_> {
+    async fn get(&self, name: &str) -> Result<Option<Secret>, kube::Error> {
+        self.cached
+            .get_or_read(&self.api, &self.namespace, name)
+            .await
+    }
+}
+
 /// Reads one Secret key; its value trimmed.
 async fn read_key(
-    secrets: &Api<Secret>,
+    secrets: &Secrets<'_>,
     r: &SecretKeyRef,
     what: &str,
     versions: Option<&mut BTreeSet<String>>,
 ) -> Result<String, ResolveError> {
-    let secret = secrets.get_opt(&r.name).await?.ok_or_else(|| {
+    let secret = secrets.get(&r.name).await?.ok_or_else(|| {
         ResolveError::SecretMissing(format!("{what}: Secret {} not found", r.name))
     })?;
     let value = secret
@@ -91,28 +107,36 @@ async fn read_key(
     Ok(value)
 }
 
-/// Loads connection `name` in `namespace` (from `cached` once synced) and resolves it.
+/// Loads connection `name` in `namespace` (from `connections` once synced) and resolves it with
+/// its Secrets from `secrets` (see [`resolve`]).
 pub async fn resolve_by_name(
     client: &Client,
-    cached: &Caches,
+    connections: &Caches,
+    secrets: &Caches,
     namespace: &str,
     name: &str,
 ) -> Result<Resolved, ResolveError> {
     let api: Api<RstreamConnection> = Api::namespaced(client.clone(), namespace);
-    let connection = cached
+    let connection = connections
         .get_or_read(&api, namespace, name)
         .await?
         .ok_or_else(|| ResolveError::ConnectionNotFound(name.to_owned()))?;
-    resolve(client, connection).await
+    resolve(client, secrets, connection).await
 }
 
-/// Resolves `connection`: Secrets first, then the engine.
+/// Resolves `connection`: Secrets first (from the synced store of `cached`, else the API
+/// server), then the engine.
 pub async fn resolve(
     client: &Client,
+    cached: &Caches,
     connection: RstreamConnection,
 ) -> Result<Resolved, ResolveError> {
     let namespace = connection.namespace().unwrap_or_default();
-    let secrets: Api<Secret> = Api::namespaced(client.clone(), &namespace);
+    let secrets = Secrets {
+        api: Api::namespaced(client.clone(), &namespace),
+        cached,
+        namespace: namespace.clone(),
+    };
     let spec = &connection.spec;
     let mut versions = BTreeSet::new();
     // Refused before anything is read: an agent would have to ignore these, or crash-loop.

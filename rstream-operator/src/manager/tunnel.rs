@@ -201,7 +201,8 @@ async fn resolve_target(
         reason,
         message,
     };
-    let Some(service) = api.get_opt(&svc.name).await? else {
+    // From the watch cache of Services once synced: a resync reads nothing.
+    let Some(service) = ctx.caches().get_or_read(&api, &namespace, &svc.name).await? else {
         return Ok(Err(blocked(
             reasons::SERVICE_MISSING,
             format!("Service {namespace}/{} not found", svc.name),
@@ -373,6 +374,7 @@ impl Reconciler for TunnelReconciler {
         let resolved = match resolve_by_name(
             ctx.client(),
             &self.connections,
+            ctx.caches(),
             &namespace,
             tunnel.spec.connection_name(),
         )
