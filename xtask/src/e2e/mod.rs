@@ -609,8 +609,7 @@ impl RestartWatch {
         let client = plane.client().await?;
         let namespaces: Vec<String> = namespaces.iter().map(|n| (*n).to_owned()).collect();
         let task = tokio::spawn(async move {
-            let mut highest: std::collections::BTreeMap<(String, String), i32> =
-                std::collections::BTreeMap::new();
+            let mut highest = Highest::new();
             loop {
                 // One last sample after the stop, so the end state counts too.
                 let last = *stopped.borrow();
@@ -618,10 +617,7 @@ impl RestartWatch {
                     let sample = restarts(&client, ns)
                         .await
                         .with_context(|| format!("sampling restart counts in {ns}"))?;
-                    for r in sample {
-                        let count = highest.entry((r.pod, r.container)).or_insert(0);
-                        *count = (*count).max(r.restarts);
-                    }
+                    keep_highest(&mut highest, sample);
                 }
                 if last {
                     break;
@@ -652,6 +648,19 @@ impl RestartWatch {
     }
 }
 
+/// Each container's highest restart count so far, by Pod and container name.
+type Highest = std::collections::BTreeMap<(String, String), i32>;
+
+/// Folds one sample into `highest`: a container keeps its highest count, and a Pod no longer
+/// listed keeps the count it had. A Pod deleted and replaced by its controller is a new name
+/// starting at 0, not a restart; a crash loop raises the same container's count.
+fn keep_highest(highest: &mut Highest, sample: Vec<Restarts>) {
+    for r in sample {
+        let count = highest.entry((r.pod, r.container)).or_insert(0);
+        *count = (*count).max(r.restarts);
+    }
+}
+
 /// Every container's restart count in `ns`.
 async fn restarts(client: &kube::Client, ns: &str) -> anyhow::Result<Vec<Restarts>> {
     let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
@@ -678,4 +687,45 @@ pub(crate) fn url_port(url: &str) -> anyhow::Result<u16> {
         .next()
         .and_then(|p| p.trim_end_matches('/').parse().ok())
         .with_context(|| format!("no port in {url}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample(counts: &[(&str, i32)]) -> Vec<Restarts> {
+        counts
+            .iter()
+            .map(|(pod, restarts)| Restarts {
+                pod: (*pod).to_owned(),
+                container: "agent".to_owned(),
+                restarts: *restarts,
+            })
+            .collect()
+    }
+
+    fn counts(highest: &Highest) -> Vec<(&str, i32)> {
+        highest.iter().map(|((p, _), r)| (p.as_str(), *r)).collect()
+    }
+
+    #[test]
+    fn a_replaced_pod_is_no_restart() {
+        let mut highest = Highest::new();
+        keep_highest(&mut highest, sample(&[("agent-a", 0)]));
+        // agent-a killed; its Deployment's agent-b takes over.
+        keep_highest(&mut highest, sample(&[("agent-b", 0)]));
+        keep_highest(&mut highest, sample(&[("agent-b", 0)]));
+        assert_eq!(counts(&highest), [("agent-a", 0), ("agent-b", 0)]);
+    }
+
+    #[test]
+    fn a_crash_loop_counts_even_after_its_pod_is_gone() {
+        let mut highest = Highest::new();
+        keep_highest(&mut highest, sample(&[("agent-a", 0)]));
+        keep_highest(&mut highest, sample(&[("agent-a", 2)]));
+        // A later sample with a lower count (a replaced Pod of the same name) lowers nothing.
+        keep_highest(&mut highest, sample(&[("agent-a", 0)]));
+        keep_highest(&mut highest, sample(&[("agent-b", 1)]));
+        assert_eq!(counts(&highest), [("agent-a", 2), ("agent-b", 1)]);
+    }
 }
