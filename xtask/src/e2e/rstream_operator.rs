@@ -2,9 +2,10 @@
 //! manager Ready by its own probe, its metrics through the chart's Service; the seed's Quick Start
 //! against a LocalEngine run here on the host's end of the node link (a self-hosted engine with a
 //! private CA, given to the agent by Secret reference): HTTP and TCP tunnels, token rotation, an
-//! engine outage, deletion; NOTES.txt and `helm test`; a `helm upgrade` to a next chart version
-//! whose CRD adds a field (served after the upgrade, the existing object kept); an uninstall that
-//! leaves no Pod but keeps the CRDs and their objects (`crds.keep`).
+//! agent Pod killed, an engine outage, deletion; NOTES.txt and `helm test`; a
+//! `helm upgrade` to a next chart version whose CRD adds a field (served after the upgrade, the
+//! existing object kept); an uninstall that leaves no Pod but keeps the CRDs and their objects
+//! (`crds.keep`).
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
@@ -411,6 +412,19 @@ async fn agent_pod_ip(
     ns: &str,
     tunnel: &str,
 ) -> anyhow::Result<std::net::IpAddr> {
+    let (deployment, pods) = agent_pods(client, ns, tunnel).await?;
+    pods.into_iter()
+        .filter_map(|p| p.status?.pod_ip)
+        .find_map(|ip| ip.parse().ok())
+        .with_context(|| format!("no agent Pod of {deployment} has an IP"))
+}
+
+/// The agent Deployment of tunnel `tunnel` (from its status) and the Pods its selector matches.
+async fn agent_pods(
+    client: &kube::Client,
+    ns: &str,
+    tunnel: &str,
+) -> anyhow::Result<(String, Vec<Pod>)> {
     let status = Api::<RstreamTunnel>::namespaced(client.clone(), ns)
         .get(tunnel)
         .await?
@@ -430,11 +444,7 @@ async fn agent_pod_ip(
     let pods = Api::<Pod>::namespaced(client.clone(), ns)
         .list(&ListParams::default().labels(&selector.join(",")))
         .await?;
-    pods.items
-        .into_iter()
-        .filter_map(|p| p.status?.pod_ip)
-        .find_map(|ip| ip.parse().ok())
-        .with_context(|| format!("no agent Pod of {deployment} has an IP"))
+    Ok((deployment, pods.items))
 }
 
 /// Waits until the Deployment `name` is `Available`; false if it is not within `limit`.
@@ -575,7 +585,17 @@ async fn tunnel_scenarios(env: &Env<'_>, report: &mut ChartReport, ns: &str) -> 
         outcome.unwrap_or_else(|e| format!("{e:#}")),
     );
 
-    // 4. Engine stopped: TunnelReady=False with the reason; started again: Ready.
+    // 4. The echo tunnel's agent Pod killed: its replacement brings the tunnel back.
+    let started = Instant::now();
+    let outcome = kill_agent(&client, ns, &tunnels, &engine, "echo").await;
+    report.record(
+        "the echo tunnel's agent Pod killed (grace 0) while Ready: a new agent Pod, the tunnel Ready again with a new tunnel id, 1 MiB through it",
+        outcome.is_ok(),
+        started,
+        outcome.unwrap_or_else(|e| format!("{e:#}")),
+    );
+
+    // 5. Engine stopped: TunnelReady=False with the reason; started again: Ready.
     let started = Instant::now();
     let (addr, identity) = (engine.addr(), engine.identity().clone());
     engine.shutdown().await;
@@ -616,7 +636,7 @@ async fn tunnel_scenarios(env: &Env<'_>, report: &mut ChartReport, ns: &str) -> 
         ),
     );
 
-    // 5. Deleting the tunnel removes its agent and every child (finalizer and garbage collector).
+    // 6. Deleting the tunnel removes its agent and every child (finalizer and garbage collector).
     let started = Instant::now();
     let outcome = delete_tunnel(env, &tunnels, ns, "web").await;
     report.record(
@@ -877,26 +897,127 @@ async fn traffic(tunnels: &Api<RstreamTunnel>, engine: &LocalEngine) -> anyhow::
         tokio::time::sleep(Duration::from_millis(200)).await;
     };
     let http_after = started.elapsed();
-    let echo_started = Instant::now();
-    let mut echo_tries = 0u32;
-    let echoed = loop {
-        echo_tries += 1;
-        let last = match ingress(tunnels.get("echo").await?) {
-            Ok(addr) => match echo_bulk(addr, 1 << 20).await {
-                Ok(took) => break took,
+    let (echoed, echo_tries) = echo_through(tunnels, engine, "echo", 1 << 20).await?;
+    Ok(format!(
+        "GET / through web answered by the workload after {http_after:.1?} (try {tries}: {answer}); 1 MiB through echo intact in {echoed:.2?} (try {echo_tries})"
+    ))
+}
+
+/// `len` bytes through TCP tunnel `name` (its ingress looked up from its status each try) and
+/// back intact, on a new connection, within [`TRAFFIC_LIMIT`]; returns the echo's time and the
+/// tries it took.
+async fn echo_through(
+    tunnels: &Api<RstreamTunnel>,
+    engine: &LocalEngine,
+    name: &str,
+    len: usize,
+) -> anyhow::Result<(Duration, u32)> {
+    let started = Instant::now();
+    let mut tries = 0u32;
+    loop {
+        tries += 1;
+        let id = (tunnels.get(name).await?.status)
+            .and_then(|s| s.tunnel_id)
+            .unwrap_or_default();
+        let last = match engine.ingress_addr(&id) {
+            Some(addr) => match echo_bulk(addr, len).await {
+                Ok(took) => return Ok((took, tries)),
                 Err(e) => format!("{e:#}"),
             },
-            Err(e) => e,
+            None => format!("the engine has no ingress for tunnel {id:?}"),
         };
-        if echo_started.elapsed() > TRAFFIC_LIMIT {
+        if started.elapsed() > TRAFFIC_LIMIT {
             bail!(
-                "1 MiB did not come back through tunnel echo within {TRAFFIC_LIMIT:?} ({echo_tries} tries): {last}"
+                "{len} bytes did not come back through tunnel {name} within {TRAFFIC_LIMIT:?} ({tries} tries): {last}"
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// How long a killed agent's replacement may take to bring its tunnel back.
+const AGENT_REPLACED_LIMIT: Duration = Duration::from_secs(90);
+
+/// Kills tunnel `name`'s agent Pod (grace 0) while the tunnel is Ready; the Deployment's
+/// replacement must bring it back: a new agent Pod (another uid) Ready with no container
+/// restarted, the tunnel Ready with a new tunnel id (the one the new agent opened), then 1 MiB
+/// through it on a new connection. Ok is the detail.
+async fn kill_agent(
+    client: &kube::Client,
+    ns: &str,
+    tunnels: &Api<RstreamTunnel>,
+    engine: &LocalEngine,
+    name: &str,
+) -> anyhow::Result<String> {
+    let before = wait_condition(tunnels, name, "Ready", "True", Duration::from_secs(60)).await?;
+    let old_id = (before.status.and_then(|s| s.tunnel_id)).context("no tunnel id in the status")?;
+    let (deployment, pods) = agent_pods(client, ns, name).await?;
+    let [victim] = pods.as_slice() else {
+        bail!(
+            "{} agent Pods of {deployment} before the kill, want 1",
+            pods.len()
+        );
+    };
+    let victim_name = victim.metadata.name.clone().unwrap_or_default();
+    let victim_uid = victim.metadata.uid.clone().unwrap_or_default();
+    let pods_api: Api<Pod> = Api::namespaced(client.clone(), ns);
+    let killed = Instant::now();
+    pods_api
+        .delete(&victim_name, &DeleteParams::default().grace_period(0))
+        .await?;
+    // The tunnel's Ready as sampled meanwhile (the first not-True one, when seen).
+    let mut not_ready: Option<(String, Duration)> = None;
+    let (replacement, new_id) = loop {
+        let t = tunnels.get(name).await?;
+        let ready = condition(&t, "Ready");
+        if let Some((status, reason, _)) = &ready
+            && status != "True"
+            && not_ready.is_none()
+        {
+            not_ready = Some((format!("{status} ({reason})"), killed.elapsed()));
+        }
+        let id = t.status.and_then(|s| s.tunnel_id).unwrap_or_default();
+        let (_, pods) = agent_pods(client, ns, name).await?;
+        let new = pods
+            .into_iter()
+            .find(|p| p.metadata.uid.as_deref() != Some(victim_uid.as_str()) && check::is_ready(p));
+        if let Some(new) = new
+            && ready.as_ref().is_some_and(|(s, _, _)| s == "True")
+            && id != old_id
+        {
+            break (new, id);
+        }
+        if killed.elapsed() > AGENT_REPLACED_LIMIT {
+            bail!(
+                "within {AGENT_REPLACED_LIMIT:?} of killing {victim_name}: Ready {ready:?}, tunnel id {id:?} (was {old_id:?}), agent Pods {:?}",
+                agent_pods(client, ns, name)
+                    .await?
+                    .1
+                    .iter()
+                    .map(|p| p.metadata.name.clone().unwrap_or_default())
+                    .collect::<Vec<_>>()
             );
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     };
+    let ready_after = killed.elapsed();
+    let replacement_name = replacement.metadata.name.clone().unwrap_or_default();
+    let restarts: Vec<(String, i32)> = (replacement.status.and_then(|s| s.container_statuses))
+        .unwrap_or_default()
+        .into_iter()
+        .map(|c| (c.name, c.restart_count))
+        .collect();
+    if restarts.iter().any(|(_, r)| *r != 0) {
+        bail!("the replacement agent {replacement_name} restarted: {restarts:?}");
+    }
+    let (echoed, tries) = echo_through(tunnels, engine, name, 1 << 20).await?;
     Ok(format!(
-        "GET / through web answered by the workload after {http_after:.1?} (try {tries}: {answer}); 1 MiB through echo intact in {echoed:.2?} (try {echo_tries})"
+        "killed {victim_name} (grace 0); replacement {replacement_name} Ready, tunnel Ready again with id {old_id} -> {new_id} after {ready_after:.1?}; \
+         Ready seen not True meanwhile: {}; the replacement's restarts {restarts:?}; then 1 MiB through {name} intact in {echoed:.2?} (try {tries})",
+        match &not_ready {
+            Some((status, at)) => format!("{status} at {at:.1?}"),
+            None => "never (sampled every 200 ms)".to_owned(),
+        }
     ))
 }
 
