@@ -2,7 +2,7 @@
 //! manager Ready by its own probe, its metrics through the chart's Service; the seed's Quick Start
 //! against a LocalEngine run here on the host's end of the node link (a self-hosted engine with a
 //! private CA, given to the agent by Secret reference): HTTP and TCP tunnels, token rotation, an
-//! agent Pod killed, an engine outage, deletion; NOTES.txt and `helm test`; a
+//! agent Pod killed, an engine outage under a live stream, deletion; NOTES.txt and `helm test`; a
 //! `helm upgrade` to a next chart version whose CRD adds a field (served after the upgrade, the
 //! existing object kept); an uninstall that leaves no Pod but keeps the CRDs and their objects
 //! (`crds.keep`).
@@ -595,10 +595,37 @@ async fn tunnel_scenarios(env: &Env<'_>, report: &mut ChartReport, ns: &str) -> 
         outcome.unwrap_or_else(|e| format!("{e:#}")),
     );
 
-    // 5. Engine stopped: TunnelReady=False with the reason; started again: Ready.
+    // 5. Engine stopped under a live stream through echo: the stream ends at the client within
+    //    LIVE_END_LIMIT, echo goes not-Ready with a reason and web TunnelReady=False; started
+    //    again: Ready, both tunnels carry traffic, and a new stream through echo echoes bytes.
     let started = Instant::now();
+    let live = open_stream(&tunnels, &engine, "echo", LIVE_BYTES).await;
     let (addr, identity) = (engine.addr(), engine.identity().clone());
+    let (live_end, _keep_write) = match live {
+        Ok(stream) => {
+            let (read, write) = stream.into_split();
+            (Ok(tokio::spawn(stream_end(read))), Some(write))
+        }
+        Err(err) => (Err(err), None),
+    };
+    let stopping = Instant::now();
     engine.shutdown().await;
+    let ended = match live_end {
+        Ok(task) => {
+            let limit = tokio::time::Instant::from_std(stopping + LIVE_END_LIMIT);
+            match tokio::time::timeout_at(limit, task).await {
+                Ok(Ok((at, how))) => Ok((at - stopping, how)),
+                Ok(Err(err)) => Err(anyhow::anyhow!("the stream reader: {err}")),
+                Err(_) => Err(anyhow::anyhow!(
+                    "the stream through echo was still open {LIVE_END_LIMIT:?} after the engine stopped"
+                )),
+            }
+        }
+        Err(err) => Err(err.context("opening the live stream through echo")),
+    };
+    let echo_down = wait_condition(&tunnels, "echo", "Ready", "False", Duration::from_secs(60))
+        .await
+        .map(|t| (stopping.elapsed(), t));
     let down = wait_condition(
         &tunnels,
         "web",
@@ -612,8 +639,12 @@ async fn tunnel_scenarios(env: &Env<'_>, report: &mut ChartReport, ns: &str) -> 
         .identity(identity)
         .start()
         .await?;
+    let restarted = Instant::now();
     let back = wait_condition(&tunnels, "web", "Ready", "True", Duration::from_secs(90)).await;
     let ready_after = started.elapsed();
+    let echo_back = wait_condition(&tunnels, "echo", "Ready", "True", Duration::from_secs(90))
+        .await
+        .map(|_| restarted.elapsed());
     let sent = match &back {
         Ok(_) => traffic(&tunnels, &engine).await,
         Err(_) => Err(anyhow::anyhow!("not tried: the tunnel is not Ready")),
@@ -633,6 +664,52 @@ async fn tunnel_scenarios(env: &Env<'_>, report: &mut ChartReport, ns: &str) -> 
                 Err(e) => format!("{e:#}"),
             },
             sent.unwrap_or_else(|e| format!("{e:#}"))
+        ),
+    );
+    let fresh = match &echo_back {
+        Ok(_) => echo_through(&tunnels, &engine, "echo", LIVE_BYTES)
+            .await
+            .map(|(took, tries)| (restarted.elapsed(), took, tries)),
+        Err(_) => Err(anyhow::anyhow!("not tried: echo is not Ready")),
+    };
+    // Not-Ready with a reason: the condition names why.
+    let echo_reason = echo_down
+        .as_ref()
+        .ok()
+        .and_then(|(_, t)| condition(t, "Ready"));
+    let reasoned = echo_reason.as_ref().is_some_and(|(_, r, _)| !r.is_empty());
+    report.record(
+        &format!(
+            "engine stopped under a live stream through echo: the client sees the stream end (EOF or error) within {LIVE_END_LIMIT:?}; echo Ready=False with a reason while down; engine back: echo Ready, a new stream echoes bytes"
+        ),
+        ended.is_ok() && reasoned && echo_back.is_ok() && fresh.is_ok(),
+        started,
+        format!(
+            "live stream: {}; echo while down: {}; engine back: {}; new stream: {}",
+            match &ended {
+                Ok((at, how)) => format!(
+                    "{LIVE_BYTES} bytes echoed, then {how} {at:.2?} after the engine's shutdown began"
+                ),
+                Err(e) => format!("{e:#}"),
+            },
+            match &echo_down {
+                Ok((at, t)) => format!(
+                    "Ready {:?}, TunnelReady {:?} (seen {at:.1?} after the shutdown began)",
+                    condition(t, "Ready"),
+                    condition(t, "TunnelReady")
+                ),
+                Err(e) => format!("{e:#}"),
+            },
+            match &echo_back {
+                Ok(at) => format!("echo Ready {at:.1?} after the engine restarted"),
+                Err(e) => format!("{e:#}"),
+            },
+            match &fresh {
+                Ok((at, took, tries)) => format!(
+                    "{LIVE_BYTES} bytes intact in {took:.2?} (try {tries}), {at:.1?} after the engine restarted"
+                ),
+                Err(e) => format!("{e:#}"),
+            },
         ),
     );
 
@@ -1019,6 +1096,67 @@ async fn kill_agent(
             None => "never (sampled every 200 ms)".to_owned(),
         }
     ))
+}
+
+/// Bytes the live stream of the engine outage echoes before and after.
+const LIVE_BYTES: usize = 64 * 1024;
+/// How soon the client must see a live stream end once the engine stops.
+const LIVE_END_LIMIT: Duration = Duration::from_secs(10);
+
+/// Connects to TCP tunnel `name`'s ingress and echoes `len` bytes on that connection (within
+/// 10 s), leaving it open.
+async fn open_stream(
+    tunnels: &Api<RstreamTunnel>,
+    engine: &LocalEngine,
+    name: &str,
+    len: usize,
+) -> anyhow::Result<tokio::net::TcpStream> {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let id = (tunnels.get(name).await?.status)
+        .and_then(|s| s.tunnel_id)
+        .unwrap_or_default();
+    let addr = (engine.ingress_addr(&id))
+        .with_context(|| format!("the engine has no ingress for tunnel {id:?}"))?;
+    let data: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
+    let exchange = async {
+        let mut stream = tokio::net::TcpStream::connect(addr).await?;
+        stream.write_all(&data).await?;
+        let mut back = vec![0; len];
+        stream.read_exact(&mut back).await?;
+        anyhow::Ok((stream, back))
+    };
+    let (stream, back) = tokio::time::timeout(Duration::from_secs(10), exchange)
+        .await
+        .with_context(|| format!("no echo of {len} bytes through {addr} within 10 s"))??;
+    if back != data {
+        bail!("the echo through {addr} differs");
+    }
+    Ok(stream)
+}
+
+/// Reads until the stream ends; returns when, and how: EOF or the error (with any bytes that
+/// came after the echo).
+async fn stream_end(mut read: tokio::net::tcp::OwnedReadHalf) -> (Instant, String) {
+    use tokio::io::AsyncReadExt as _;
+    let mut buf = vec![0; 16 * 1024];
+    let mut extra = 0;
+    loop {
+        match read.read(&mut buf).await {
+            Ok(0) => {
+                return (
+                    Instant::now(),
+                    format!("EOF ({extra} unexpected bytes first)"),
+                );
+            }
+            Ok(n) => extra += n,
+            Err(e) => {
+                return (
+                    Instant::now(),
+                    format!("error {e} ({extra} unexpected bytes first)"),
+                );
+            }
+        }
+    }
 }
 
 async fn rotate_token(
