@@ -1,6 +1,7 @@
 //! pod-proxier on the node: the chart (embedded backend, auth on, V1 and V2, its Service as a
 //! NodePort), a V1 mapping posted with a ServiceAccount token that may only port-forward, V2
-//! Service ports reaching every Pod, a restart that restores the mappings, and expiry.
+//! Service ports reaching every Pod, a restart that restores the mappings, and expiry; then, by
+//! `helm upgrade`, V2 to the Services' ClusterIPs through kube-proxy.
 
 use std::collections::BTreeSet;
 use std::net::SocketAddr;
@@ -313,7 +314,150 @@ async fn scenarios(
 
     // The chart as users meet it: NOTES.txt says what to check next; `helm test` passes.
     super::helm_test_scenario(env, report, RELEASE, &ns, &installed, "/health").await;
+
+    // V2 to the ClusterIP: after `helm upgrade` with podProxier.v2Target=cluster-ip, a new
+    // Service's debug port is published with its ClusterIP as the upstream, and bytes reach the
+    // workload through kube-proxy's rules.
+    let started = Instant::now();
+    let outcome = cluster_ip_target(env, &ns, &work, &cluster_ip, &allowed).await;
+    report.record(
+        "V2 with podProxier.v2Target=cluster-ip (helm upgrade): a new Service's debug port is published with the Service's ClusterIP as its upstream; bytes echo through kube-proxy's rules",
+        outcome.is_ok(),
+        started,
+        outcome.unwrap_or_else(|e| format!("{e:#}")),
+    );
+
     Ok(())
+}
+
+/// [`tcp_echo`] of `len` bytes through `addr`, retried until it succeeds or `limit` passes;
+/// returns its time and the tries it took.
+async fn echo_until(
+    addr: SocketAddr,
+    len: usize,
+    limit: Duration,
+) -> anyhow::Result<(Duration, u32)> {
+    let deadline = Instant::now() + limit;
+    let mut tries = 0u32;
+    loop {
+        tries += 1;
+        match tcp_echo(addr, len).await {
+            Ok(took) => return Ok((took, tries)),
+            Err(e) if Instant::now() > deadline => {
+                bail!("{len} bytes through {addr} ({tries} tries): {e:#}")
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
+        }
+    }
+}
+
+/// The Service of the cluster-ip scenario: the `web` Pods' echo port as a `debug` port.
+const CLUSTER_IP_SERVICE: &str = "echo-by-ip";
+/// Its port, which is not the Pods' (9000): only the Service's rules map one to the other.
+const CLUSTER_IP_PORT: u16 = 7000;
+
+/// `helm upgrade --reuse-values` with `podProxier.v2Target=cluster-ip`, waits for the
+/// replacement Pod to run with `--v2-target cluster-ip`, creates [`CLUSTER_IP_SERVICE`] and
+/// requires its V2 mapping's upstreams to be exactly its ClusterIP and port, then 64 KiB through
+/// the mapping's entry port on the chart's Service and back intact. Ok is the detail.
+async fn cluster_ip_target(
+    env: &Env<'_>,
+    ns: &str,
+    work: &str,
+    proxier_ip: &str,
+    token: &str,
+) -> anyhow::Result<String> {
+    let client = env.plane.client().await?;
+    let (chart, version) = env.chart(RELEASE)?;
+    let upgraded = Instant::now();
+    env.helm(&[
+        "upgrade",
+        RELEASE,
+        &chart,
+        "--version",
+        &version,
+        "-n",
+        ns,
+        "--reuse-values",
+        "--set",
+        "podProxier.v2Target=cluster-ip",
+        "--wait",
+        "--timeout",
+        "120s",
+    ])
+    .await?;
+    let took = upgraded.elapsed();
+    let args = Api::<Deployment>::namespaced(client.clone(), ns)
+        .get(RELEASE)
+        .await?
+        .spec
+        .template
+        .spec
+        .and_then(|s| s.containers.into_iter().find(|c| c.name == "pod-proxier"))
+        .and_then(|c| c.args)
+        .unwrap_or_default();
+    let target = (args.iter())
+        .position(|a| a == "--v2-target")
+        .and_then(|i| args.get(i + 1))
+        .map(String::as_str)
+        .or_else(|| args.iter().find_map(|a| a.strip_prefix("--v2-target=")));
+    if target != Some("cluster-ip") {
+        bail!("after the upgrade pod-proxier runs with {args:?}, not --v2-target=cluster-ip");
+    }
+    let services: Api<Service> = Api::namespaced(client.clone(), work);
+    services
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(json!({
+                "apiVersion": "v1", "kind": "Service",
+                "metadata": { "name": CLUSTER_IP_SERVICE },
+                "spec": { "selector": { "app": "web" },
+                          "ports": [{ "name": "debug", "port": CLUSTER_IP_PORT, "targetPort": 9000 }] },
+            }))?,
+        )
+        .await?;
+    let service_ip = services
+        .get(CLUSTER_IP_SERVICE)
+        .await?
+        .spec
+        .and_then(|s| s.cluster_ip)
+        .context("the Service has no ClusterIP")?;
+    let want = format!("{service_ip}:{CLUSTER_IP_PORT}");
+    let api: SocketAddr = format!("{proxier_ip}:{API_PORT}").parse()?;
+    // The replacement Pod serves once it holds the leader Lease; the mapping follows the Service.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let (entry_port, upstreams) = loop {
+        let got = http(
+            api,
+            "GET",
+            &format!("/api/v2/mapping?service={work}/{CLUSTER_IP_SERVICE}"),
+            Some(token),
+            None,
+        )
+        .await;
+        let last = match got {
+            Ok((200, answer)) => match answer["data"]["entry_port"].as_i64() {
+                Some(port) if answer["data"]["upstreams"] == json!([want]) => {
+                    break (port, answer["data"]["upstreams"].clone());
+                }
+                _ => format!("200 {answer}"),
+            },
+            Ok((status, answer)) => format!("{status} {answer}"),
+            Err(e) => format!("{e:#}"),
+        };
+        if Instant::now() > deadline {
+            bail!(
+                "pod-proxier args {args:?}: no V2 mapping of {work}/{CLUSTER_IP_SERVICE} with upstreams [{want}] within 60 s; last: {last}"
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let entry: SocketAddr = format!("{proxier_ip}:{entry_port}").parse()?;
+    let (echoed, tries) = echo_until(entry, 64 * 1024, Duration::from_secs(30)).await?;
+    Ok(format!(
+        "helm upgrade in {took:.1?}; pod-proxier runs with --v2-target={}; {work}/{CLUSTER_IP_SERVICE} -> entry port {entry_port}, upstreams {upstreams}; 64 KiB echo through {entry} intact in {echoed:.1?} (try {tries})",
+        target.unwrap_or("(absent)")
+    ))
 }
 
 /// `helm install` of the chart as the e2e runs it: the embedded backend, auth by the Kubernetes
