@@ -194,3 +194,50 @@ fn install_coredns(assets: &Path) -> anyhow::Result<PathBuf> {
     eprintln!("built {} in {:.0?}", target.display(), started.elapsed());
     Ok(target)
 }
+
+/// The Debian package the HAProxy sidecar image of the e2e is made from.
+const HAPROXY_PACKAGE: &str = "haproxy";
+/// Where Debian's package puts the binary.
+const HAPROXY_BINARY: &str = "/usr/sbin/haproxy";
+
+/// The HAProxy sidecar image pod-proxier's `backend=haproxy` runs on the node (no registry is
+/// reachable, so no upstream `haproxy` image): Debian's haproxy binary with the shared libraries
+/// `ldd` names, the non-root user, entrypoint the binary (the chart passes `-db -f <config>`),
+/// written like the release images into `target/images/haproxy{,.tar}`. The package is
+/// installed if missing, as `cargo xtask test` installs it; the tag is the installed package's
+/// version (`+`/`~` made `-`), also in the image's labels, so the image names the exact build
+/// it holds.
+pub fn haproxy_image() -> anyhow::Result<crate::image::Built> {
+    crate::envtest::install_packages(&[HAPROXY_PACKAGE], "the e2e's HAProxy sidecar image")?;
+    let output = Command::new("dpkg-query")
+        .args(["-W", "-f", "${Version}", HAPROXY_PACKAGE])
+        .output()
+        .context("running dpkg-query")?;
+    let version = String::from_utf8_lossy(&output.stdout).trim().to_owned();
+    if !output.status.success() || version.is_empty() {
+        bail!("dpkg-query found no version of {HAPROXY_PACKAGE}");
+    }
+    let tag: String = version
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-') {
+                c
+            } else {
+                '-'
+            }
+        })
+        .collect();
+    let mut haproxy = ImageContents::new(NONROOT);
+    haproxy.add_binary("/haproxy", Path::new(HAPROXY_BINARY))?;
+    haproxy.add_nonroot_user();
+    haproxy.entrypoint = vec!["/haproxy".to_owned()];
+    haproxy.labels = labels("haproxy", &version);
+    haproxy.labels.insert(
+        "io.kube-netkit.debian-package".to_owned(),
+        format!("{HAPROXY_PACKAGE}={version}"),
+    );
+    let reference = format!("localhost/kube-netkit/haproxy:{tag}");
+    let out = crate::image::images_dir(&crate::workspace_root());
+    std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
+    write_image("haproxy", &reference, &haproxy, &out)
+}

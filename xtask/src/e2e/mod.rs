@@ -401,7 +401,7 @@ impl Env<'_> {
 pub fn run(args: &Args) -> anyhow::Result<()> {
     let wall = Instant::now();
     let helm = ensure_tools()?;
-    let built = crate::image::run(&crate::image::Args {
+    let mut built = crate::image::run(&crate::image::Args {
         which: "all".to_owned(),
         repository: crate::image::DEFAULT_REPOSITORY.to_owned(),
         tag: None,
@@ -423,6 +423,10 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
         }
     }
     let wanted = |release: &str| args.charts.is_empty() || args.charts.iter().any(|c| c == release);
+    if wanted(pod_proxier::RELEASE) {
+        // pod-proxier's HAProxy backend runs it as a sidecar; no registry has it for the node.
+        built.push(crate::node_images::haproxy_image()?);
+    }
     let runtime = tokio::runtime::Runtime::new()?;
     let report = runtime.block_on(async {
         let started = Instant::now();
