@@ -1,7 +1,8 @@
 //! pod-proxier on the node: the chart (embedded backend, auth on, V1 and V2, its Service as a
 //! NodePort), a V1 mapping posted with a ServiceAccount token that may only port-forward, V2
 //! Service ports reaching every Pod, a restart that restores the mappings, and expiry; then, by
-//! `helm upgrade`, V2 to the Services' ClusterIPs through kube-proxy.
+//! `helm upgrade`, V2 to the Services' ClusterIPs through kube-proxy, and the HAProxy backend
+//! (Debian's HAProxy as the sidecar) relaying V1 and V2 mappings.
 
 use std::collections::BTreeSet;
 use std::net::SocketAddr;
@@ -327,7 +328,147 @@ async fn scenarios(
         outcome.unwrap_or_else(|e| format!("{e:#}")),
     );
 
+    // The HAProxy backend: `helm upgrade` to podProxier.backend=haproxy with the node's HAProxy
+    // image; V1 and V2 mappings relay bytes through the sidecar.
+    let started = Instant::now();
+    let outcome = haproxy_backend(env, &ns, &work, &cluster_ip, &allowed).await;
+    report.record(
+        "podProxier.backend=haproxy (helm upgrade, HAProxy from Debian's package as the sidecar, driven by its Runtime API): a V1 mapping and a V2 mapping relay bytes through HAProxy",
+        outcome.is_ok(),
+        started,
+        outcome.unwrap_or_else(|e| format!("{e:#}")),
+    );
     Ok(())
+}
+
+/// `helm upgrade --reuse-values` to `podProxier.backend=haproxy` (V2 back to its endpoints
+/// target) with the image [`crate::node_images::haproxy_image`] built; requires the new Pod to
+/// run pod-proxier with `--backend=haproxy` and a Ready `haproxy` container, then a new V1
+/// mapping of the profiled Pod and the V2 mapping of [`CLUSTER_IP_SERVICE`] each to echo 64 KiB
+/// intact through the chart's Service (the entry ports are HAProxy's listeners now), and no
+/// container of that Pod restarted. Ok is the detail.
+async fn haproxy_backend(
+    env: &Env<'_>,
+    ns: &str,
+    work: &str,
+    proxier_ip: &str,
+    token: &str,
+) -> anyhow::Result<String> {
+    let client = env.plane.client().await?;
+    let (chart, version) = env.chart(RELEASE)?;
+    let (repository, tag) = env.image("haproxy")?;
+    let upgraded = Instant::now();
+    env.helm(&[
+        "upgrade",
+        RELEASE,
+        &chart,
+        "--version",
+        &version,
+        "-n",
+        ns,
+        "--reuse-values",
+        "--set",
+        "podProxier.backend=haproxy,podProxier.v2Target=endpoints",
+        "--set",
+        &format!(
+            "haproxy.image.repository={repository},haproxy.image.tag={tag},haproxy.image.pullPolicy=Never"
+        ),
+        "--wait",
+        "--timeout",
+        "120s",
+    ])
+    .await?;
+    let took = upgraded.elapsed();
+    let pod_spec = Api::<Deployment>::namespaced(client.clone(), ns)
+        .get(RELEASE)
+        .await?
+        .spec
+        .template
+        .spec
+        .context("the pod-proxier Deployment has no Pod template")?;
+    let args = (pod_spec.containers.iter())
+        .find(|c| c.name == "pod-proxier")
+        .and_then(|c| c.args.clone())
+        .unwrap_or_default();
+    let image = (pod_spec.containers.iter())
+        .find(|c| c.name == "haproxy")
+        .and_then(|c| c.image.clone());
+    if !args.iter().any(|a| a == "--backend=haproxy") || image.is_none() {
+        bail!(
+            "after the upgrade the Pod template has pod-proxier args {args:?} and haproxy image {image:?}"
+        );
+    }
+    // The rolled Pod: both containers Ready (the relay's readiness needs the Runtime API).
+    let pods = check::wait_pods_ready(env.plane, ns, SELECTOR, 1).await?;
+    let pod = Api::<Pod>::namespaced(client.clone(), ns)
+        .get(&pods[0].0)
+        .await?;
+    let statuses = (pod.status.and_then(|s| s.container_statuses)).unwrap_or_default();
+    let ready: Vec<String> = (statuses.iter())
+        .map(|c| format!("{} ready={} restarts={}", c.name, c.ready, c.restart_count))
+        .collect();
+    // pod-proxier and its sidecar start together: neither may crash waiting for the other.
+    let restarted = statuses.iter().any(|c| c.restart_count != 0);
+    if !ready.iter().any(|c| c.starts_with("haproxy ready=true")) {
+        bail!("pod-proxier Pod {}: containers {ready:?}", pods[0].0);
+    }
+
+    let api: SocketAddr = format!("{proxier_ip}:{API_PORT}").parse()?;
+    let profiled = check::wait_pods_ready(env.plane, work, "app=profiled", 1)
+        .await?
+        .remove(0);
+    let body = json!({ "pod_name": format!("{work}/{}", profiled.0), "time": 120 }).to_string();
+    // The new Pod serves the API once it leads.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let v1 = loop {
+        let got = http(api, "POST", "/api/v1/mapping", Some(token), Some(&body)).await;
+        match got {
+            Ok((200, answer)) => break answer,
+            other if Instant::now() > deadline => bail!("POST /api/v1/mapping: {other:?}"),
+            _ => tokio::time::sleep(Duration::from_millis(200)).await,
+        }
+    };
+    let entry: SocketAddr = format!("{proxier_ip}:{ENTRY_PORT}").parse()?;
+    let v1_echo = echo_until(entry, 64 * 1024, Duration::from_secs(30)).await?;
+
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let v2_port = loop {
+        let got = http(
+            api,
+            "GET",
+            &format!("/api/v2/mapping?service={work}/{CLUSTER_IP_SERVICE}"),
+            Some(token),
+            None,
+        )
+        .await;
+        match got {
+            Ok((200, answer)) if answer["data"]["entry_port"].as_i64().is_some() => {
+                break answer["data"]["entry_port"].as_i64().unwrap_or_default();
+            }
+            other if Instant::now() > deadline => {
+                bail!("GET the V2 mapping of {work}/{CLUSTER_IP_SERVICE}: {other:?}")
+            }
+            _ => tokio::time::sleep(Duration::from_millis(200)).await,
+        }
+    };
+    let v2: SocketAddr = format!("{proxier_ip}:{v2_port}").parse()?;
+    let v2_echo = echo_until(v2, 64 * 1024, Duration::from_secs(30)).await?;
+    let detail = format!(
+        "helm upgrade in {took:.1?}; haproxy image {}; Pod {}: {}; V1 {work}/{} -> upstreams {}: 64 KiB echo through {entry} intact in {:.1?} (try {}); V2 {work}/{CLUSTER_IP_SERVICE} port {v2_port}: 64 KiB echo through {v2} intact in {:.1?} (try {})",
+        image.unwrap_or_default(),
+        pods[0].0,
+        ready.join(", "),
+        profiled.0,
+        v1["data"]["upstreams"],
+        v1_echo.0,
+        v1_echo.1,
+        v2_echo.0,
+        v2_echo.1,
+    );
+    if restarted {
+        bail!("a container of the pod-proxier Pod restarted: {detail}");
+    }
+    Ok(detail)
 }
 
 /// [`tcp_echo`] of `len` bytes through `addr`, retried until it succeeds or `limit` passes;
