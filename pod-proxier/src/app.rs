@@ -29,6 +29,10 @@ use crate::service_ports::{V2Inputs, V2Reconciler};
 use crate::settings::Settings;
 use k8s_reconcile::auth::Authenticator;
 
+/// How long `--backend haproxy` waits at start for HAProxy's Runtime API (its sidecar starts
+/// alongside and opens the socket a moment later) before the start fails.
+const RUNTIME_API_WAIT: Duration = Duration::from_secs(30);
+
 /// How to try pod-proxier without a cluster, shown whenever none is reachable.
 pub const LOCAL_TRIAL_HINT: &str = "\
 pod-proxier needs a Kubernetes API server. In a cluster it uses its ServiceAccount; elsewhere \
@@ -168,7 +172,7 @@ pub async fn run(settings: Settings) -> Result<(), StartError> {
             .map_err(|e| StartError::DataPlane(DataPlaneError::Embedded(e)))?,
         ),
         BackendKind::Haproxy => DataPlane::Haproxy(
-            HaproxyPlane::connect(&settings)
+            HaproxyPlane::connect_waiting(&settings, RUNTIME_API_WAIT)
                 .await
                 .map_err(|e| StartError::DataPlane(DataPlaneError::Haproxy(e)))?,
         ),

@@ -171,6 +171,31 @@ impl HaproxyPlane {
         Ok(plane)
     }
 
+    /// [`connect`](Self::connect), retried every 250 ms for up to `wait` while the Runtime API
+    /// cannot be reached: in a Pod, HAProxy is a sidecar started alongside pod-proxier and
+    /// creates its socket a moment later; without the wait pod-proxier exits and the kubelet
+    /// counts a restart on every Pod start. Any other error, or the socket still unreachable
+    /// after `wait`, is returned at once.
+    pub async fn connect_waiting(
+        settings: &Settings,
+        wait: Duration,
+    ) -> Result<Self, HaproxyError> {
+        let started = tokio::time::Instant::now();
+        let mut logged = false;
+        loop {
+            match Self::connect(settings).await {
+                Err(HaproxyError::Unreachable { addr, source }) if started.elapsed() < wait => {
+                    if !logged {
+                        tracing::info!(%addr, error = %source, ?wait, "waiting for the HAProxy Runtime API");
+                        logged = true;
+                    }
+                    tokio::time::sleep(Duration::from_millis(250)).await;
+                }
+                other => return other,
+            }
+        }
+    }
+
     async fn command(&self, command: &str) -> Result<String, HaproxyError> {
         let exchange = async {
             let mut answer = Vec::new();
@@ -352,6 +377,77 @@ mod tests {
              unix:///run/haproxy/admin.sock (start HAProxy with the configuration printed by \
              `pod-proxier haproxy-config`, same flags): no such socket"
         );
+    }
+
+    fn v1_haproxy_settings(socket: &std::path::Path) -> Settings {
+        crate::config::Cli::try_parse_from([
+            "pod-proxier",
+            "--enable-v1",
+            "--backend",
+            "haproxy",
+            "--api-addr",
+            &format!("unix://{}", socket.display()),
+        ])
+        .unwrap()
+        .validate(true)
+        .unwrap()
+    }
+
+    /// A Runtime API at `socket` that knows the V1 entry port's backend (no servers).
+    async fn fake_runtime_api(socket: std::path::PathBuf) {
+        let listener = tokio::net::UnixListener::bind(socket).unwrap();
+        loop {
+            let (mut stream, _) = listener.accept().await.unwrap();
+            let mut command = Vec::new();
+            let mut byte = [0u8; 1];
+            while stream.read(&mut byte).await.unwrap() == 1 && byte[0] != b'\n' {
+                command.push(byte[0]);
+            }
+            let answer = if command.starts_with(b"show servers state") {
+                "1\n# be_id be_name srv_id srv_name srv_admin_state\n\n"
+            } else {
+                "Name: HAProxy\n"
+            };
+            stream.write_all(answer.as_bytes()).await.unwrap();
+        }
+    }
+
+    #[tokio::test]
+    async fn connect_waits_for_a_runtime_api_that_comes_up_late() {
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("admin.sock");
+        let settings = v1_haproxy_settings(&socket);
+        // Without the wait, a socket not there yet is an error at once.
+        assert!(matches!(
+            HaproxyPlane::connect(&settings).await,
+            Err(HaproxyError::Unreachable { .. })
+        ));
+        let late = tokio::spawn({
+            let socket = socket.clone();
+            async move {
+                tokio::time::sleep(Duration::from_millis(600)).await;
+                fake_runtime_api(socket).await;
+            }
+        });
+        let started = std::time::Instant::now();
+        let plane = HaproxyPlane::connect_waiting(&settings, Duration::from_secs(10)).await;
+        assert!(plane.is_ok(), "{:?}", plane.err());
+        assert!(started.elapsed() >= Duration::from_millis(500));
+        late.abort();
+    }
+
+    #[tokio::test]
+    async fn connect_gives_up_after_the_wait() {
+        let dir = tempfile::tempdir().unwrap();
+        let settings = v1_haproxy_settings(&dir.path().join("admin.sock"));
+        let started = std::time::Instant::now();
+        let plane = HaproxyPlane::connect_waiting(&settings, Duration::from_millis(600)).await;
+        assert!(
+            matches!(plane, Err(HaproxyError::Unreachable { .. })),
+            "{:?}",
+            plane.err()
+        );
+        assert!(started.elapsed() < Duration::from_secs(5));
     }
 
     #[test]
