@@ -263,7 +263,8 @@ impl<R: Reconciler> ControllerBuilder<R> {
             let events = reflector::reflector(
                 writer,
                 watcher::watcher(api.clone(), config.clone())
-                    .backoff(crate::watch_set::WatchBackoff::default()),
+                    .backoff(crate::watch_set::WatchBackoff::default())
+                    .modify(crate::watch_set::drop_managed_fields),
             );
             c.owns_stream(events.touched_objects())
         }));
@@ -287,7 +288,8 @@ impl<R: Reconciler> ControllerBuilder<R> {
             let events = reflector::reflector(
                 writer,
                 watcher::watcher(api.clone(), config.clone())
-                    .backoff(crate::watch_set::WatchBackoff::default()),
+                    .backoff(crate::watch_set::WatchBackoff::default())
+                    .modify(crate::watch_set::drop_managed_fields),
             );
             let mapper = Arc::clone(&mapper);
             c.watches_stream(events.touched_objects(), move |obj| mapper(obj))

@@ -39,7 +39,15 @@ use serde::de::DeserializeOwned;
 use tokio::time::{Instant, Sleep};
 use tokio_util::sync::CancellationToken;
 
-/// A store of `api`'s objects kept filled by a watch (retried with [`WatchBackoff`]) until `stop`.
+/// Clears an object's `managedFields` before a store keeps it: a reader of the cache compares
+/// specs and labels, never field ownership (the [`Applier`](crate::Applier) reads the server when
+/// it needs that), and the field sets are often the larger part of an object.
+pub fn drop_managed_fields<K: Resource>(object: &mut K) {
+    object.meta_mut().managed_fields = None;
+}
+
+/// A store of `api`'s objects kept filled by a watch (retried with [`WatchBackoff`]) until `stop`;
+/// their `managedFields` are dropped ([`drop_managed_fields`]).
 pub fn spawn_store<K>(api: Api<K>, config: watcher::Config, stop: CancellationToken) -> Store<K>
 where
     K: Resource + Clone + Debug + DeserializeOwned + Send + Sync + 'static,
@@ -48,7 +56,9 @@ where
     let (store, writer) = reflector::store();
     let events = reflector::reflector(
         writer,
-        watcher::watcher(api, config).backoff(WatchBackoff::default()),
+        watcher::watcher(api, config)
+            .backoff(WatchBackoff::default())
+            .modify(drop_managed_fields),
     )
     .for_each(|event| {
         if let Err(err) = event {

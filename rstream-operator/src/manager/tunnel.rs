@@ -202,7 +202,11 @@ async fn resolve_target(
         message,
     };
     // From the watch cache of Services once synced: a resync reads nothing.
-    let Some(service) = ctx.caches().get_or_read(&api, &namespace, &svc.name).await? else {
+    let Some(service) = ctx
+        .caches()
+        .get_or_read(&api, &namespace, &svc.name)
+        .await?
+    else {
         return Ok(Err(blocked(
             reasons::SERVICE_MISSING,
             format!("Service {namespace}/{} not found", svc.name),
