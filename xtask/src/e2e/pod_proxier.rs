@@ -1046,7 +1046,7 @@ pub async fn http(
     http_within(addr, method, path, token, body, Duration::from_secs(10)).await
 }
 
-/// [`http`], waiting up to `limit` for the whole answer.
+/// [`http()`], waiting up to `limit` for the whole answer.
 pub async fn http_within(
     addr: SocketAddr,
     method: &str,
