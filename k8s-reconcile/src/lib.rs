@@ -4,7 +4,8 @@
 //! crate wires it to `kube::runtime` with owned and watched kinds, per-object backoff, resync,
 //! concurrency limits, leader election, finalizers, metrics, health and Events. Children are
 //! written by server-side apply with a fixed field manager; in a steady state that costs no write
-//! and, for the kinds a controller owns, no read either (they come from its watches' caches).
+//! and, for the kinds a controller owns or watches, no read either (they come from its watches'
+//! caches).
 //!
 //! # Layout
 //!
