@@ -24,7 +24,7 @@ use std::hash::Hash;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use futures::StreamExt as _;
+use futures::{Stream, StreamExt as _};
 use k8s_openapi::api::core::v1::ObjectReference;
 use kube::api::Api;
 use kube::runtime::controller::{Action as KubeAction, Config as ControllerConfig, Controller};
@@ -184,6 +184,27 @@ impl Context {
 
 /// Adds one watched kind to a controller (and its store to the caches, for an owned kind); kept
 /// so that every leadership term builds fresh watches.
+/// The changed objects of a watch of `api` (retried with backoff), kept in a store that joins
+/// `caches` (without their `managedFields`).
+fn cached_changes<C>(
+    api: &Api<C>,
+    config: &watcher::Config,
+    caches: &mut Caches,
+) -> impl Stream<Item = Result<C, watcher::Error>> + Send + 'static
+where
+    C: Resource<DynamicType = ()> + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
+{
+    let (store, writer) = reflector::store();
+    caches.insert(store);
+    reflector::reflector(
+        writer,
+        watcher::watcher(api.clone(), config.clone())
+            .backoff(crate::watch_set::WatchBackoff::default())
+            .modify(crate::watch_set::drop_managed_fields),
+    )
+    .touched_objects()
+}
+
 type Setup<K> = Arc<dyn Fn(Controller<K>, &mut Caches) -> Controller<K> + Send + Sync>;
 
 /// How long a controller's reconciles may run on after a stop (shutdown or a lost Lease)
@@ -258,15 +279,7 @@ impl<R: Reconciler> ControllerBuilder<R> {
         C: Resource<DynamicType = ()> + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
     {
         self.setup.push(Arc::new(move |c, caches| {
-            let (store, writer) = reflector::store();
-            caches.insert(store);
-            let events = reflector::reflector(
-                writer,
-                watcher::watcher(api.clone(), config.clone())
-                    .backoff(crate::watch_set::WatchBackoff::default())
-                    .modify(crate::watch_set::drop_managed_fields),
-            );
-            c.owns_stream(events.touched_objects())
+            c.owns_stream(cached_changes(&api, &config, caches))
         }));
         self
     }
@@ -283,16 +296,10 @@ impl<R: Reconciler> ControllerBuilder<R> {
     {
         let mapper = Arc::new(mapper);
         self.setup.push(Arc::new(move |c, caches| {
-            let (store, writer) = reflector::store();
-            caches.insert(store);
-            let events = reflector::reflector(
-                writer,
-                watcher::watcher(api.clone(), config.clone())
-                    .backoff(crate::watch_set::WatchBackoff::default())
-                    .modify(crate::watch_set::drop_managed_fields),
-            );
             let mapper = Arc::clone(&mapper);
-            c.watches_stream(events.touched_objects(), move |obj| mapper(obj))
+            c.watches_stream(cached_changes(&api, &config, caches), move |obj| {
+                mapper(obj)
+            })
         }));
         self
     }

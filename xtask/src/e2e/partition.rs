@@ -47,6 +47,22 @@ pub struct Served<'a> {
     pub v2: SocketAddr,
 }
 
+impl Served<'_> {
+    /// The status of `GET /api/v1/mappings`, which needs the API server (token and access
+    /// reviews); waits up to [`API_WAIT`].
+    async fn list_mappings(&self) -> anyhow::Result<u16> {
+        let get = http_within(
+            self.api,
+            "GET",
+            "/api/v1/mappings",
+            Some(self.token),
+            None,
+            API_WAIT,
+        );
+        Ok(get.await?.0)
+    }
+}
+
 /// Cuts the link for [`CUT`] and records the scenario.
 pub async fn pod_proxier(env: &Env<'_>, report: &mut ChartReport, served: &Served<'_>) {
     let started = Instant::now();
@@ -144,15 +160,7 @@ async fn cut_and_converge(env: &Env<'_>, served: &Served<'_>) -> anyhow::Result<
         && (outcome.api_back_after.is_none() || outcome.lease_back_after.is_none())
     {
         if outcome.api_back_after.is_none()
-            && let Ok((200, _)) = http_within(
-                served.api,
-                "GET",
-                "/api/v1/mappings",
-                Some(served.token),
-                None,
-                API_WAIT,
-            )
-            .await
+            && let Ok(200) = served.list_mappings().await
         {
             outcome.api_back_after = Some(returned_at.elapsed());
         }
@@ -188,16 +196,7 @@ async fn during_cut(
         // Past a cached token's life, so the API has to ask the API server.
         tokio::time::sleep(Duration::from_secs(11)).await;
         let asked = Instant::now();
-        let answer = http_within(
-            served.api,
-            "GET",
-            "/api/v1/mappings",
-            Some(served.token),
-            None,
-            API_WAIT,
-        )
-        .await;
-        (answer.map(|(status, _)| status), asked.elapsed())
+        (served.list_mappings().await, asked.elapsed())
     };
     let probes = async {
         let nodes: Api<NodeObject> = Api::all(client.clone());
