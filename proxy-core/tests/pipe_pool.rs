@@ -68,7 +68,10 @@ async fn pipes_are_lent_only_to_streaming_copies_and_only_empty_ones_come_back()
     assert_eq!(after_bulk.in_use, 0, "{after_bulk:?}");
     assert_eq!(after_bulk.idle as u64, after_bulk.created, "{after_bulk:?}");
 
-    // 3. The next bulk connection reuses them instead of opening new ones.
+    // 3. The next bulk connection takes the idle pipes before opening new ones. Whether the
+    // echo's return direction streams (fills a 16 KiB read) depends on timing, so a run may
+    // lend one or two pipes; only the directions the pool could not serve may open one. A pool
+    // that never reuses would open one per take, many per 8 MiB echo.
     let relay = relay_once(Route::new("bulk", echo.addr), config()).await;
     let echoed = echo_roundtrip(relay.client, Arc::clone(&payload), None)
         .await
@@ -76,8 +79,14 @@ async fn pipes_are_lent_only_to_streaming_copies_and_only_empty_ones_come_back()
     assert_eq!(echoed, Checksum::of(&payload));
     relay.task.await.unwrap().unwrap();
     let reused = pipe::stats();
-    assert_eq!(reused.created, after_bulk.created, "{reused:?}");
+    let opened = reused.created - after_bulk.created;
+    assert!(
+        opened <= 2 - after_bulk.idle as u64,
+        "{opened} new pipes with {} idle ones to take: {reused:?}",
+        after_bulk.idle
+    );
     assert_eq!(reused.in_use, 0);
+    assert_eq!(reused.idle as u64, reused.created, "{reused:?}");
 
     // 4. An upstream that stops reading leaves bytes in the pipe; cancelling the relay then
     // closes that pipe rather than giving it back.

@@ -198,9 +198,10 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
             // ignored test nobody allowed each fail the step, whatever cargo's status says.
             status.success() && totals.unexpected_ignored().is_empty() && totals.unfinished() == 0
         } else if cmd_args.contains(&"e2e") {
-            let (status, result) = run_e2e(&mut cmd)?;
-            e2e.add_e2e(status.success(), result);
-            status.success()
+            let run = run_e2e(&mut cmd)?;
+            e2e.add_e2e(run.status.success(), run.counts);
+            e2e.failures.extend(run.failures);
+            run.status.success()
         } else {
             let status = cmd.status()?;
             if cmd_args.contains(&"demo") {
@@ -238,6 +239,9 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
             .collect::<Vec<_>>()
             .join(", ")
     );
+    for name in &totals.failed_names {
+        eprintln!("cargo test: FAILED {name}");
+    }
     for line in &totals.killed {
         eprintln!("cargo test: a test binary ended without a result: {line}");
     }
@@ -251,6 +255,10 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
         "e2e: {} passed, {} failed; demo: {} passed, {} failed",
         e2e.passed, e2e.failed, demo.passed, demo.failed
     );
+    // Repeated here because CI keeps the end of a long log: what failed, and why.
+    for line in &e2e.failures {
+        eprintln!("{line}");
+    }
     // The closing line CI reads: every test of every test binary, every e2e scenario and the
     // demo's smoke run, summed.
     println!(
@@ -283,6 +291,8 @@ struct TestTotals {
     ignored: u64,
     /// The names of the ignored tests.
     ignored_names: Vec<String>,
+    /// The names of the failed tests.
+    failed_names: Vec<String>,
     /// cargo's lines about a test binary killed by a signal.
     killed: Vec<String>,
 }
@@ -312,6 +322,10 @@ impl TestTotals {
             && (outcome == "ignored" || outcome.starts_with("ignored,"))
         {
             self.ignored_names.push(name.to_owned());
+        } else if let Some(rest) = line.strip_prefix("test ")
+            && let Some(name) = rest.strip_suffix(" ... FAILED")
+        {
+            self.failed_names.push(name.to_owned());
         }
     }
 
@@ -395,6 +409,8 @@ fn run_counting(
 struct Checks {
     passed: u64,
     failed: u64,
+    /// The e2e's `e2e FAIL ...` lines.
+    failures: Vec<String>,
 }
 
 impl Checks {
@@ -432,21 +448,37 @@ fn parse_e2e_line(line: &str) -> Option<(u64, u64)> {
     ))
 }
 
-/// Runs the e2e, echoing its output; returns its status and its closing line's counts.
-fn run_e2e(cmd: &mut Command) -> anyhow::Result<(std::process::ExitStatus, Option<(u64, u64)>)> {
+/// What an e2e run printed that the summary needs.
+struct E2eRun {
+    status: std::process::ExitStatus,
+    /// Its closing line's counts.
+    counts: Option<(u64, u64)>,
+    /// Its `e2e FAIL` lines (see `e2e::failure_lines`).
+    failures: Vec<String>,
+}
+
+/// Runs the e2e, echoing its output.
+fn run_e2e(cmd: &mut Command) -> anyhow::Result<E2eRun> {
     use std::io::{BufRead as _, BufReader};
     let mut child = cmd.stdout(std::process::Stdio::piped()).spawn()?;
     let mut result = None;
+    let mut failures = Vec::new();
     if let Some(stdout) = child.stdout.take() {
         for line in BufReader::new(stdout).lines() {
             let line = line?;
             println!("{line}");
             if let Some(counts) = parse_e2e_line(&line) {
                 result = Some(counts);
+            } else if line.starts_with(crate::e2e::FAILURE_PREFIX) {
+                failures.push(line);
             }
         }
     }
-    Ok((child.wait()?, result))
+    Ok(E2eRun {
+        status: child.wait()?,
+        counts: result,
+        failures,
+    })
 }
 
 #[cfg(test)]
@@ -467,12 +499,14 @@ mod tests {
              test a ... ok\n\
              test client_from_env_child ... ignored, run by client_from_env_reads_the_process_environment\n\
              test forgotten ... ignored\n\
+             test broken ... FAILED\n\
              test result: FAILED. 1 passed; 1 failed; 2 ignored; 0 measured; 0 filtered out; finished in 0.01s\n\
              test result: ok. 4 passed; 0 failed; 0 ignored; 0 measured; 0 filtered out; finished in 0.01s\n",
             "     Running unittests src/lib.rs (target/debug/deps/a-1)\n   Doc-tests a\n",
         );
         assert_eq!((t.binaries, t.passed, t.failed, t.ignored), (2, 5, 1, 2));
         assert_eq!(t.ignored_names, ["client_from_env_child", "forgotten"]);
+        assert_eq!(t.failed_names, ["broken"]);
         // The allowed child-process test passes; any other ignored test is named.
         assert_eq!(t.unexpected_ignored(), ["forgotten"]);
         assert_eq!(t.unfinished(), 0);

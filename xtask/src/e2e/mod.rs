@@ -471,6 +471,9 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
     std::fs::write(out_dir.join("report.md"), &markdown)?;
     println!("{markdown}");
     println!("wrote {}", out_dir.join("report.md").display());
+    for line in failure_lines(&report) {
+        println!("{line}");
+    }
     // A closing line in the form CI reads: one count per scenario, plus a chart that failed
     // before its scenarios (its error) as one failure.
     let scenarios = report.charts.iter().flat_map(|c| &c.scenarios);
@@ -490,6 +493,42 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
         bail!("e2e failed; see {}", out_dir.join("report.md").display());
     }
     Ok(())
+}
+
+/// How a line naming one failure starts; `cargo xtask test` repeats these lines in its summary.
+pub const FAILURE_PREFIX: &str = "e2e FAIL ";
+
+/// One line per failed scenario, chart error and restarted container, each cut to a length a
+/// CI log keeps.
+fn failure_lines(report: &Report) -> Vec<String> {
+    const KEEP: usize = 600;
+    let cut = |text: &str| -> String {
+        match text.char_indices().nth(KEEP) {
+            Some((at, _)) => format!("{} [...]", &text[..at]),
+            None => text.to_owned(),
+        }
+    };
+    let mut lines = Vec::new();
+    for chart in &report.charts {
+        let name = &chart.chart;
+        if let Some(error) = &chart.error {
+            lines.push(format!("{FAILURE_PREFIX}{name}: stopped: {}", cut(error)));
+        }
+        for s in chart.scenarios.iter().filter(|s| !s.ok) {
+            lines.push(format!(
+                "{FAILURE_PREFIX}{name}: {}: {}",
+                cut(&s.name),
+                cut(&s.detail)
+            ));
+        }
+        for r in chart.restarts.iter().filter(|r| r.restarts > 0) {
+            lines.push(format!(
+                "{FAILURE_PREFIX}{name}: {}/{} restarted {} times",
+                r.pod, r.container, r.restarts
+            ));
+        }
+    }
+    lines
 }
 
 fn markdown(report: &Report) -> String {
@@ -731,5 +770,42 @@ mod tests {
         keep_highest(&mut highest, sample(&[("agent-a", 0)]));
         keep_highest(&mut highest, sample(&[("agent-b", 1)]));
         assert_eq!(counts(&highest), [("agent-a", 2), ("agent-b", 1)]);
+    }
+
+    #[test]
+    fn every_failure_is_one_line_and_passes_are_none() {
+        let mut chart = ChartReport::new("pod-proxier");
+        let started = Instant::now();
+        chart.record("echo", true, started, "fine".to_owned());
+        chart.record("expiry", false, started, "é".repeat(700));
+        chart.restarts = vec![
+            Restarts {
+                pod: "p".to_owned(),
+                container: "c".to_owned(),
+                restarts: 2,
+            },
+            Restarts {
+                pod: "q".to_owned(),
+                container: "c".to_owned(),
+                restarts: 0,
+            },
+        ];
+        chart.error = Some("helm install: timed out".to_owned());
+        let report = Report {
+            passed: false,
+            wall_ms: 0,
+            cluster_start_ms: 0,
+            charts: vec![chart],
+        };
+        let lines = failure_lines(&report);
+        assert_eq!(lines.len(), 3, "{lines:?}");
+        assert_eq!(
+            lines[0],
+            "e2e FAIL pod-proxier: stopped: helm install: timed out"
+        );
+        assert!(lines[1].starts_with("e2e FAIL pod-proxier: expiry: éé"));
+        assert!(lines[1].ends_with("é [...]"), "cut at 600 characters");
+        assert_eq!(lines[1].chars().filter(|c| *c == 'é').count(), 600);
+        assert_eq!(lines[2], "e2e FAIL pod-proxier: p/c restarted 2 times");
     }
 }
