@@ -28,7 +28,8 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail};
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::{Pod, PodSpec};
 use k8s_reconcile::testing::ControlPlane;
 use k8s_reconcile::testing::node::{self, TESTBOX_IMAGE, check};
 use kube::api::{Api, ListParams};
@@ -359,6 +360,49 @@ impl Env<'_> {
             bail!("helm {}: {text}", args.join(" "));
         }
         Ok(text)
+    }
+
+    /// `helm upgrade --reuse-values` of `release` in `ns` to its chart in the repository, with
+    /// `sets` as flag and value pairs (`("--set", "a=b")`); with `wait`, helm waits up to 120 s
+    /// for the rollout. Returns how long helm took.
+    pub async fn upgrade_reusing(
+        &self,
+        release: &str,
+        ns: &str,
+        sets: &[(&str, &str)],
+        wait: bool,
+    ) -> anyhow::Result<Duration> {
+        let (chart, version) = self.chart(release)?;
+        let mut args = vec![
+            "upgrade",
+            release,
+            &chart,
+            "--version",
+            &version,
+            "-n",
+            ns,
+            "--reuse-values",
+        ];
+        for (flag, value) in sets {
+            args.extend([*flag, *value]);
+        }
+        if wait {
+            args.extend(["--wait", "--timeout", "120s"]);
+        }
+        let started = Instant::now();
+        self.helm(&args).await?;
+        Ok(started.elapsed())
+    }
+
+    /// The Pod template of Deployment `name` in `ns`, as the API server has it now.
+    pub async fn pod_template(&self, ns: &str, name: &str) -> anyhow::Result<PodSpec> {
+        Api::<Deployment>::namespaced(self.plane.client().await?, ns)
+            .get(name)
+            .await?
+            .spec
+            .template
+            .spec
+            .with_context(|| format!("Deployment {ns}/{name} has no Pod template"))
     }
 
     /// `helm install <release>` of the chart from the repository into `ns` with `values` (each a

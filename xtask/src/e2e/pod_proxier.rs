@@ -355,37 +355,19 @@ async fn haproxy_backend(
     token: &str,
 ) -> anyhow::Result<String> {
     let client = env.plane.client().await?;
-    let (chart, version) = env.chart(RELEASE)?;
     let (repository, tag) = env.image("haproxy")?;
-    let upgraded = Instant::now();
-    env.helm(&[
-        "upgrade",
-        RELEASE,
-        &chart,
-        "--version",
-        &version,
-        "-n",
-        ns,
-        "--reuse-values",
-        "--set",
-        "podProxier.backend=haproxy,podProxier.v2Target=endpoints",
-        "--set",
-        &format!(
-            "haproxy.image.repository={repository},haproxy.image.tag={tag},haproxy.image.pullPolicy=Never"
+    let image = format!(
+        "haproxy.image.repository={repository},haproxy.image.tag={tag},haproxy.image.pullPolicy=Never"
+    );
+    let sets = [
+        (
+            "--set",
+            "podProxier.backend=haproxy,podProxier.v2Target=endpoints",
         ),
-        "--wait",
-        "--timeout",
-        "120s",
-    ])
-    .await?;
-    let took = upgraded.elapsed();
-    let pod_spec = Api::<Deployment>::namespaced(client.clone(), ns)
-        .get(RELEASE)
-        .await?
-        .spec
-        .template
-        .spec
-        .context("the pod-proxier Deployment has no Pod template")?;
+        ("--set", image.as_str()),
+    ];
+    let took = env.upgrade_reusing(RELEASE, ns, &sets, true).await?;
+    let pod_spec = env.pod_template(ns, RELEASE).await?;
     let args = (pod_spec.containers.iter())
         .find(|c| c.name == "pod-proxier")
         .and_then(|c| c.args.clone())
@@ -509,32 +491,10 @@ async fn cluster_ip_target(
     token: &str,
 ) -> anyhow::Result<String> {
     let client = env.plane.client().await?;
-    let (chart, version) = env.chart(RELEASE)?;
-    let upgraded = Instant::now();
-    env.helm(&[
-        "upgrade",
-        RELEASE,
-        &chart,
-        "--version",
-        &version,
-        "-n",
-        ns,
-        "--reuse-values",
-        "--set",
-        "podProxier.v2Target=cluster-ip",
-        "--wait",
-        "--timeout",
-        "120s",
-    ])
-    .await?;
-    let took = upgraded.elapsed();
-    let args = Api::<Deployment>::namespaced(client.clone(), ns)
-        .get(RELEASE)
-        .await?
-        .spec
-        .template
-        .spec
-        .and_then(|s| s.containers.into_iter().find(|c| c.name == "pod-proxier"))
+    let sets = [("--set", "podProxier.v2Target=cluster-ip")];
+    let took = env.upgrade_reusing(RELEASE, ns, &sets, true).await?;
+    let args = (env.pod_template(ns, RELEASE).await?.containers.into_iter())
+        .find(|c| c.name == "pod-proxier")
         .and_then(|c| c.args)
         .unwrap_or_default();
     let target = (args.iter())

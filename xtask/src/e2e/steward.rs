@@ -269,7 +269,6 @@ async fn scenarios(
         client: client.clone(),
         ns: ns.clone(),
     };
-    let (chart, version) = env.chart(RELEASE)?;
 
     // 1. Install with the chart's defaults; the leader's first write is timed against the moment
     //    the Lease names it and the moment its first Pod is Ready.
@@ -379,19 +378,8 @@ async fn scenarios(
 
     // 3. The other endpoint mode: does kube-proxy route a ClusterIP used as an endpoint?
     let started = Instant::now();
-    env.helm(&[
-        "upgrade",
-        RELEASE,
-        &chart,
-        "--version",
-        &version,
-        "-n",
-        &ns,
-        "--reuse-values",
-        "--set",
-        "endpointMode=cluster-ip",
-    ])
-    .await?;
+    env.upgrade_reusing(RELEASE, &ns, &[("--set", "endpointMode=cluster-ip")], false)
+        .await?;
     cluster.wait_rolled_out(Duration::from_secs(150)).await?;
     let took = cluster
         .wait_published("cluster-ip", Duration::from_secs(30))
@@ -424,19 +412,8 @@ async fn scenarios(
         ),
     );
     let started = Instant::now();
-    env.helm(&[
-        "upgrade",
-        RELEASE,
-        &chart,
-        "--version",
-        &version,
-        "-n",
-        &ns,
-        "--reuse-values",
-        "--set",
-        "endpointMode=pod-ip",
-    ])
-    .await?;
+    env.upgrade_reusing(RELEASE, &ns, &[("--set", "endpointMode=pod-ip")], false)
+        .await?;
     cluster.wait_rolled_out(Duration::from_secs(150)).await?;
     cluster
         .wait_published("pod-ip", Duration::from_secs(30))
@@ -545,7 +522,7 @@ async fn scenarios(
     // 5. helm upgrade rolls both Pods while a client GETs every 50 ms and holds a watch, both
     //    through kubernetes.default (kube-proxy, then steward).
     let started = Instant::now();
-    let outcome = rolling_upgrade(env, &cluster, &chart).await?;
+    let outcome = rolling_upgrade(env, &cluster).await?;
     report.record(
         "helm upgrade rolls both Pods while a client GETs every 50 ms and holds a watch (through 10.96.0.1:443)",
         outcome.failed == 0 && outcome.watch_saw_probe,
@@ -813,12 +790,7 @@ pub async fn service_client(env: &Env<'_>) -> anyhow::Result<kube::Client> {
     Ok(kube::Client::try_from(config)?)
 }
 
-async fn rolling_upgrade(
-    env: &Env<'_>,
-    cluster: &Release,
-    chart: &str,
-) -> anyhow::Result<RollOutcome> {
-    let (_, chart_version) = env.chart(RELEASE)?;
+async fn rolling_upgrade(env: &Env<'_>, cluster: &Release) -> anyhow::Result<RollOutcome> {
     let client = service_client(env).await?;
     let namespaces: Api<Namespace> = Api::all(client.clone());
     cluster.wait_routed_through_steward().await?;
@@ -936,19 +908,9 @@ async fn rolling_upgrade(
     };
     admin.create(&PostParams::default(), &probe(1)?).await?;
     let started = Instant::now();
-    env.helm(&[
-        "upgrade",
-        RELEASE,
-        chart,
-        "--version",
-        &chart_version,
-        "-n",
-        &cluster.ns,
-        "--reuse-values",
-        "--set-string",
-        "podAnnotations.e2e-roll=1",
-    ])
-    .await?;
+    let sets = [("--set-string", "podAnnotations.e2e-roll=1")];
+    env.upgrade_reusing(RELEASE, &cluster.ns, &sets, false)
+        .await?;
     admin.create(&PostParams::default(), &probe(2)?).await?;
     cluster.wait_rolled_out(Duration::from_secs(180)).await?;
     let rollout = started.elapsed();
