@@ -25,7 +25,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinHandle;
 
 use super::load::{self, Direction, Sink};
-use super::report::{Metric, Recorder};
+use super::report::{Metric, Recorder, notes_from};
 use super::system::{self, GENERATOR_CPU, RELAY_CPU};
 use super::{Outcome, Settings};
 
@@ -98,23 +98,21 @@ pub fn run(settings: &Settings) -> anyhow::Result<Outcome> {
     })
 }
 
-fn notes(settings: &Settings, sizes: &Sizes) -> Vec<String> {
+/// The report's prose: `pod_proxier_notes.md` with this run's settings.
+const NOTES_TEMPLATE: &str = include_str!("pod_proxier_notes.md");
+
+fn note_values(settings: &Settings, sizes: &Sizes) -> Vec<(&'static str, String)> {
     vec![
-        format!(
-            "POST to first byte: {} mappings per contender, spread over {} rounds in which the four contenders take turns in a random order; each maps the next of {BANNER_PODS} pods (Running, podIP 127.0.0.1, a named container port where a local server greets first), measured by proxy_core::testing::post_to_first_byte (API call, then a connect every millisecond until a byte arrives). Before each POST the previous mapping is deleted and the entry port checked idle, so the byte can only come through the new mapping; afterwards the greeting is checked to be the new pod's. The per-mapping figure's median is the p50 over every mapping of the run, with the fastest and slowest mapping; the p99 is over every mapping too (one value).",
-            sizes.mappings,
-            settings.rounds
-        ),
-        format!(
-            "Throughput: {} MiB per transfer over one connection, checked end to end, to the sink directly or through each backend's entry port mapped to a pod whose podIP:port is the sink; {} rounds alternating direct, embedded, HAProxy.",
-            sizes.bulk_bytes >> 20,
-            settings.rounds
-        ),
-        format!(
-            "Auth: the '--auth none' contenders take requests without a token. The '--auth kubernetes' contenders get the ServiceAccount token of {CALLER} (TokenRequest API) in a Bearer header; pod-proxier checks it with TokenReview and the access (create pods/portforward on the pod) with SubjectAccessReview, as the Helm chart runs it, and the ServiceAccount is granted that by a Role. pod-proxier uses the admin kubeconfig; each backend has its own state namespace. Throughput is measured through the '--auth none' contenders only: auth is checked on the API call, not on the data path. The API server and etcd are not pinned."
-        ),
-        "HAProxy backend: the configuration is what `pod-proxier haproxy-config` prints, which splices as the embedded data plane does: `option splice-auto` (buffered until a transfer is large, then through a pipe, like proxy-core's automatic mode), `tune.pipesize` equal to proxy-core's 1 MiB pipe, and `maxpipes` equal to `maxconn`.".to_owned(),
+        ("mappings", sizes.mappings.to_string()),
+        ("rounds", settings.rounds.to_string()),
+        ("banner_pods", BANNER_PODS.to_string()),
+        ("bulk_mib", (sizes.bulk_bytes >> 20).to_string()),
+        ("caller", CALLER.to_owned()),
     ]
+}
+
+fn notes(settings: &Settings, sizes: &Sizes) -> Vec<String> {
+    notes_from(NOTES_TEMPLATE, &note_values(settings, sizes))
 }
 
 async fn measure(

@@ -218,6 +218,21 @@ fn summarize(series: &mut Series) {
     series.max = sorted.last().copied();
 }
 
+/// A bench's prose from its markdown template (a `*_notes.md` file next to the bench): every
+/// `{key}` of `values` filled in, then one note per paragraph with its whitespace folded;
+/// paragraphs that start with an HTML comment (the template's own explanation) are left out.
+pub fn notes_from(template: &str, values: &[(&str, String)]) -> Vec<String> {
+    let mut text = template.to_owned();
+    for (key, value) in values {
+        text = text.replace(&format!("{{{key}}}"), value);
+    }
+    text.split("\n\n")
+        .filter(|paragraph| !paragraph.trim_start().starts_with("<!--"))
+        .map(|paragraph| paragraph.split_whitespace().collect::<Vec<_>>().join(" "))
+        .filter(|paragraph| !paragraph.is_empty())
+        .collect()
+}
+
 /// The median of ascending values (the mean of the middle two for an even count).
 pub fn median_of_sorted(sorted: &[f64]) -> f64 {
     let mid = sorted.len() / 2;
@@ -477,6 +492,71 @@ mod tests {
     use super::*;
 
     const SPEED: Metric = Metric::higher("speed", "Gbit/s");
+
+    /// The `{key}`s of a template (identifier characters between braces) outside its comments.
+    fn placeholders(template: &str) -> Vec<&str> {
+        let mut keys = Vec::new();
+        let prose = template
+            .split("\n\n")
+            .filter(|paragraph| !paragraph.trim_start().starts_with("<!--"));
+        for mut rest in prose {
+            while let Some(open) = rest.find('{') {
+                rest = &rest[open + 1..];
+                let Some(close) = rest.find('}') else { break };
+                let key = &rest[..close];
+                if !key.is_empty() && key.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
+                    keys.push(key);
+                }
+            }
+        }
+        keys
+    }
+
+    #[test]
+    fn notes_fill_keys_split_paragraphs_and_drop_comments() {
+        let template =
+            "<!-- how to edit -->\n\nRuns {rounds}\nrounds of {size}.\n\n\nSecond {rounds}.\n";
+        let values = [("rounds", "3".to_owned()), ("size", "1 MiB".to_owned())];
+        assert_eq!(
+            notes_from(template, &values),
+            ["Runs 3 rounds of 1 MiB.", "Second 3."]
+        );
+    }
+
+    /// Every placeholder of each bench's template is a key its bench fills (a `"key",` in
+    /// its source), so no note goes out with a `{key}` in it.
+    #[test]
+    fn every_template_placeholder_is_filled_by_its_bench() {
+        let benches = [
+            (
+                include_str!("proxy/proxy_notes.md"),
+                include_str!("proxy/goals.rs"),
+            ),
+            (
+                include_str!("operator_notes.md"),
+                include_str!("operator.rs"),
+            ),
+            (
+                include_str!("pod_proxier_notes.md"),
+                include_str!("pod_proxier.rs"),
+            ),
+            (include_str!("steward_notes.md"), include_str!("steward.rs")),
+            (
+                include_str!("rstream/rstream_notes.md"),
+                include_str!("rstream/mod.rs"),
+            ),
+        ];
+        for (template, source) in benches {
+            let keys = placeholders(template);
+            assert!(!keys.is_empty());
+            for key in keys {
+                assert!(
+                    source.contains(&format!("\"{key}\",")),
+                    "{{{key}}} is not filled by its bench"
+                );
+            }
+        }
+    }
 
     #[test]
     fn medians_of_odd_and_even_counts() {

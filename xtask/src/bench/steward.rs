@@ -18,7 +18,7 @@ use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::runtime::watcher;
 use tokio::sync::mpsc;
 
-use super::report::{Metric, Recorder};
+use super::report::{Metric, Recorder, notes_from};
 use super::system::{self, RELAY_CPU};
 use super::{Outcome, Settings};
 
@@ -191,25 +191,26 @@ async fn measure(
     Ok(Outcome {
         figures,
         goals: Vec::new(),
-        notes: vec![
-            format!(
-                "Drift repair: merge patches of default/kubernetes (a wrong address); latency from the watch event showing the edit to the watch event showing the repair, both seen by one watch of the bench (ms resolution of arrival, not of the server). {} rounds; in each, steward and the seed poller take turns in a random order, and only one of them runs at a time. Steward: {} edits in all, {:?} apart, a fresh process each round (metrics after each round: {}).",
-                settings.rounds,
-                sizes.edits,
-                EDIT_SPACING,
-                metrics.join("; ")
-            ),
-            format!(
-                "Seed: measured, not modelled. The bench re-creates the seed's reconciler in-process (admin client, same API server): once at start, then every {SEED_POLL:?} on a fixed ticker, GET the proxy Service's ClusterIP, GET default/kubernetes, and if it does not have exactly one endpoint with one address equal to the ClusterIP and one port equal to {SERVICE_PORT}, replace endpoints and ports and Update in place with the resourceVersion just read. {} edits in all, each made {EDIT_SPACING:?} plus a uniformly random 0-30 s after the previous repair, so edits fall at a random point of the poll cycle; every such edit costs about 30 s of bench time, which is why there are few of them (the bench stays within about 5 minutes with the defaults).",
-                sizes.seed_edits
-            ),
-            format!(
-                "LIST: {} ConfigMaps of 100 KiB each; {} sequential GETs of the list per round over a kept-alive TLS connection (kube client), response bytes / elapsed. The API server and the client are not pinned (the API server dominates); steward relays raw TLS bytes on CPU {RELAY_CPU}.",
-                sizes.config_maps, sizes.lists_per_round
-            ),
-        ],
+        notes: notes_from(
+            NOTES_TEMPLATE,
+            &[
+                ("rounds", settings.rounds.to_string()),
+                ("edits", sizes.edits.to_string()),
+                ("edit_spacing", format!("{EDIT_SPACING:?}")),
+                ("metrics", metrics.join("; ")),
+                ("seed_poll", format!("{SEED_POLL:?}")),
+                ("service_port", SERVICE_PORT.to_string()),
+                ("seed_edits", sizes.seed_edits.to_string()),
+                ("config_maps", sizes.config_maps.to_string()),
+                ("lists_per_round", sizes.lists_per_round.to_string()),
+                ("relay_cpu", RELAY_CPU.to_string()),
+            ],
+        ),
     })
 }
+
+/// The report's prose, filled with this run's settings.
+const NOTES_TEMPLATE: &str = include_str!("steward_notes.md");
 
 /// Each contender's configuration, as the summary shows it.
 pub fn contenders(_settings: &Settings) -> Vec<(&'static str, String)> {

@@ -11,7 +11,7 @@ use super::{
     PROXY_CORE_2T, SCALING, Workload, open_phase,
 };
 use crate::bench::Settings;
-use crate::bench::report::{Figure, Goal};
+use crate::bench::report::{Figure, Goal, notes_from};
 use crate::bench::system::{self, GENERATOR_CPU, RELAY_CPU};
 
 /// The prose of the report, with `{placeholders}` filled by [`notes`].
@@ -234,16 +234,7 @@ pub(super) fn notes(settings: &Settings, workload: &Workload, figures: &[Figure]
         ("idle_limit", idle_limit),
         ("profile_dir", PROFILE_DIR.to_owned()),
     ];
-    let mut text = NOTES_TEMPLATE.to_owned();
-    for (key, value) in values {
-        text = text.replace(&format!("{{{key}}}"), &value);
-    }
-    let mut notes: Vec<String> = text
-        .split("\n\n")
-        .filter(|paragraph| !paragraph.trim_start().starts_with("<!--"))
-        .map(|paragraph| paragraph.split_whitespace().collect::<Vec<_>>().join(" "))
-        .filter(|paragraph| !paragraph.is_empty())
-        .collect();
+    let mut notes = notes_from(NOTES_TEMPLATE, &values);
     notes.extend(bounds(figures));
     notes
 }

@@ -20,7 +20,7 @@ mod sink;
 
 use std::time::Duration;
 
-use super::report::{Goal, Metric};
+use super::report::{Goal, Metric, notes_from};
 use super::system::{self, GENERATOR_CPU, RELAY_CPU};
 use super::{Outcome, Settings};
 
@@ -33,6 +33,8 @@ const SDK: &str = "Python SDK";
 const SDK_UVLOOP: &str = "Python SDK + uvloop";
 const CEILING: &str = "rustls TLS 1.3 stream, loopback";
 const TOKEN: &str = "bench-token";
+/// The report's prose, filled with this run's settings.
+const NOTES_TEMPLATE: &str = include_str!("rstream_notes.md");
 
 /// The pinned SDK release (as in rstream-client/tests/python_interop.rs).
 const SDK_VERSION: &str = "0.7.0";
@@ -127,24 +129,18 @@ pub fn run(settings: &Settings) -> anyhow::Result<Outcome> {
     ];
     figures.sort_by_key(|f| order.iter().position(|m| m.name == f.name));
     let goals = goals(&figures);
-    let mut notes = vec![
-        format!(
-            "Throughput: {} MiB per run over one connection, {} rounds, the contenders in a random order each round. The sink's protocol is length-prefixed (upload: the sink reads the announced length, then answers with the count; download: the client reads exactly the announced length), so no contender depends on half-close: the SDK's forwarder closes the whole stream when one direction ends. The tunnel path crosses the engine's TCP ingress, a TLS proxy leg to the peer and the peer's forward to the sink.",
-            sizes.bulk_bytes >> 20,
-            settings.rounds
-        ),
-        format!(
-            "Ceiling: {CEILING} is measured, not modelled: one TLS 1.3 connection over loopback TCP with rustls and ring's TLS13_AES_256_GCM_SHA384 (the suite the tunnel's TLS leg negotiates) on both ends, the TLS server on CPU {GENERATOR_CPU} (the engine's) and the client on CPU {RELAY_CPU} (the peer's), as the tunnel's leg runs; plaintext moves one way (upload: server to client, as the engine seals an upload; download: client to server) in 256 KiB writes for {:?}, and the rate is the plaintext received from its first byte to close_notify. It takes a turn in each round like a contender. It has one TCP hop and no generator or sink: the most one TLS stream of this stack moves here.",
-            sizes.cipher_time
-        ),
-        format!(
-            "Setup: {} sequential new connections per round and contender, time from connect() to the first byte of the sink's answer (through a tunnel that includes the engine's ProxyConnReq, the peer's new TLS proxy leg and its connect to the sink).",
-            sizes.setup_count
-        ),
-        format!(
-            "CPU: the engine, the tunnel client and the generator + sink each run on their own thread (their own tokio runtime); the engine and the generator share CPU {GENERATOR_CPU}, the peer (the Rust client or the SDK process) has CPU {RELAY_CPU}. The busy figures are each thread's (or the SDK process's) CPU time during the transfers over their wall time, one sample per transfer, from /proc (10 ms ticks)."
-        ),
-    ];
+    let mut notes = notes_from(
+        NOTES_TEMPLATE,
+        &[
+            ("bulk_mib", (sizes.bulk_bytes >> 20).to_string()),
+            ("rounds", settings.rounds.to_string()),
+            ("ceiling", CEILING.to_owned()),
+            ("generator_cpu", GENERATOR_CPU.to_string()),
+            ("relay_cpu", RELAY_CPU.to_string()),
+            ("cipher_time", format!("{:?}", sizes.cipher_time)),
+            ("setup_count", sizes.setup_count.to_string()),
+        ],
+    );
     match sdk_info {
         Some(info) => notes.push(format!("Python SDK processes: {info}.")),
         None => notes.push(
