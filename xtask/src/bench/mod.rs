@@ -34,8 +34,8 @@ pub struct Args {
     /// A short smoke run: small transfers, short phases, few rounds.
     #[arg(long)]
     quick: bool,
-    /// bench proxy: also profile each relay (perf record, strace -c) into xtask/bench-profile/,
-    /// the files the report's bound notes cite.
+    /// Also profile into xtask/bench-profile/, the files the report's bound notes cite: bench
+    /// proxy each relay (perf record, strace -c), bench operator the manager's heap (heaptrack).
     #[arg(long)]
     profile: bool,
     /// Where JSON and summary.md go (relative paths are under the workspace root).
@@ -57,7 +57,7 @@ enum Which {
 pub struct Settings {
     rounds: usize,
     quick: bool,
-    /// Profile the relays (`--profile`).
+    /// Profile the relays and the operator's heap (`--profile`).
     profile: bool,
     /// The open-file limit in force (children inherit it).
     fd_limit: u64,

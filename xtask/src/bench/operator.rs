@@ -23,7 +23,7 @@ use kube::api::{Api, ListParams, PostParams};
 use rstream_operator::api::{RstreamConnection, RstreamTunnel};
 use serde::de::DeserializeOwned;
 
-use super::report::{Goal, Metric, Recorder};
+use super::report::{Goal, Metric, Recorder, notes_from};
 use super::system;
 use super::{Outcome, Settings};
 
@@ -79,6 +79,9 @@ impl Sizes {
     }
 }
 
+/// The report's prose, filled with this run's settings.
+const NOTES_TEMPLATE: &str = include_str!("operator_notes.md");
+
 /// The manager's peak RSS goal, in MiB.
 const RSS_GOAL_MIB: f64 = 64.0;
 /// The steady-state read goal: API reads per tunnel and resync.
@@ -119,12 +122,19 @@ pub fn run(settings: &Settings) -> anyhow::Result<Outcome> {
         let mut runs = Vec::with_capacity(settings.rounds);
         for round in 1..=settings.rounds {
             eprintln!("operator: round {round} of {}", settings.rounds);
-            match measure(&plane, &binary, &sizes).await {
+            match measure(&plane, &binary, &sizes, None).await {
                 Ok(run) => runs.push(run),
                 Err(e) => {
                     plane.stop();
                     return Err(e);
                 }
+            }
+        }
+        if settings.profile {
+            eprintln!("operator: one more round under heaptrack (its figures are not kept)");
+            if let Err(e) = heap_profile_round(&plane, &binary, &sizes).await {
+                plane.stop();
+                return Err(e);
             }
         }
         plane.stop();
@@ -135,7 +145,15 @@ pub fn run(settings: &Settings) -> anyhow::Result<Outcome> {
 
 /// One round: a fresh namespace of tunnels and a manager scoped to it (earlier rounds' objects
 /// stay, unseen by it), converged, then one steady-state window.
-async fn measure(plane: &ControlPlane, binary: &Path, sizes: &Sizes) -> anyhow::Result<Run> {
+///
+/// With `heap`, the manager runs with heaptrack's preload library writing its raw record there,
+/// and is stopped with SIGTERM at the end so the record is complete.
+async fn measure(
+    plane: &ControlPlane,
+    binary: &Path,
+    sizes: &Sizes,
+    heap: Option<&Path>,
+) -> anyhow::Result<Run> {
     let client = plane.client().await?;
     let namespace = plane.create_namespace("bench-operator").await?;
     create_prerequisites(&client, &namespace).await?;
@@ -153,7 +171,7 @@ async fn measure(plane: &ControlPlane, binary: &Path, sizes: &Sizes) -> anyhow::
         .await?;
     let writes_before = plane.writes_by(MANAGER_USER).await?.len();
     let started = Instant::now();
-    let mut manager = start_manager(binary, &kubeconfig, &namespace, sizes, dir.path())?;
+    let mut manager = start_manager(binary, &kubeconfig, &namespace, sizes, dir.path(), heap)?;
     eprintln!("operator: waiting for every tunnel's children");
     wait_children(&client, &namespace, sizes, &mut manager).await?;
     let converge = started.elapsed();
@@ -168,14 +186,81 @@ async fn measure(plane: &ControlPlane, binary: &Path, sizes: &Sizes) -> anyhow::
         sizes.steady, sizes.resync
     );
     let window = steady_window(plane, sizes.steady, &mut manager).await?;
-    Ok(Run {
+    let run = Run {
         converge,
         peak_rss_after_converge_kib,
         peak_rss_kib: peak_rss_kib(manager.pid())?,
         settle,
         converge_writes,
         window,
-    })
+    };
+    if heap.is_some() {
+        manager.terminate(Duration::from_secs(30))?;
+    }
+    Ok(run)
+}
+
+/// heaptrack's preload library and interpreter, from Debian's `heaptrack` package.
+const HEAPTRACK_PRELOAD: &str = "/usr/lib/heaptrack/libheaptrack_preload.so";
+const HEAPTRACK_INTERPRET: &str = "/usr/lib/heaptrack/libexec/heaptrack_interpret";
+/// The heap profile `--profile` writes under [`PROFILE_DIR`](super::proxy::PROFILE_DIR).
+pub const HEAP_PROFILE: &str = "operator-manager-heap.txt";
+
+/// One unmeasured round with the manager under heaptrack; writes the peak's biggest consumers
+/// (heaptrack_print) to [`HEAP_PROFILE`], the evidence for what bounds the manager's RSS.
+async fn heap_profile_round(
+    plane: &ControlPlane,
+    binary: &Path,
+    sizes: &Sizes,
+) -> anyhow::Result<()> {
+    crate::envtest::install_packages(&["heaptrack"], "bench operator --profile")?;
+    let dir = tempfile::Builder::new()
+        .prefix("netkit-bench-heap-")
+        .tempdir()?;
+    let raw = dir.path().join("manager.heaptrack.raw");
+    let run = measure(plane, binary, sizes, Some(&raw)).await?;
+    let data = dir.path().join("manager.heaptrack");
+    let status = std::process::Command::new(HEAPTRACK_INTERPRET)
+        .stdin(std::fs::File::open(&raw).with_context(|| format!("opening {}", raw.display()))?)
+        .stdout(std::fs::File::create(&data)?)
+        .status()
+        .context("running heaptrack_interpret")?;
+    if !status.success() {
+        bail!("heaptrack_interpret exited with {status}");
+    }
+    let printed = std::process::Command::new("heaptrack_print")
+        .arg("--file")
+        .arg(&data)
+        .args([
+            "--print-peaks=1",
+            "--print-allocators=0",
+            "--print-temporary=0",
+            "--print-leaks=0",
+            "--peak-limit=25",
+            "--sub-peak-limit=3",
+        ])
+        .output()
+        .context("running heaptrack_print")?;
+    if !printed.status.success() {
+        bail!(
+            "heaptrack_print exited with {}: {}",
+            printed.status,
+            String::from_utf8_lossy(&printed.stderr)
+        );
+    }
+    let out = crate::workspace_root()
+        .join(super::proxy::PROFILE_DIR)
+        .join(HEAP_PROFILE);
+    let header = format!(
+        "# heaptrack of rstream-operator's manager converging {} tunnels, then {:?} of steady state (one round of `cargo xtask bench operator --profile`; VmHWM under heaptrack {:.1} MiB)\n\n",
+        sizes.tunnels,
+        sizes.steady,
+        run.peak_rss_kib as f64 / 1024.0
+    );
+    std::fs::write(&out, header + &String::from_utf8_lossy(&printed.stdout))
+        .with_context(|| format!("writing {}", out.display()))?;
+    eprintln!("operator: heap profile in {}", out.display());
+    Ok(())
 }
 
 /// Counts the writes made while `length` passes (the audit barrier of `writes_by` makes sure
@@ -307,21 +392,20 @@ fn outcome(sizes: &Sizes, rounds: usize, runs: &[Run]) -> Outcome {
                 met: Some(measured && max_rss < RSS_GOAL_MIB),
             },
         ],
-        notes: vec![
-            format!(
-                "Each round: {} RstreamTunnels (one direct-engine RstreamConnection with a token Secret, one target Service) created in a fresh namespace before a manager scoped to it (--namespace) starts; earlier rounds' objects stay in the API server, unseen by it. Converge time: from spawning the manager (process start and cache sync included) until every tunnel has its ConfigMap, ServiceAccount, Role, RoleBinding and Deployment, polled every {POLL:?} with metadata-only lists. Peak RSS: the manager's VmHWM at the end of its round.",
-                sizes.tunnels
-            ),
-            format!(
-                "Steady state: starts once the manager's write count (audit log, user {MANAGER_USER}) has not moved for {QUIET:?}, then one window of {:?} per round, spanning at least three resyncs (--resync-period={}s). The managers' writes in the windows: {}. Their reads: {} (the children, the connection, the target Service and the token Secret come from the watch caches; status is compared with the reconciled object first). Per round: {}.",
-                sizes.steady,
-                sizes.resync.as_secs(),
-                describe(&all_writes),
-                describe(&all_reads),
-                per_round.join("; ")
-            ),
-            "No agent runs and no controller-manager: Deployments never become available, so tunnels stay at Ready=False/WaitingForDeployment, which is a stable state. The manager is not pinned; it shares both CPUs with etcd and kube-apiserver.".to_owned(),
-        ],
+        notes: notes_from(
+            NOTES_TEMPLATE,
+            &[
+                ("tunnels", sizes.tunnels.to_string()),
+                ("poll", format!("{POLL:?}")),
+                ("manager_user", MANAGER_USER.to_owned()),
+                ("quiet", format!("{QUIET:?}")),
+                ("steady", format!("{:?}", sizes.steady)),
+                ("resync_secs", sizes.resync.as_secs().to_string()),
+                ("writes", describe(&all_writes)),
+                ("reads", describe(&all_reads)),
+                ("per_round", per_round.join("; ")),
+            ],
+        ),
     }
 }
 
@@ -425,6 +509,7 @@ fn start_manager(
     namespace: &str,
     sizes: &Sizes,
     log_dir: &Path,
+    heap: Option<&Path>,
 ) -> anyhow::Result<system::Service> {
     let address = || -> anyhow::Result<String> {
         Ok(SocketAddr::from((Ipv4Addr::LOCALHOST, system::free_port()?)).to_string())
@@ -438,6 +523,10 @@ fn start_manager(
         .arg(format!("--resync-period={}s", sizes.resync.as_secs()))
         .arg("--log-format=text")
         .arg("--log-level=warn");
+    if let Some(raw) = heap {
+        cmd.env("LD_PRELOAD", HEAPTRACK_PRELOAD)
+            .env("DUMP_HEAPTRACK_OUTPUT", raw);
+    }
     system::Service::spawn(MANAGER, cmd, log_dir)
 }
 

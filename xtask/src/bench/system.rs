@@ -199,6 +199,29 @@ impl Service {
         }
     }
 
+    /// Asks the process to stop (SIGTERM) and waits up to `grace` for it to exit, so it can
+    /// finish what it writes at exit; kills it after that.
+    pub fn terminate(&mut self, grace: Duration) -> anyhow::Result<()> {
+        let pid = i32::try_from(self.child.id())
+            .ok()
+            .and_then(rustix::process::Pid::from_raw)
+            .context("the process id")?;
+        if self.child.try_wait()?.is_none() {
+            rustix::process::kill_process(pid, rustix::process::Signal::TERM)
+                .with_context(|| format!("sending SIGTERM to {}", self.name))?;
+        }
+        let deadline = Instant::now() + grace;
+        while self.child.try_wait()?.is_none() {
+            if Instant::now() > deadline {
+                self.child.kill()?;
+                self.child.wait()?;
+                bail!("{} did not exit within {grace:?} of SIGTERM", self.name);
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Ok(())
+    }
+
     /// Fails with the log tail if the process has exited.
     pub fn check_running(&mut self) -> anyhow::Result<()> {
         if let Some(status) = self.child.try_wait()? {
