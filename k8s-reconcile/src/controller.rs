@@ -182,8 +182,6 @@ impl Context {
     }
 }
 
-/// Adds one watched kind to a controller (and its store to the caches, for an owned kind); kept
-/// so that every leadership term builds fresh watches.
 /// The changed objects of a watch of `api` (retried with backoff), kept in a store that joins
 /// `caches` (without their `managedFields`).
 fn cached_changes<C>(
@@ -205,6 +203,8 @@ where
     .touched_objects()
 }
 
+/// Adds one watched kind to a controller (and its store to the caches); kept so that every
+/// leadership term builds fresh watches.
 type Setup<K> = Arc<dyn Fn(Controller<K>, &mut Caches) -> Controller<K> + Send + Sync>;
 
 /// How long a controller's reconciles may run on after a stop (shutdown or a lost Lease)
@@ -401,7 +401,18 @@ impl<R: Reconciler> ControllerBuilder<R> {
 
     /// Runs the kube-runtime controller until `stop` is cancelled.
     async fn run_while_leading(&self, stop: CancellationToken) {
-        let mut controller = Controller::new(self.api.clone(), self.watcher_config.clone())
+        // The main watch as kube-runtime's `Controller::new` makes it, but retried with backoff
+        // and without `managedFields` in the store (they can be larger than the rest of a
+        // small object, and no reconcile reads them).
+        let (store, writer) = reflector::store();
+        let main = reflector::reflector(
+            writer,
+            watcher::watcher(self.api.clone(), self.watcher_config.clone())
+                .backoff(crate::watch_set::WatchBackoff::default())
+                .modify(crate::watch_set::drop_managed_fields),
+        )
+        .applied_objects();
+        let mut controller = Controller::for_stream(main, store)
             .with_config(ControllerConfig::default().concurrency(self.concurrency))
             .trigger_backoff(crate::watch_set::WatchBackoff::default());
         // A fresh set of watches (and caches) per term: rebuild from the recorded setup steps.

@@ -344,6 +344,13 @@ impl Reconciler for ChildMaker {
             .lock()
             .unwrap()
             .push((format!("reconcile {}", parent.name_any()), Instant::now()));
+        // The controller's store keeps no managedFields (they can outweigh a small object).
+        if parent.metadata.managed_fields.is_some() {
+            self.log
+                .lock()
+                .unwrap()
+                .push((format!("managedFields {}", parent.name_any()), Instant::now()));
+        }
         if parent.labels().get("fail").is_some_and(|v| v == "true") {
             return Err(ChildError::ToldToFail);
         }
@@ -469,6 +476,12 @@ async fn controller_reconciles_children_without_steady_writes_and_cleans_up() {
         .map(|event| event.request_uri)
         .collect();
     assert!(reads.is_empty(), "steady state read: {reads:?}");
+    let log = maker.log.lock().unwrap().clone();
+    assert!(
+        log.iter().any(|(what, _)| what == "reconcile p")
+            && !log.iter().any(|(what, _)| what.starts_with("managedFields")),
+        "{log:?}"
+    );
 
     // An edit of the owned child triggers a reconcile that repairs it, at once.
     let mut tampered = child.clone();
