@@ -346,10 +346,10 @@ impl Reconciler for ChildMaker {
             .push((format!("reconcile {}", parent.name_any()), Instant::now()));
         // The controller's store keeps no managedFields (they can outweigh a small object).
         if parent.metadata.managed_fields.is_some() {
-            self.log
-                .lock()
-                .unwrap()
-                .push((format!("managedFields {}", parent.name_any()), Instant::now()));
+            self.log.lock().unwrap().push((
+                format!("managedFields {}", parent.name_any()),
+                Instant::now(),
+            ));
         }
         if parent.labels().get("fail").is_some_and(|v| v == "true") {
             return Err(ChildError::ToldToFail);
@@ -479,7 +479,9 @@ async fn controller_reconciles_children_without_steady_writes_and_cleans_up() {
     let log = maker.log.lock().unwrap().clone();
     assert!(
         log.iter().any(|(what, _)| what == "reconcile p")
-            && !log.iter().any(|(what, _)| what.starts_with("managedFields")),
+            && !log
+                .iter()
+                .any(|(what, _)| what.starts_with("managedFields")),
         "{log:?}"
     );
 

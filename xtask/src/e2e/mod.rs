@@ -20,10 +20,13 @@
 
 pub mod partition;
 pub mod pod_proxier;
+mod report;
 pub mod rstream_operator;
 pub mod steward;
 
-use std::fmt::Write as _;
+pub use report::{ChartReport, FAILURE_PREFIX, Restarts};
+use report::{Report, failure_lines, markdown};
+
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -33,7 +36,6 @@ use k8s_openapi::api::core::v1::{Pod, PodSpec};
 use k8s_reconcile::testing::ControlPlane;
 use k8s_reconcile::testing::node::{self, TESTBOX_IMAGE, check};
 use kube::api::{Api, ListParams};
-use serde::Serialize;
 
 use crate::chart_repo::{Packaged, REPO_NAME, Server};
 use crate::image::Built;
@@ -47,34 +49,6 @@ pub struct Args {
     /// all three when not given. A run of fewer charts says so in its report and closing line.
     #[arg(long = "chart", value_name = "RELEASE")]
     pub charts: Vec<String>,
-}
-
-/// One scenario's outcome.
-#[derive(Debug, Clone, Serialize)]
-pub struct Scenario {
-    pub name: String,
-    pub ok: bool,
-    pub took_ms: u128,
-    pub detail: String,
-}
-
-/// A container's restart count at the end of its chart's run.
-#[derive(Debug, Clone, Serialize)]
-pub struct Restarts {
-    pub pod: String,
-    pub container: String,
-    pub restarts: i32,
-}
-
-/// Everything measured for one chart.
-#[derive(Debug, Clone, Serialize, Default)]
-pub struct ChartReport {
-    pub chart: String,
-    pub namespace: String,
-    pub install_to_ready_ms: Option<u128>,
-    pub scenarios: Vec<Scenario>,
-    pub restarts: Vec<Restarts>,
-    pub error: Option<String>,
 }
 
 /// What dashboards look for in every binary's `/metrics`: the process metrics (the build info
@@ -143,45 +117,6 @@ async fn record_metric_names(
             Err(e) => format!("{addr}: {e}"),
         },
     );
-}
-
-impl ChartReport {
-    fn new(chart: &str) -> Self {
-        Self {
-            chart: chart.to_owned(),
-            ..Self::default()
-        }
-    }
-
-    /// Records a scenario; its detail is printed at once.
-    fn record(&mut self, name: &str, ok: bool, started: Instant, detail: String) {
-        let took = started.elapsed();
-        println!(
-            "  {} {:>8.1?}  {name}: {detail}",
-            if ok { "ok  " } else { "FAIL" },
-            took
-        );
-        self.scenarios.push(Scenario {
-            name: name.to_owned(),
-            ok,
-            took_ms: took.as_millis(),
-            detail,
-        });
-    }
-
-    fn passed(&self) -> bool {
-        self.error.is_none()
-            && self.scenarios.iter().all(|s| s.ok)
-            && self.restarts.iter().all(|r| r.restarts == 0)
-    }
-}
-
-#[derive(Debug, Serialize)]
-struct Report {
-    passed: bool,
-    wall_ms: u128,
-    cluster_start_ms: u128,
-    charts: Vec<ChartReport>,
 }
 
 /// What every chart's run needs.
@@ -539,88 +474,6 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// How a line naming one failure starts; `cargo xtask test` repeats these lines in its summary.
-pub const FAILURE_PREFIX: &str = "e2e FAIL ";
-
-/// One line per failed scenario, chart error and restarted container, each cut to a length a
-/// CI log keeps.
-fn failure_lines(report: &Report) -> Vec<String> {
-    const KEEP: usize = 600;
-    let cut = |text: &str| -> String {
-        match text.char_indices().nth(KEEP) {
-            Some((at, _)) => format!("{} [...]", &text[..at]),
-            None => text.to_owned(),
-        }
-    };
-    let mut lines = Vec::new();
-    for chart in &report.charts {
-        let name = &chart.chart;
-        if let Some(error) = &chart.error {
-            lines.push(format!("{FAILURE_PREFIX}{name}: stopped: {}", cut(error)));
-        }
-        for s in chart.scenarios.iter().filter(|s| !s.ok) {
-            lines.push(format!(
-                "{FAILURE_PREFIX}{name}: {}: {}",
-                cut(&s.name),
-                cut(&s.detail)
-            ));
-        }
-        for r in chart.restarts.iter().filter(|r| r.restarts > 0) {
-            lines.push(format!(
-                "{FAILURE_PREFIX}{name}: {}/{} restarted {} times",
-                r.pod, r.container, r.restarts
-            ));
-        }
-    }
-    lines
-}
-
-fn markdown(report: &Report) -> String {
-    let mut md = String::new();
-    let _ = writeln!(md, "# e2e: the charts on a real node\n");
-    let _ = writeln!(
-        md,
-        "Result: **{}**; wall time {:.1} s (control plane and node start {:.1} s).\n",
-        if report.passed { "passed" } else { "FAILED" },
-        report.wall_ms as f64 / 1000.0,
-        report.cluster_start_ms as f64 / 1000.0
-    );
-    for chart in &report.charts {
-        let _ = writeln!(md, "## {} (namespace `{}`)\n", chart.chart, chart.namespace);
-        match chart.install_to_ready_ms {
-            Some(ms) => {
-                let _ = writeln!(md, "Install to Ready: {:.1} s\n", ms as f64 / 1000.0);
-            }
-            None => {
-                let _ = writeln!(md, "Install to Ready: not reached\n");
-            }
-        }
-        if let Some(error) = &chart.error {
-            let _ = writeln!(md, "Stopped by an error: `{error}`\n");
-        }
-        let _ = writeln!(
-            md,
-            "| Scenario | Result | Time | Detail |\n|---|---|---|---|"
-        );
-        for s in &chart.scenarios {
-            let _ = writeln!(
-                md,
-                "| {} | {} | {:.2} s | {} |",
-                s.name,
-                if s.ok { "ok" } else { "FAILED" },
-                s.took_ms as f64 / 1000.0,
-                s.detail.replace('|', "\\|").replace('\n', " ")
-            );
-        }
-        let _ = writeln!(md, "\n| Pod | Container | Restarts |\n|---|---|---|");
-        for r in &chart.restarts {
-            let _ = writeln!(md, "| {} | {} | {} |", r.pod, r.container, r.restarts);
-        }
-        let _ = writeln!(md);
-    }
-    md
-}
-
 /// The chart as users meet it: `helm install` printed NOTES.txt (what to check next) and
 /// `helm test` of `release` passes; `probe` names what the test Pod checks.
 pub async fn helm_test_scenario(
@@ -814,42 +667,5 @@ mod tests {
         keep_highest(&mut highest, sample(&[("agent-a", 0)]));
         keep_highest(&mut highest, sample(&[("agent-b", 1)]));
         assert_eq!(counts(&highest), [("agent-a", 2), ("agent-b", 1)]);
-    }
-
-    #[test]
-    fn every_failure_is_one_line_and_passes_are_none() {
-        let mut chart = ChartReport::new("pod-proxier");
-        let started = Instant::now();
-        chart.record("echo", true, started, "fine".to_owned());
-        chart.record("expiry", false, started, "é".repeat(700));
-        chart.restarts = vec![
-            Restarts {
-                pod: "p".to_owned(),
-                container: "c".to_owned(),
-                restarts: 2,
-            },
-            Restarts {
-                pod: "q".to_owned(),
-                container: "c".to_owned(),
-                restarts: 0,
-            },
-        ];
-        chart.error = Some("helm install: timed out".to_owned());
-        let report = Report {
-            passed: false,
-            wall_ms: 0,
-            cluster_start_ms: 0,
-            charts: vec![chart],
-        };
-        let lines = failure_lines(&report);
-        assert_eq!(lines.len(), 3, "{lines:?}");
-        assert_eq!(
-            lines[0],
-            "e2e FAIL pod-proxier: stopped: helm install: timed out"
-        );
-        assert!(lines[1].starts_with("e2e FAIL pod-proxier: expiry: éé"));
-        assert!(lines[1].ends_with("é [...]"), "cut at 600 characters");
-        assert_eq!(lines[1].chars().filter(|c| *c == 'é').count(), 600);
-        assert_eq!(lines[2], "e2e FAIL pod-proxier: p/c restarted 2 times");
     }
 }
