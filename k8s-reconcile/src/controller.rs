@@ -24,7 +24,7 @@ use std::hash::Hash;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use futures::{Stream, StreamExt as _};
+use futures::{Stream, StreamExt as _, TryStreamExt as _};
 use k8s_openapi::api::core::v1::ObjectReference;
 use kube::api::Api;
 use kube::runtime::controller::{Action as KubeAction, Config as ControllerConfig, Controller};
@@ -39,7 +39,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::Error;
 use crate::apply::Applier;
-use crate::cache::Caches;
+use crate::cache::{Caches, JsonStore};
 use crate::leader::LeaseConfig;
 use crate::leading::{self, Leadership};
 use crate::metrics::ControllerMetrics;
@@ -182,25 +182,30 @@ impl Context {
     }
 }
 
-/// The changed objects of a watch of `api` (retried with backoff), kept in a store that joins
-/// `caches` (without their `managedFields`).
+/// The changed objects of a watch of `api` (retried with backoff), kept as JSON in a store that
+/// joins `caches` (without their `managedFields`).
 fn cached_changes<C>(
     api: &Api<C>,
     config: &watcher::Config,
     caches: &mut Caches,
 ) -> impl Stream<Item = Result<C, watcher::Error>> + Send + 'static
 where
-    C: Resource<DynamicType = ()> + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
+    C: Resource<DynamicType = ()>
+        + Clone
+        + Serialize
+        + DeserializeOwned
+        + Debug
+        + Send
+        + Sync
+        + 'static,
 {
-    let (store, writer) = reflector::store();
-    caches.insert(store);
-    reflector::reflector(
-        writer,
-        watcher::watcher(api.clone(), config.clone())
-            .backoff(crate::watch_set::WatchBackoff::default())
-            .modify(crate::watch_set::drop_managed_fields),
-    )
-    .touched_objects()
+    let store = JsonStore::new();
+    caches.insert_json::<C>(store.clone());
+    watcher::watcher(api.clone(), config.clone())
+        .backoff(crate::watch_set::WatchBackoff::default())
+        .modify(crate::watch_set::drop_managed_fields)
+        .inspect_ok(move |event| store.apply(event))
+        .touched_objects()
 }
 
 /// Adds one watched kind to a controller (and its store to the caches); kept so that every
@@ -276,7 +281,14 @@ impl<R: Reconciler> ControllerBuilder<R> {
     /// watched objects are kept in [`Context::caches`]: the applier reads them there.
     pub fn owns<C>(mut self, api: Api<C>, config: watcher::Config) -> Self
     where
-        C: Resource<DynamicType = ()> + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
+        C: Resource<DynamicType = ()>
+            + Clone
+            + Serialize
+            + DeserializeOwned
+            + Debug
+            + Send
+            + Sync
+            + 'static,
     {
         self.setup.push(Arc::new(move |c, caches| {
             c.owns_stream(cached_changes(&api, &config, caches))
@@ -291,7 +303,14 @@ impl<R: Reconciler> ControllerBuilder<R> {
     /// is known).
     pub fn watches<C, F>(mut self, api: Api<C>, config: watcher::Config, mapper: F) -> Self
     where
-        C: Resource<DynamicType = ()> + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
+        C: Resource<DynamicType = ()>
+            + Clone
+            + Serialize
+            + DeserializeOwned
+            + Debug
+            + Send
+            + Sync
+            + 'static,
         F: Fn(C) -> Vec<ObjectRef<R::Resource>> + Send + Sync + 'static,
     {
         let mapper = Arc::new(mapper);
