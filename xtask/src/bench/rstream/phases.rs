@@ -180,7 +180,6 @@ async fn measure_contenders(
 /// Plaintext moves one way in 256 KiB writes for `length`; returns Gbit/s of plaintext
 /// received, from the first byte to close_notify.
 fn tls_ceiling(length: Duration, upload: bool) -> anyhow::Result<f64> {
-    use std::io::Write as _;
     use std::sync::Arc;
 
     let certified = rcgen::generate_simple_self_signed(vec!["localhost".to_owned()])?;
@@ -247,8 +246,7 @@ fn tls_ceiling(length: Duration, upload: bool) -> anyhow::Result<f64> {
                 let mut tls = rustls::StreamOwned::new(connection, tcp);
                 let rate = run_end(&mut tls, upload)?;
                 if upload {
-                    tls.conn.send_close_notify();
-                    tls.flush()?;
+                    close_sending_end(&mut tls)?;
                 }
                 Ok(rate)
             })?;
@@ -265,8 +263,7 @@ fn tls_ceiling(length: Duration, upload: bool) -> anyhow::Result<f64> {
                 let mut tls = rustls::StreamOwned::new(connection, tcp);
                 let rate = run_end(&mut tls, !upload)?;
                 if !upload {
-                    tls.conn.send_close_notify();
-                    tls.flush()?;
+                    close_sending_end(&mut tls)?;
                 }
                 Ok(rate)
             })?;
@@ -278,6 +275,25 @@ fn tls_ceiling(length: Duration, upload: bool) -> anyhow::Result<f64> {
         let (server, client) = (joined(server)?, joined(client)?);
         Ok(if upload { client } else { server })
     })
+}
+
+/// Ends the sending side of the ceiling's stream: close_notify, then FIN, then whatever the peer
+/// still sent (session tickets the sender never read) is drained until the peer closes. Closing
+/// a socket with unread bytes resets the connection, and the reset would reach the receiver
+/// before the last records.
+fn close_sending_end<C, S>(
+    tls: &mut rustls::StreamOwned<C, std::net::TcpStream>,
+) -> anyhow::Result<()>
+where
+    C: std::ops::DerefMut<Target = rustls::ConnectionCommon<S>>,
+    S: rustls::SideData,
+{
+    use std::io::Write as _;
+    tls.conn.send_close_notify();
+    tls.flush()?;
+    tls.sock.shutdown(std::net::Shutdown::Write)?;
+    std::io::copy(&mut tls.sock, &mut std::io::sink())?;
+    Ok(())
 }
 
 /// Both ends of the ceiling's TLS stream.
