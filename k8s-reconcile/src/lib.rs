@@ -18,7 +18,8 @@
 //!   SubjectAccessReview), as kube-rbac-proxy does.
 //! * [`apply`]: [`Applier`], server-side apply that skips unchanged objects; owner references;
 //!   pruning by label; status writes guarded by `resourceVersion`.
-//! * [`cache`]: reflector stores by kind, which the applier reads instead of the API server.
+//! * [`cache`]: stores by kind (typed reflector stores, or compact JSON for the kinds a
+//!   controller owns or watches), which the applier reads instead of the API server.
 //! * [`conditions`]: status conditions whose `lastTransitionTime` moves only on a flip.
 //! * [`endpointslice`]: EndpointSlices (one per IP family) and skip-mirror Endpoints for a Service.
 //! * [`leader`]: Lease-based leader election with client-go's semantics.
