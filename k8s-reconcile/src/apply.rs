@@ -29,7 +29,7 @@ use serde_json::Value;
 use sha2::{Digest as _, Sha256};
 
 use crate::Error;
-use crate::cache::Caches;
+use crate::cache::{CachedKind, Caches};
 
 /// Annotation holding the hash of the last applied desired object.
 pub const APPLIED_HASH_ANNOTATION: &str = "kube-netkit.io/applied-hash";
@@ -137,14 +137,7 @@ impl Applier {
     /// `desired` must be a namespaced object with a name and a namespace.
     pub async fn apply<K>(&self, desired: &K) -> Result<Applied<K>, Error>
     where
-        K: Resource<DynamicType = ()>
-            + Clone
-            + Serialize
-            + DeserializeOwned
-            + Debug
-            + Send
-            + Sync
-            + 'static,
+        K: CachedKind,
         K::Scope: NamespaceScope,
     {
         let name =

@@ -29,6 +29,25 @@ use kube::{Api, Resource, ResourceExt as _};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
+/// A kind the framework watches, caches (as JSON) and applies: any Kubernetes object type with
+/// serde, such as k8s-openapi's; implemented for every type that qualifies.
+pub trait CachedKind:
+    Resource<DynamicType = ()> + Clone + Serialize + DeserializeOwned + Debug + Send + Sync + 'static
+{
+}
+
+impl<K> CachedKind for K where
+    K: Resource<DynamicType = ()>
+        + Clone
+        + Serialize
+        + DeserializeOwned
+        + Debug
+        + Send
+        + Sync
+        + 'static
+{
+}
+
 /// Reflector stores by kind; see the [module docs](self).
 #[derive(Clone, Default)]
 pub struct Caches {

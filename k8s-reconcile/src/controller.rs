@@ -39,7 +39,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::Error;
 use crate::apply::Applier;
-use crate::cache::{Caches, JsonStore};
+use crate::cache::{CachedKind, Caches, JsonStore};
 use crate::leader::LeaseConfig;
 use crate::leading::{self, Leadership};
 use crate::metrics::ControllerMetrics;
@@ -190,14 +190,7 @@ fn cached_changes<C>(
     caches: &mut Caches,
 ) -> impl Stream<Item = Result<C, watcher::Error>> + Send + 'static
 where
-    C: Resource<DynamicType = ()>
-        + Clone
-        + Serialize
-        + DeserializeOwned
-        + Debug
-        + Send
-        + Sync
-        + 'static,
+    C: CachedKind,
 {
     let store = JsonStore::new();
     caches.insert_json::<C>(store.clone());
@@ -281,14 +274,7 @@ impl<R: Reconciler> ControllerBuilder<R> {
     /// watched objects are kept in [`Context::caches`]: the applier reads them there.
     pub fn owns<C>(mut self, api: Api<C>, config: watcher::Config) -> Self
     where
-        C: Resource<DynamicType = ()>
-            + Clone
-            + Serialize
-            + DeserializeOwned
-            + Debug
-            + Send
-            + Sync
-            + 'static,
+        C: CachedKind,
     {
         self.setup.push(Arc::new(move |c, caches| {
             c.owns_stream(cached_changes(&api, &config, caches))
@@ -303,14 +289,7 @@ impl<R: Reconciler> ControllerBuilder<R> {
     /// is known).
     pub fn watches<C, F>(mut self, api: Api<C>, config: watcher::Config, mapper: F) -> Self
     where
-        C: Resource<DynamicType = ()>
-            + Clone
-            + Serialize
-            + DeserializeOwned
-            + Debug
-            + Send
-            + Sync
-            + 'static,
+        C: CachedKind,
         F: Fn(C) -> Vec<ObjectRef<R::Resource>> + Send + Sync + 'static,
     {
         let mapper = Arc::new(mapper);
