@@ -9,8 +9,8 @@
 //! The stores of [`ControllerBuilder::owns`](crate::ControllerBuilder::owns) and
 //! [`watches`](crate::ControllerBuilder::watches) are [`JsonStore`]s: each object is kept as its
 //! compact JSON text and decoded when read. A typed copy of a Deployment takes about three times
-//! the memory of its JSON, in hundreds of small allocations; a controller owning thousands of
-//! objects reads each one once per resync, so decoding costs little and the memory goes.
+//! the memory of its JSON, in hundreds of small allocations. The price is CPU: every watch event
+//! is encoded and every read decoded (a controller reads each child about once per reconcile).
 //!
 //! An answer may lag the server by the watch's latency. The applier therefore trusts a cached
 //! copy only to skip a write, and reads the server before it writes. A reconcile that used a
