@@ -55,6 +55,30 @@ pub(super) fn bounds(figures: &[Figure]) -> Vec<String> {
             syscalls.join("; ")
         ));
     }
+    let mut wakeups = Vec::new();
+    for contender in [
+        PROXY_CORE,
+        PROXY_CORE_BASELINE,
+        HAPROXY_FORCED,
+        HAPROXY_AUTO,
+    ] {
+        if let Some((path, text)) = read(contender, "bulk-upload.strace")
+            && let Some(calls) = strace_per_mib(&text)
+        {
+            let listed: Vec<String> = calls
+                .iter()
+                .take(5)
+                .map(|(name, count)| format!("{name} {count:.2}"))
+                .collect();
+            wakeups.push(format!("{contender}: {} (from {path})", listed.join(", ")));
+        }
+    }
+    if !wakeups.is_empty() {
+        notes.push(format!(
+            "Bound, CPU per GiB, wake-ups: syscalls per MiB of a one-stream upload. Every `epoll_wait` is a wake-up of the relay; HAProxy drops a socket's read interest (`epoll_ctl`) while the other side cannot take more, tokio keeps every socket registered for both directions (edge-triggered), so each segment that arrives while the relay waits to write wakes it for nothing. {}.",
+            wakeups.join("; ")
+        ));
+    }
     for (kind, what, figure) in [
         (
             "connections.perf",
@@ -63,20 +87,18 @@ pub(super) fn bounds(figures: &[Figure]) -> Vec<String> {
         ),
         ("bulk-upload.perf", "CPU per GiB", CPU_PER_GIB.name),
     ] {
-        let mut tops = Vec::new();
-        for contender in [PROXY_CORE, HAPROXY_FORCED] {
-            if let Some((path, text)) = read(contender, kind) {
-                tops.push(format!(
-                    "{contender}, from {path}: {}",
-                    perf_top(&text, 8).join(", ")
-                ));
-            }
-        }
-        if !tops.is_empty() {
+        let contenders = [
+            PROXY_CORE,
+            PROXY_CORE_BASELINE,
+            HAPROXY_FORCED,
+            HAPROXY_AUTO,
+        ];
+        if let Some(table) = cost_table(kind, &contenders, &read) {
+            let indented: String = table.lines().map(|line| format!("\n  {line}")).collect();
             notes.push(format!(
-                "Bound, {what} (this run: proxy-core {} HAProxy forced splice): where the relay's cycles go, top entries of perf report: {}.",
+                "Bound, {what}, line by line (this run: proxy-core {} HAProxy forced splice, {} splice-auto): each relay's CPU per unit in its profiled window, split by where perf found it (user-space objects; kernel time by syscall, inclusive of the loopback delivery it does):\n{indented}",
                 versus(figures, figure, PROXY_CORE, HAPROXY_FORCED),
-                tops.join("; ")
+                versus(figures, figure, PROXY_CORE, HAPROXY_AUTO),
             ));
         }
     }
@@ -88,7 +110,8 @@ fn slug(name: &str) -> String {
     name.replace(' ', "-")
 }
 
-/// Profile file `kind` (`connections.perf`, `bulk-upload.perf`, `connections.strace`) of
+/// Profile file `kind` (`connections.perf`, `bulk-upload.perf`, `connections.strace`,
+/// `bulk-upload.strace`) of
 /// `contender`, relative to the workspace root.
 fn profile_file(contender: &str, kind: &str) -> String {
     format!("{PROFILE_DIR}/{}-{kind}.txt", slug(contender))
@@ -153,6 +176,13 @@ pub(super) fn profile(
                 },
             ),
             ("connections.strace", Work::Open { rate: 1_000 }),
+            (
+                "bulk-upload.strace",
+                Work::Bulk {
+                    download: false,
+                    streams: 1,
+                },
+            ),
         ];
         for (kind, work) in works {
             let data = scratch
@@ -215,13 +245,20 @@ pub(super) fn profile(
                     measured.completed as f64 / measured.seconds
                 ),
             };
+            let relay_cpu = cpu.relay.unwrap_or(0.0);
+            let unit_cost = match work {
+                Work::Bulk { .. } => format!(
+                    "{UNIT_COST_PREFIX}{:.4} CPU s per GiB",
+                    relay_cpu / (measured.bytes.max(1) as f64 / GIB)
+                ),
+                _ => format!(
+                    "{UNIT_COST_PREFIX}{:.1} CPU us per connection",
+                    relay_cpu * 1e6 / measured.completed.max(1) as f64
+                ),
+            };
             let header = format!(
-                "# {} under {work:?}, {:.1} s window: {amount}; relay CPU {:.2} s, generator {:.2} s, sink {:.2} s (with the profiler attached)\n",
-                contender.name,
-                measured.seconds,
-                cpu.relay.unwrap_or(0.0),
-                cpu.generator,
-                cpu.sink,
+                "# {} under {work:?}, {:.1} s window: {amount}; relay CPU {relay_cpu:.2} s, generator {:.2} s, sink {:.2} s (with the profiler attached)\n{unit_cost}\n",
+                contender.name, measured.seconds, cpu.generator, cpu.sink,
             );
             let body = if strace {
                 std::fs::read_to_string(&output).unwrap_or_default()
@@ -242,7 +279,9 @@ pub(super) fn profile(
                     ])
                     .output()
                     .context("perf report")?;
-                String::from_utf8_lossy(&report.stdout).into_owned()
+                let mut body = String::from_utf8_lossy(&report.stdout).into_owned();
+                body.push_str(&cost_views(&data)?);
+                body
             };
             let body: String = body
                 .lines()
@@ -262,6 +301,214 @@ pub(super) fn profile(
         "--profile: perf and strace files of this run are under {PROFILE_DIR}/ (one set per relay)."
     ));
     Ok(())
+}
+
+/// Starts the line of a profile file's header that gives the relay's CPU per unit of work in
+/// its window (per connection, or per GiB).
+const UNIT_COST_PREFIX: &str = "# relay CPU per unit: ";
+/// Starts each line of a perf file's cost views.
+const COST_PREFIX: &str = "cost ";
+
+/// Two more views of a perf recording, one line each entry, after the symbol report: the
+/// relay's samples by object (its binary, libc, the kernel), and by syscall, inclusive of what
+/// the kernel did inside it (for loopback TCP that includes delivering to the peer's socket).
+/// Lines read `cost <object|syscall> <share>% <name>`.
+fn cost_views(data: &std::path::Path) -> anyhow::Result<String> {
+    let view = |children: &str, sort: &str| -> anyhow::Result<String> {
+        let output = Command::new("perf")
+            .arg("report")
+            .arg("-i")
+            .arg(data)
+            .args(["--stdio", children, "-g", "none", "--sort", sort])
+            .output()
+            .context("perf report")?;
+        Ok(String::from_utf8_lossy(&output.stdout).into_owned())
+    };
+    let mut out = String::from(
+        "# cost views: perf report --no-children --sort dso (by object); perf report --children --sort symbol, the __x64_sys_* entries (by syscall, inclusive)\n",
+    );
+    for line in view("--no-children", "dso")?.lines() {
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        if let [share, object, ..] = fields[..]
+            && share.ends_with('%')
+        {
+            out.push_str(&format!("{COST_PREFIX}object {share} {object}\n"));
+        }
+    }
+    for line in view("--children", "symbol")?.lines() {
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        // children %, self %, [k], symbol
+        if let [share, _, _, symbol, ..] = fields[..]
+            && share.ends_with('%')
+            && let Some(syscall) = symbol.strip_prefix("__x64_sys_")
+        {
+            out.push_str(&format!("{COST_PREFIX}syscall {share} {syscall}\n"));
+        }
+    }
+    Ok(out)
+}
+
+/// The relay's cost in one profile, split: (unit, total per unit, [(where, cost per unit)]).
+/// Objects other than the kernel are user space; the kernel's share is split by syscall, and
+/// what no syscall covers (interrupts, softirqs run on their own) is "kernel, outside syscalls".
+struct CostSplit {
+    unit: String,
+    total: f64,
+    lines: Vec<(String, f64)>,
+}
+
+fn cost_split(text: &str) -> Option<CostSplit> {
+    let (total, unit) = text.lines().find_map(|line| {
+        let rest = line.strip_prefix(UNIT_COST_PREFIX)?;
+        let (value, unit) = rest.split_once(' ')?;
+        Some((value.parse::<f64>().ok()?, unit.to_owned()))
+    })?;
+    let mut kernel = 0.0;
+    let mut syscalls = 0.0;
+    let mut lines = Vec::new();
+    for line in text.lines() {
+        let Some(rest) = line.strip_prefix(COST_PREFIX) else {
+            continue;
+        };
+        let fields: Vec<&str> = rest.split_whitespace().collect();
+        let [kind, share, name] = fields[..] else {
+            continue;
+        };
+        let Some(share) = share.strip_suffix('%').and_then(|s| s.parse::<f64>().ok()) else {
+            continue;
+        };
+        let cost = total * share / 100.0;
+        match kind {
+            "object" if name.starts_with("[kernel") => kernel = cost,
+            "object" => lines.push((format!("user: {name}"), cost)),
+            "syscall" => {
+                syscalls += cost;
+                lines.push((format!("kernel: {name}"), cost));
+            }
+            _ => {}
+        }
+    }
+    lines.push((
+        "kernel, outside syscalls".to_owned(),
+        (kernel - syscalls).max(0.0),
+    ));
+    Some(CostSplit { unit, total, lines })
+}
+
+/// Reads a contender's profile file of one kind: (its path, its text).
+type ReadProfile<'a> = dyn Fn(&str, &str) -> Option<(String, String)> + 'a;
+
+/// A Markdown table of where each contender's relay CPU goes, side by side, from the perf
+/// files of `kind`: one row per object or syscall, the rows that cost least folded into one.
+fn cost_table(
+    kind: &str,
+    contenders: &[&str],
+    read: &ReadProfile<'_>,
+) -> Option<String> {
+    let splits: Vec<(&str, String, CostSplit)> = contenders
+        .iter()
+        .filter_map(|contender| {
+            let (path, text) = read(contender, kind)?;
+            Some((*contender, path, cost_split(&text)?))
+        })
+        .collect();
+    let unit = splits.first()?.2.unit.clone();
+    // Rows in the order of the first contender's costs, then any only the others have.
+    let mut rows: Vec<String> = Vec::new();
+    for (_, _, split) in &splits {
+        let mut own: Vec<&(String, f64)> = split.lines.iter().collect();
+        own.sort_by(|a, b| b.1.total_cmp(&a.1));
+        for (name, _) in own {
+            if !rows.contains(name) {
+                rows.push(name.clone());
+            }
+        }
+    }
+    let cost = |split: &CostSplit, row: &str| {
+        split
+            .lines
+            .iter()
+            .filter(|(name, _)| name == row)
+            .fold(0.0, |sum, (_, cost)| sum + cost)
+    };
+    let mut table = format!(
+        "| relay {unit} | {} |\n|---|{}\n",
+        splits
+            .iter()
+            .map(|(name, _, _)| *name)
+            .collect::<Vec<_>>()
+            .join(" | "),
+        "---:|".repeat(splits.len())
+    );
+    let format = |value: f64| {
+        if value >= 10.0 {
+            format!("{value:.1}")
+        } else {
+            format!("{value:.3}")
+        }
+    };
+    let total_row = splits
+        .iter()
+        .map(|(_, _, split)| format!("**{}**", format(split.total)))
+        .collect::<Vec<_>>()
+        .join(" | ");
+    table.push_str(&format!("| **total** | {total_row} |\n"));
+    // Rows under 1 % of every contender's total are summed into "the rest".
+    let mut rest = vec![0.0; splits.len()];
+    for row in &rows {
+        let values: Vec<f64> = splits
+            .iter()
+            .map(|(_, _, split)| cost(split, row))
+            .collect();
+        let small = splits
+            .iter()
+            .zip(&values)
+            .all(|((_, _, split), value)| *value < split.total / 100.0);
+        if small {
+            for (sum, value) in rest.iter_mut().zip(&values) {
+                *sum += value;
+            }
+            continue;
+        }
+        let cells: Vec<String> = values.into_iter().map(format).collect();
+        table.push_str(&format!("| {row} | {} |\n", cells.join(" | ")));
+    }
+    let cells: Vec<String> = rest.into_iter().map(format).collect();
+    table.push_str(&format!(
+        "| the rest (each under 1 %) | {} |\n",
+        cells.join(" | ")
+    ));
+    let sources: Vec<String> = splits.iter().map(|(_, path, _)| path.clone()).collect();
+    table.push_str(&format!("\nFrom {}.\n", sources.join(", ")));
+    Some(table)
+}
+
+/// Syscalls per MiB moved from a bulk `--profile` strace file, most frequent first; the bytes
+/// are the generator's count for the window strace was attached over (its header).
+fn strace_per_mib(text: &str) -> Option<Vec<(String, f64)>> {
+    let header = text.lines().next()?;
+    let (before, _) = header.split_once(" GiB moved")?;
+    let gib: f64 = before.rsplit(' ').next()?.parse().ok()?;
+    let mib = gib * 1024.0;
+    if mib <= 0.0 {
+        return None;
+    }
+    let mut calls = Vec::new();
+    for line in text.lines().filter(|line| !line.starts_with('#')) {
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        if fields.len() < 5 || fields[0].parse::<f64>().is_err() {
+            continue;
+        }
+        let Ok(count) = fields[3].parse::<f64>() else {
+            continue;
+        };
+        let name = fields[fields.len() - 1];
+        if name != "total" {
+            calls.push((name.to_owned(), count / mib));
+        }
+    }
+    calls.sort_by(|a, b| b.1.total_cmp(&a.1));
+    (!calls.is_empty()).then_some(calls)
 }
 
 /// Syscalls per connection from a `--profile` strace file: (total, the top calls with their
@@ -297,29 +544,6 @@ fn strace_per_connection(text: &str) -> Option<(f64, Vec<(String, f64)>)> {
     }
     calls.sort_by(|a, b| b.1.total_cmp(&a.1));
     Some((total? / connections, calls))
-}
-
-/// The top `count` entries of a `--profile` perf report: (share, where).
-fn perf_top(text: &str, count: usize) -> Vec<String> {
-    text.lines()
-        .filter(|line| !line.starts_with('#'))
-        .filter_map(|line| {
-            let fields: Vec<&str> = line.split_whitespace().collect();
-            let share = fields.first()?.strip_suffix('%')?;
-            share.parse::<f64>().ok()?;
-            // share, dso, [k] or [.], symbol, then the IPC columns ("-" when not sampled)
-            let dso = fields.get(1)?;
-            let symbol = fields
-                .get(3..)?
-                .iter()
-                .take_while(|field| **field != "-")
-                .copied()
-                .collect::<Vec<_>>()
-                .join(" ");
-            Some(format!("{share}% {symbol} ({dso})"))
-        })
-        .take(count)
-        .collect()
 }
 
 /// `ours` against `reference` in one figure of this run: the ratio of medians, and whether each
@@ -394,12 +618,90 @@ mod tests {
     }
 
     #[test]
-    fn perf_top_reads_shares_and_symbols() {
-        let text = "# comment\n    12.50%  [kernel.kallsyms]  [k] tcp_sendmsg   -      -   \n     3.10%  tcp_relay          [.] proxy_core::copy::copy_tcp\n";
-        assert_eq!(
-            perf_top(text, 1),
-            vec!["12.50% tcp_sendmsg ([kernel.kallsyms])".to_owned()]
+    fn cost_split_charges_each_object_and_syscall_its_share() {
+        let text = "# header\n# relay CPU per unit: 80.0 CPU us per connection\n    10.00%  [kernel.kallsyms]  [k] x\ncost object 87.50% [kernel.kallsyms]\ncost object 10.00% tcp_relay\ncost object 2.50% libc.so.6\ncost syscall 50.00% connect\ncost syscall 25.00% close\n";
+        let Some(split) = cost_split(text) else {
+            panic!("no split parsed");
+        };
+        assert_eq!(split.unit, "CPU us per connection");
+        assert_eq!(split.total, 80.0);
+        let get = |name: &str| {
+            split
+                .lines
+                .iter()
+                .find(|(row, _)| row == name)
+                .map(|(_, cost)| *cost)
+        };
+        assert_eq!(get("user: tcp_relay"), Some(8.0));
+        assert_eq!(get("user: libc.so.6"), Some(2.0));
+        assert_eq!(get("kernel: connect"), Some(40.0));
+        assert_eq!(get("kernel: close"), Some(20.0));
+        // 87.5 % kernel, 75 % of it in syscalls.
+        assert_eq!(get("kernel, outside syscalls"), Some(10.0));
+        assert!(
+            cost_split("cost object 1.00% x\n").is_none(),
+            "no unit line"
         );
-        assert_eq!(perf_top(text, 5).len(), 2);
+    }
+
+    #[test]
+    fn cost_table_puts_contenders_side_by_side_and_folds_small_rows() {
+        let ours = "# relay CPU per unit: 100.0 CPU us per connection\ncost object 90.00% [kernel.kallsyms]\ncost object 9.50% tcp_relay\ncost object 0.50% [vdso]\ncost syscall 60.00% connect\ncost syscall 30.00% close\n";
+        let theirs = "# relay CPU per unit: 50.0 CPU us per connection\ncost object 100.00% [kernel.kallsyms]\ncost syscall 100.00% connect\n";
+        let read = |contender: &str, _kind: &str| match contender {
+            PROXY_CORE => Some(("ours.txt".to_owned(), ours.to_owned())),
+            HAPROXY_FORCED => Some(("theirs.txt".to_owned(), theirs.to_owned())),
+            _ => None,
+        };
+        let Some(table) = cost_table(
+            "connections.perf",
+            &[PROXY_CORE, HAPROXY_AUTO, HAPROXY_FORCED],
+            &read,
+        ) else {
+            panic!("no table");
+        };
+        assert!(
+            table.starts_with(
+                "| relay CPU us per connection | proxy-core | haproxy forced splice |"
+            ),
+            "{table}"
+        );
+        assert!(
+            table.contains("| **total** | **100.0** | **50.0** |"),
+            "{table}"
+        );
+        assert!(
+            table.contains("| kernel: connect | 60.0 | 50.0 |"),
+            "{table}"
+        );
+        assert!(
+            table.contains("| kernel: close | 30.0 | 0.000 |"),
+            "{table}"
+        );
+        assert!(
+            table.contains("| user: tcp_relay | 9.500 | 0.000 |"),
+            "{table}"
+        );
+        // [vdso] is 0.5 % of ours and nothing of theirs: folded.
+        assert!(!table.contains("vdso"), "{table}");
+        assert!(
+            table.contains("| the rest (each under 1 %) | 0.500 | 0.000 |"),
+            "{table}"
+        );
+        assert!(table.contains("From ours.txt, theirs.txt."), "{table}");
+        assert!(cost_table("connections.perf", &[HAPROXY_AUTO], &read).is_none());
+    }
+
+    #[test]
+    fn strace_counts_per_mib() {
+        let text = "# haproxy under Bulk { download: false, streams: 1 }, 5.0 s window: 2.00 GiB moved in the window (3.44 Gbit/s); relay CPU 0.60 s\n% time     seconds  usecs/call     calls    errors syscall\n------ ----------- ----------- --------- --------- ----------------\n 90.00    0.9          68     4096       701 splice\n 10.00    0.1           5      2048           epoll_wait\n------ ----------- ----------- --------- --------- ----------------\n100.00    1.0          55     6144       701 total\n";
+        let Some(calls) = strace_per_mib(text) else {
+            panic!("no counts parsed");
+        };
+        assert_eq!(
+            calls,
+            vec![("splice".to_owned(), 2.0), ("epoll_wait".to_owned(), 1.0)]
+        );
+        assert!(strace_per_mib("# no amount\n").is_none());
     }
 }
