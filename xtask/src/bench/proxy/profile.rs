@@ -18,7 +18,19 @@ use crate::bench::system::GENERATOR_CPU;
 /// file); a relay without a profile gets no note.
 pub(super) fn bounds(figures: &[Figure]) -> Vec<String> {
     let root = crate::workspace_root();
+    // Only the relays of this run: a file left by an earlier run with other contenders (a
+    // baseline build, say) says nothing about this one.
+    let measured = |contender: &str| {
+        figures.iter().any(|f| {
+            f.series
+                .iter()
+                .any(|s| s.contender == contender && s.median.is_some())
+        })
+    };
     let read = |contender: &str, kind: &str| {
+        if !measured(contender) {
+            return None;
+        }
         let path = profile_file(contender, kind);
         std::fs::read_to_string(root.join(&path))
             .ok()
@@ -400,11 +412,7 @@ type ReadProfile<'a> = dyn Fn(&str, &str) -> Option<(String, String)> + 'a;
 
 /// A Markdown table of where each contender's relay CPU goes, side by side, from the perf
 /// files of `kind`: one row per object or syscall, the rows that cost least folded into one.
-fn cost_table(
-    kind: &str,
-    contenders: &[&str],
-    read: &ReadProfile<'_>,
-) -> Option<String> {
+fn cost_table(kind: &str, contenders: &[&str], read: &ReadProfile<'_>) -> Option<String> {
     let splits: Vec<(&str, String, CostSplit)> = contenders
         .iter()
         .filter_map(|contender| {

@@ -141,6 +141,7 @@ pub fn run(settings: &Settings) -> anyhow::Result<Outcome> {
             ("setup_count", sizes.setup_count.to_string()),
         ],
     );
+    notes.extend(bounds(&figures));
     match sdk_info {
         Some(info) => notes.push(format!("Python SDK processes: {info}.")),
         None => notes.push(
@@ -189,6 +190,47 @@ pub fn contenders(_settings: &Settings) -> Vec<(&'static str, String)> {
     ]
 }
 
+/// What bounds the tunnel where it stays under twice the faster SDK, computed from this run's
+/// figures: whether one TLS stream of this stack (the ceiling, measured in the same rounds)
+/// could move that much at all.
+fn bounds(figures: &[super::report::Figure]) -> Vec<String> {
+    let mut notes = Vec::new();
+    for metric in [UPLOAD, DOWNLOAD] {
+        let Some(figure) = figures.iter().find(|f| f.name == metric.name) else {
+            continue;
+        };
+        let sdk = [SDK, SDK_UVLOOP]
+            .into_iter()
+            .filter_map(|name| Some((name, figure.median(name)?)))
+            .max_by(|a, b| a.1.total_cmp(&b.1));
+        let (Some(tunnel), Some(ceiling), Some((sdk_name, sdk))) =
+            (figure.median(TUNNEL), figure.median(CEILING), sdk)
+        else {
+            continue;
+        };
+        let wanted = 2.0 * sdk;
+        if tunnel >= wanted {
+            continue;
+        }
+        let what_bounds = if ceiling < wanted {
+            format!(
+                "the goal asks {wanted:.2} Gbit/s, more than one TLS stream of this stack moves here ({CEILING}: {ceiling:.2}), and the tunnel already reaches {:.2}x of that stream; a tunnel over one TLS connection cannot meet it on this machine",
+                tunnel / ceiling
+            )
+        } else {
+            format!(
+                "the {CEILING} ({ceiling:.2}) leaves room above {wanted:.2} Gbit/s, and the tunnel reaches {:.2}x of it: the gap is in the tunnel, not explained by this run",
+                tunnel / ceiling
+            )
+        };
+        notes.push(format!(
+            "Bound, {}: tunnel {tunnel:.2} Gbit/s against {sdk:.3} ({sdk_name}); {what_bounds}.",
+            metric.name
+        ));
+    }
+    notes
+}
+
 /// The goals: the tunnel at least half the TLS ceiling, and at least twice the
 /// faster SDK configuration.
 fn goals(figures: &[super::report::Figure]) -> Vec<Goal> {
@@ -227,4 +269,43 @@ fn goals(figures: &[super::report::Figure]) -> Vec<Goal> {
         });
     }
     goals
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::bench::report::Recorder;
+
+    #[test]
+    fn bounds_say_whether_one_tls_stream_could_meet_the_sdk_goal() {
+        let mut recorder = Recorder::default();
+        // Upload: twice the SDK is above the ceiling. Download: the ceiling leaves room.
+        for (contender, up, down) in [
+            (TUNNEL, 6.0, 5.0),
+            (CEILING, 6.0, 12.0),
+            (SDK, 3.3, 3.0),
+            (SDK_UVLOOP, 3.1, 2.0),
+        ] {
+            recorder.record(UPLOAD, contender, up);
+            recorder.record(DOWNLOAD, contender, down);
+        }
+        let notes = bounds(&recorder.finish(&[DIRECT]));
+        assert_eq!(notes.len(), 2, "{notes:?}");
+        assert!(notes[0].starts_with("Bound, 1 stream, upload: tunnel 6.00 Gbit/s against 3.300 (Python SDK); the goal asks 6.60 Gbit/s"), "{}", notes[0]);
+        assert!(notes[0].contains("cannot meet it"), "{}", notes[0]);
+        assert!(
+            notes[1].contains("the gap is in the tunnel"),
+            "{}",
+            notes[1]
+        );
+
+        let mut met = Recorder::default();
+        for (contender, up) in [(TUNNEL, 7.0), (CEILING, 7.5), (SDK, 3.0)] {
+            met.record(UPLOAD, contender, up);
+        }
+        assert!(
+            bounds(&met.finish(&[DIRECT])).is_empty(),
+            "a met goal needs no bound"
+        );
+    }
 }
