@@ -14,6 +14,14 @@ use crate::bench::procs::{self, Work};
 use crate::bench::report::{self, Figure};
 use crate::bench::system::GENERATOR_CPU;
 
+/// The relays whose profile files the bound notes read, in the order they list them.
+const PROFILED: [&str; 4] = [
+    PROXY_CORE,
+    PROXY_CORE_BASELINE,
+    HAPROXY_FORCED,
+    HAPROXY_AUTO,
+];
+
 /// What bounds each figure, read from the committed `--profile` files (each note names its
 /// file); a relay without a profile gets no note.
 pub(super) fn bounds(figures: &[Figure]) -> Vec<String> {
@@ -39,12 +47,7 @@ pub(super) fn bounds(figures: &[Figure]) -> Vec<String> {
     let mut notes = Vec::new();
     let closed_cpu = format!("{CLOSED_PHASE}: relay CPU per 1000 connections");
     let mut syscalls = Vec::new();
-    for contender in [
-        PROXY_CORE,
-        PROXY_CORE_BASELINE,
-        HAPROXY_FORCED,
-        HAPROXY_AUTO,
-    ] {
+    for contender in PROFILED {
         if let Some((path, text)) = read(contender, "connections.strace")
             && let Some((total, calls)) = strace_per_connection(&text)
         {
@@ -68,12 +71,7 @@ pub(super) fn bounds(figures: &[Figure]) -> Vec<String> {
         ));
     }
     let mut wakeups = Vec::new();
-    for contender in [
-        PROXY_CORE,
-        PROXY_CORE_BASELINE,
-        HAPROXY_FORCED,
-        HAPROXY_AUTO,
-    ] {
+    for contender in PROFILED {
         if let Some((path, text)) = read(contender, "bulk-upload.strace")
             && let Some(calls) = strace_per_mib(&text)
         {
@@ -99,13 +97,7 @@ pub(super) fn bounds(figures: &[Figure]) -> Vec<String> {
         ),
         ("bulk-upload.perf", "CPU per GiB", CPU_PER_GIB.name),
     ] {
-        let contenders = [
-            PROXY_CORE,
-            PROXY_CORE_BASELINE,
-            HAPROXY_FORCED,
-            HAPROXY_AUTO,
-        ];
-        if let Some(table) = cost_table(kind, &contenders, &read) {
+        if let Some(table) = cost_table(kind, &PROFILED, &read) {
             let indented: String = table.lines().map(|line| format!("\n  {line}")).collect();
             notes.push(format!(
                 "Bound, {what}, line by line (this run: proxy-core {} HAProxy forced splice, {} splice-auto): each relay's CPU per unit in its profiled window, split by where perf found it (user-space objects; kernel time by syscall, inclusive of the loopback delivery it does):\n{indented}",
@@ -501,29 +493,16 @@ fn strace_per_mib(text: &str) -> Option<Vec<(String, f64)>> {
     if mib <= 0.0 {
         return None;
     }
-    let mut calls = Vec::new();
-    for line in text.lines().filter(|line| !line.starts_with('#')) {
-        let fields: Vec<&str> = line.split_whitespace().collect();
-        if fields.len() < 5 || fields[0].parse::<f64>().is_err() {
-            continue;
-        }
-        let Ok(count) = fields[3].parse::<f64>() else {
-            continue;
-        };
-        let name = fields[fields.len() - 1];
-        if name != "total" {
-            calls.push((name.to_owned(), count / mib));
-        }
+    let (mut calls, _) = strace_counts(text);
+    for call in &mut calls {
+        call.1 /= mib;
     }
     calls.sort_by(|a, b| b.1.total_cmp(&a.1));
     (!calls.is_empty()).then_some(calls)
 }
 
-/// Syscalls per connection from a `--profile` strace file: (total, the top calls with their
-/// count per connection). Each relayed connection makes exactly one upstream `connect`, so the
-/// `connect` count is the number of connections strace saw (strace attaches after the window
-/// opens and slows the relay, so the generator's count would not match).
-fn strace_per_connection(text: &str) -> Option<(f64, Vec<(String, f64)>)> {
+/// The rows of an `strace -c` table: each syscall with its count, and the total row's count.
+fn strace_counts(text: &str) -> (Vec<(String, f64)>, Option<f64>) {
     let mut calls = Vec::new();
     let mut total = None;
     for line in text.lines().filter(|line| !line.starts_with('#')) {
@@ -542,6 +521,15 @@ fn strace_per_connection(text: &str) -> Option<(f64, Vec<(String, f64)>)> {
             calls.push((name, count));
         }
     }
+    (calls, total)
+}
+
+/// Syscalls per connection from a `--profile` strace file: (total, the top calls with their
+/// count per connection). Each relayed connection makes exactly one upstream `connect`, so the
+/// `connect` count is the number of connections strace saw (strace attaches after the window
+/// opens and slows the relay, so the generator's count would not match).
+fn strace_per_connection(text: &str) -> Option<(f64, Vec<(String, f64)>)> {
+    let (mut calls, total) = strace_counts(text);
     let connections = calls
         .iter()
         .find(|(name, _)| name == "connect")
