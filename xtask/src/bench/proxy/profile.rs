@@ -392,6 +392,10 @@ fn cost_split(text: &str) -> Option<CostSplit> {
             _ => {}
         }
     }
+    // A file without cost views (written before they existed) has nothing to split.
+    if lines.is_empty() {
+        return None;
+    }
     lines.push((
         "kernel, outside syscalls".to_owned(),
         (kernel - syscalls).max(0.0),
@@ -637,6 +641,10 @@ mod tests {
         assert!(
             cost_split("cost object 1.00% x\n").is_none(),
             "no unit line"
+        );
+        assert!(
+            cost_split("# relay CPU per unit: 80.0 CPU us per connection\n    10.00%  [kernel.kallsyms]  [k] x\n").is_none(),
+            "no cost views"
         );
     }
 
