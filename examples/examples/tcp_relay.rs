@@ -6,6 +6,7 @@
 //! ```
 
 use std::net::SocketAddr;
+use std::num::NonZeroUsize;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -68,6 +69,11 @@ struct Args {
     /// per CPU].
     #[arg(long, value_parser = clap::value_parser!(u16).range(1..=1024))]
     threads: Option<u16>,
+    /// With --threads N: N event loops of their own, each accepting on its own listening socket
+    /// (SO_REUSEPORT) and relaying what it accepted, instead of one runtime whose N workers share
+    /// one listener.
+    #[arg(long, requires = "threads")]
+    listener_per_thread: bool,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -76,6 +82,8 @@ fn main() -> anyhow::Result<()> {
         .init();
     let args = Args::parse();
     let mut runtime = match args.threads {
+        // The relaying happens on the server's own threads; this one only waits for Ctrl-C.
+        _ if args.listener_per_thread => tokio::runtime::Builder::new_current_thread(),
         Some(1) => tokio::runtime::Builder::new_current_thread(),
         threads => {
             let mut builder = tokio::runtime::Builder::new_multi_thread();
@@ -117,7 +125,17 @@ async fn relay(args: Args) -> anyhow::Result<()> {
     // is not served here.
     let mut registry = Registry::default();
     let metrics = Arc::new(PrometheusObserver::register(&mut registry));
-    let server = ProxyServer::new(ServerConfig::default(), metrics)?;
+    let workers = args
+        .listener_per_thread
+        .then(|| {
+            args.threads
+                .and_then(|threads| NonZeroUsize::new(usize::from(threads)))
+        })
+        .flatten();
+    let server = ProxyServer::new(
+        ServerConfig::default().with_accept_workers(workers),
+        metrics,
+    )?;
     let bound = server.add_listener(listener)?;
     println!("relaying {bound} -> {}", args.upstream);
 

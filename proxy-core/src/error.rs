@@ -159,6 +159,9 @@ pub enum ServerError {
     /// The server is shutting down and accepts no new listener.
     #[error("the server is shutting down")]
     ShuttingDown,
+    /// The accept workers' threads or runtimes could not be started.
+    #[error("cannot start the accept workers: {0}")]
+    Workers(#[source] io::Error),
 }
 
 /// Tunnelling through an HTTP proxy failed.

@@ -13,7 +13,8 @@
 //! Data flows one way, from the bottom of this list to the top:
 //!
 //! * [`server`]: listeners, live routes, connection limits, accept backoff, drain and shutdown
-//!   ([`server::ProxyServer`]). Uses everything below.
+//!   ([`server::ProxyServer`]), on the caller's runtime or on accept workers with a listening
+//!   socket each ([`server::ServerConfig::accept_workers`]). Uses everything below.
 //! * [`accept`]: accept layers for listeners that do more than TCP to TCP (TLS termination):
 //!   [`accept::StreamAcceptor`].
 //! * [`metrics`]: the [`metrics::RelayObserver`] trait the server reports to, and a ready

@@ -123,8 +123,19 @@ impl SocketOptions {
 ///
 /// When called outside a Tokio runtime.
 pub fn bind_listener(addr: SocketAddr, backlog: u32) -> io::Result<TcpListener> {
+    bind_listener_with(addr, backlog, false)
+}
+
+/// As [`bind_listener`], and with `reuse_port` also `SO_REUSEPORT`: several sockets of this
+/// process then listen on one address, and the kernel spreads new connections among them by
+/// their addresses' hash (one socket per accept worker).
+pub(crate) fn bind_listener_with(
+    addr: SocketAddr,
+    backlog: u32,
+    reuse_port: bool,
+) -> io::Result<TcpListener> {
     let dual_stack = matches!(addr, SocketAddr::V6(v6) if v6.ip().is_unspecified());
-    match bind_exact(addr, backlog, dual_stack) {
+    match bind_exact(addr, backlog, dual_stack, reuse_port) {
         // A taken port or a privileged one would fail on IPv4 as well; anything else means this
         // host cannot do IPv6 (no AF_INET6, no IPv6 address).
         Err(err)
@@ -139,23 +150,51 @@ pub fn bind_listener(addr: SocketAddr, backlog: u32) -> io::Result<TcpListener> 
                 SocketAddr::from((Ipv4Addr::UNSPECIFIED, addr.port())),
                 backlog,
                 false,
+                reuse_port,
             )
         }
         other => other,
     }
 }
 
-fn bind_exact(addr: SocketAddr, backlog: u32, dual_stack: bool) -> io::Result<TcpListener> {
+fn bind_exact(
+    addr: SocketAddr,
+    backlog: u32,
+    dual_stack: bool,
+    reuse_port: bool,
+) -> io::Result<TcpListener> {
     let socket = match addr {
         SocketAddr::V4(_) => TcpSocket::new_v4(),
         SocketAddr::V6(_) => TcpSocket::new_v6(),
     }?;
     socket.set_reuseaddr(true)?;
+    if reuse_port {
+        set_reuse_port(&socket)?;
+    }
     if dual_stack {
         SockRef::from(&socket).set_only_v6(false)?;
     }
     socket.bind(addr)?;
     socket.listen(backlog)
+}
+
+#[cfg(all(
+    unix,
+    not(any(target_os = "solaris", target_os = "illumos", target_os = "cygwin"))
+))]
+fn set_reuse_port(socket: &TcpSocket) -> io::Result<()> {
+    socket.set_reuseport(true)
+}
+
+#[cfg(not(all(
+    unix,
+    not(any(target_os = "solaris", target_os = "illumos", target_os = "cygwin"))
+)))]
+fn set_reuse_port(_socket: &TcpSocket) -> io::Result<()> {
+    Err(io::Error::new(
+        io::ErrorKind::Unsupported,
+        "SO_REUSEPORT is not available here",
+    ))
 }
 
 /// Sends FIN on `stream` while its read side stays open (half-close).

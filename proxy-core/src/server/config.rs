@@ -3,6 +3,7 @@
 
 use std::fmt;
 use std::net::SocketAddr;
+use std::num::NonZeroUsize;
 use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -32,16 +33,29 @@ pub struct ServerConfig {
     /// next request, as an HTTP server's graceful shutdown closes idle keep-alive connections.
     /// `None` (the default) keeps every connection until it ends or the deadline.
     pub drain_idle: Option<Duration>,
+    /// Accept and relay on this many threads of the server's own, each one event loop (a
+    /// current-thread runtime) with a listening socket of its own per listener, bound with
+    /// `SO_REUSEPORT`: the kernel spreads new connections among the sockets, and a connection
+    /// stays on the thread that accepted it, with no hand-off between threads (as Envoy's
+    /// workers or HAProxy's `shards by-thread`). `None` (the default) accepts on the caller's
+    /// runtime, whose scheduler then places each connection's task.
+    ///
+    /// The threads start with the first listener and stop when the server shuts down or its
+    /// last handle is dropped. Caveat of `SO_REUSEPORT`: another process of the same user that
+    /// also sets it can bind the same address and take a share of the connections.
+    pub accept_workers: Option<NonZeroUsize>,
 }
 
 impl Default for ServerConfig {
-    /// Reports every 10 s, backlog 1024, accept backoff up to 1 s.
+    /// Reports every 10 s, backlog 1024, accept backoff up to 1 s, accepts on the caller's
+    /// runtime.
     fn default() -> Self {
         Self {
             report_interval: Duration::from_secs(10),
             backlog: 1024,
             accept_backoff_max: Duration::from_secs(1),
             drain_idle: None,
+            accept_workers: None,
         }
     }
 }
@@ -59,6 +73,14 @@ impl ServerConfig {
     #[must_use]
     pub fn with_drain_idle(mut self, idle: Duration) -> Self {
         self.drain_idle = Some(idle);
+        self
+    }
+
+    /// Accepts and relays on `workers` threads of their own (see
+    /// [`ServerConfig::accept_workers`]).
+    #[must_use]
+    pub fn with_accept_workers(mut self, workers: Option<NonZeroUsize>) -> Self {
+        self.accept_workers = workers;
         self
     }
 

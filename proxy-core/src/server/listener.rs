@@ -32,6 +32,9 @@ pub(super) struct ServerShared {
     pub(super) listeners: Mutex<HashMap<SocketAddr, Arc<ListenerShared>>>,
     pub(super) closing: AtomicBool,
     pub(super) next_connection_id: AtomicU64,
+    /// The accept workers' runtimes, started with the first listener when the configuration
+    /// asks for them; empty otherwise.
+    pub(super) workers: Mutex<Vec<tokio::runtime::Handle>>,
 }
 
 pub(super) struct ListenerShared {
@@ -48,7 +51,8 @@ pub(super) struct ListenerShared {
     pub(super) connection_tasks: TaskTracker,
     pub(super) connections: Mutex<HashMap<u64, Arc<Live>>>,
     pub(super) limit: Option<Arc<Semaphore>>,
-    pub(super) accept_task: Mutex<Option<JoinHandle<()>>>,
+    /// The accept loops: one, or one per accept worker.
+    pub(super) accept_tasks: Mutex<Vec<JoinHandle<()>>>,
 }
 
 /// One open connection as its listener lists it: shared by the connection's task, the
@@ -121,8 +125,8 @@ impl ActiveRoute {
 impl ListenerShared {
     pub(super) async fn drain(&self, deadline: Duration, idle: Option<Duration>) -> DrainReport {
         self.stop_accepting.cancel();
-        let accept_task = lock(&self.accept_task).take();
-        if let Some(task) = accept_task {
+        let accept_tasks = std::mem::take(&mut *lock(&self.accept_tasks));
+        for task in accept_tasks {
             // The task ends by itself once cancelled; a panic in it has been logged already.
             let _ = task.await;
         }

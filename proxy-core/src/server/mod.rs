@@ -28,6 +28,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::net::TcpListener;
+use tokio::runtime::Handle;
 use tokio::sync::Semaphore;
 use tokio_util::sync::{CancellationToken, DropGuard};
 use tokio_util::task::TaskTracker;
@@ -39,6 +40,7 @@ use crate::socket;
 
 mod config;
 mod listener;
+mod workers;
 
 pub use config::{
     ConnectionStatus, DrainReport, ExistingConnections, ListenerConfig, ListenerStatus, PortRange,
@@ -117,6 +119,7 @@ impl ProxyServer {
                 listeners: Mutex::new(HashMap::new()),
                 closing: AtomicBool::new(false),
                 next_connection_id: AtomicU64::new(0),
+                workers: Mutex::new(Vec::new()),
             }),
         })
     }
@@ -132,18 +135,29 @@ impl ProxyServer {
         if shared.closing.load(Ordering::Acquire) {
             return Err(ServerError::ShuttingDown);
         }
-        if config.bind.port() != 0 && lock(&shared.listeners).contains_key(&config.bind) {
-            return Err(ServerError::ListenerExists(config.bind));
+        // Checked here rather than left to the kernel: with accept workers every socket has
+        // `SO_REUSEPORT`, which would let a second listener share the port.
+        if config.bind.port() != 0
+            && let Some(taken) = lock(&shared.listeners)
+                .keys()
+                .find(|taken| overlap(**taken, config.bind))
+        {
+            return Err(ServerError::ListenerExists(*taken));
         }
-        let listener = bind(config.bind, shared.config.backlog)?;
-        let local_addr = listener.local_addr().map_err(|cause| ServerError::Bind {
-            addr: config.bind,
-            cause,
-        })?;
+        let sockets = self.bind_sockets(config.bind)?;
+        let local_addr = sockets[0]
+            .1
+            .local_addr()
+            .map_err(|cause| ServerError::Bind {
+                addr: config.bind,
+                cause,
+            })?;
         // Set once on the listener rather than on every accepted socket, where the system
         // lets accepted sockets inherit them: five fewer syscalls per connection.
-        let client_options_inherited =
-            config.acceptor.is_none() && config.relay.socket.apply_to_listener(&listener);
+        let client_options_inherited = config.acceptor.is_none()
+            && sockets
+                .iter()
+                .all(|(_, listener)| config.relay.socket.apply_to_listener(listener));
         let close_connections = shared.shutdown.child_token();
         let state = Arc::new(ListenerShared {
             local_addr,
@@ -162,21 +176,29 @@ impl ProxyServer {
             limit: config
                 .max_connections
                 .map(|limit| Arc::new(Semaphore::new(limit))),
-            accept_task: Mutex::new(None),
+            accept_tasks: Mutex::new(Vec::new()),
         });
         {
             // Registered and started under one lock, so a concurrent removal always finds the
-            // accept task to wait for.
+            // accept tasks to wait for.
             let mut listeners = lock(&shared.listeners);
             if listeners.contains_key(&local_addr) {
                 return Err(ServerError::ListenerExists(local_addr));
             }
-            let task = shared.tracker.spawn(accept_loop(
-                listener,
-                Arc::clone(&state),
-                Arc::clone(shared),
-            ));
-            *lock(&state.accept_task) = Some(task);
+            let mut accept_tasks = lock(&state.accept_tasks);
+            for (worker, listener) in sockets {
+                let accept = shared.tracker.track_future(accept_loop(
+                    listener,
+                    Arc::clone(&state),
+                    Arc::clone(shared),
+                ));
+                // A worker's loop spawns its connections on that worker's runtime.
+                accept_tasks.push(match worker {
+                    Some(worker) => worker.spawn(accept),
+                    None => tokio::spawn(accept),
+                });
+            }
+            drop(accept_tasks);
             shared
                 .tracker
                 .spawn(report_bytes(Arc::clone(&state), Arc::clone(shared)));
@@ -303,6 +325,49 @@ impl ProxyServer {
         Ok(connections)
     }
 
+    /// The listening sockets for `addr`: one on the caller's runtime, or one per accept worker,
+    /// each registered with its worker's runtime and bound with `SO_REUSEPORT` to the address
+    /// the first one got (so port 0 yields one port for all).
+    fn bind_sockets(
+        &self,
+        addr: SocketAddr,
+    ) -> Result<Vec<(Option<Handle>, TcpListener)>, ServerError> {
+        let backlog = self.shared.config.backlog;
+        let workers = self.workers()?;
+        if workers.is_empty() {
+            let listener = socket::bind_listener(addr, backlog)
+                .map_err(|cause| ServerError::Bind { addr, cause })?;
+            return Ok(vec![(None, listener)]);
+        }
+        let mut sockets = Vec::with_capacity(workers.len());
+        let mut next = addr;
+        for worker in workers {
+            let listener = {
+                let _on_worker = worker.enter();
+                socket::bind_listener_with(next, backlog, true)
+            }
+            .map_err(|cause| ServerError::Bind { addr, cause })?;
+            next = listener
+                .local_addr()
+                .map_err(|cause| ServerError::Bind { addr, cause })?;
+            sockets.push((Some(worker), listener));
+        }
+        Ok(sockets)
+    }
+
+    /// The accept workers' runtimes, started on first use; none without accept workers.
+    fn workers(&self) -> Result<Vec<Handle>, ServerError> {
+        let Some(count) = self.shared.config.accept_workers else {
+            return Ok(Vec::new());
+        };
+        let mut workers = lock(&self.shared.workers);
+        if workers.is_empty() {
+            *workers =
+                workers::start(count, &self.shared.shutdown).map_err(ServerError::Workers)?;
+        }
+        Ok(workers.clone())
+    }
+
     fn listener(&self, addr: SocketAddr) -> Result<Arc<ListenerShared>, ServerError> {
         lock(&self.shared.listeners)
             .get(&addr)
@@ -311,8 +376,14 @@ impl ProxyServer {
     }
 }
 
-fn bind(addr: SocketAddr, backlog: u32) -> Result<TcpListener, ServerError> {
-    socket::bind_listener(addr, backlog).map_err(|cause| ServerError::Bind { addr, cause })
+/// Whether listeners on `a` and `b` would take the same connections: one port, and one address
+/// or a wildcard covering the other (`[::]` is bound dual-stack, so it covers IPv4 too).
+fn overlap(a: SocketAddr, b: SocketAddr) -> bool {
+    let covers = |wide: IpAddr, other: IpAddr| match wide {
+        IpAddr::V6(v6) => v6.is_unspecified(),
+        IpAddr::V4(v4) => v4.is_unspecified() && other.is_ipv4(),
+    };
+    a.port() == b.port() && (a.ip() == b.ip() || covers(a.ip(), b.ip()) || covers(b.ip(), a.ip()))
 }
 
 #[cfg(test)]
@@ -343,6 +414,21 @@ mod tests {
         assert!("9010-9000".parse::<PortRange>().is_err());
         assert!("x-9000".parse::<PortRange>().is_err());
         assert!(PortRange::new(1, 3).is_ok_and(|r| r.contains(2) && !r.contains(4)));
+    }
+
+    #[test]
+    fn listeners_overlap_on_one_port_and_a_covering_address() {
+        let at = |addr: &str| {
+            addr.parse::<SocketAddr>()
+                .unwrap_or_else(|e| panic!("{addr}: {e}"))
+        };
+        assert!(overlap(at("127.0.0.1:80"), at("127.0.0.1:80")));
+        assert!(overlap(at("0.0.0.0:80"), at("127.0.0.1:80")));
+        assert!(overlap(at("127.0.0.1:80"), at("[::]:80")));
+        assert!(overlap(at("[::]:80"), at("[::1]:80")));
+        assert!(!overlap(at("127.0.0.1:80"), at("127.0.0.1:81")));
+        assert!(!overlap(at("127.0.0.1:80"), at("127.0.0.2:80")));
+        assert!(!overlap(at("0.0.0.0:80"), at("[::1]:80")));
     }
 
     #[test]

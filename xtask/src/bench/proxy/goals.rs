@@ -6,9 +6,9 @@ use std::process::Command;
 use super::profile::bounds;
 use super::relays::Relays;
 use super::{
-    BULK, CLOSED_PHASE, CPU_PER_GIB, DIRECT, HAPROXY_AUTO, HAPROXY_AUTO_2T, HAPROXY_FORCED,
-    HAPROXY_FORCED_2T, IDLE_FDS, IDLE_RSS, LATENCY_P99, PIPE_SIZE, PROFILE_DIR, PROXY_CORE,
-    PROXY_CORE_2T, SCALING, Workload, open_phase,
+    BULK, CLOSED_2T_PHASE, CLOSED_PHASE, CPU_PER_GIB, DIRECT, HAPROXY_AUTO, HAPROXY_AUTO_2T,
+    HAPROXY_FORCED, HAPROXY_FORCED_2T, IDLE_FDS, IDLE_RSS, LATENCY_P99, PIPE_SIZE, PROFILE_DIR,
+    PROXY_CORE, PROXY_CORE_2L, PROXY_CORE_2T, SCALING, Workload, open_phase,
 };
 use crate::bench::Settings;
 use crate::bench::report::{Figure, Goal, notes_from};
@@ -56,7 +56,7 @@ pub(super) fn configuration(relays: &Relays) -> Vec<String> {
         format!("Machine: {cpu}; kernel {kernel}; {haproxy_version}."),
         format!("Pinning: {pinning}."),
         format!(
-            "{PROXY_CORE}: examples/tcp_relay, copy mode auto (buffered first bytes, then splice through a pooled {} KiB pipe once a read fills 16 KiB), pipe budget {} MiB (the default: a quarter of pipe-user-pages-soft), PrometheusObserver registered as in the binaries (registry not scraped), --no-keepalive (TCP keepalive off, as HAProxy without option tcpka; on by default it costs 4 setsockopt per upstream connection), --threads 1 (tokio's current-thread runtime: one event loop, no hand-offs between workers, as HAProxy nbthread 1; steward-tcp-proxy --threads 1 runs the same), RUST_LOG=warn; {PROXY_CORE_2T}: the same with --threads 2 (a multi-thread runtime with 2 workers).",
+            "{PROXY_CORE}: examples/tcp_relay, copy mode auto (buffered first bytes, then splice through a pooled {} KiB pipe once a read fills 16 KiB), pipe budget {} MiB (the default: a quarter of pipe-user-pages-soft), PrometheusObserver registered as in the binaries (registry not scraped), --no-keepalive (TCP keepalive off, as HAProxy without option tcpka; on by default it costs 4 setsockopt per upstream connection), --threads 1 (tokio's current-thread runtime: one event loop, no hand-offs between workers, as HAProxy nbthread 1; steward-tcp-proxy --threads 1 runs the same), RUST_LOG=warn; {PROXY_CORE_2T}: the same with --threads 2 (a multi-thread runtime with 2 workers sharing one listener); {PROXY_CORE_2L}: --threads 2 --listener-per-thread (2 current-thread runtimes on threads of their own, each accepting on its own SO_REUSEPORT socket).",
             PIPE_SIZE >> 10,
             pipe_budget >> 20
         ),
@@ -126,14 +126,16 @@ pub(super) fn goals(figures: &[Figure]) -> Vec<Goal> {
         }
     }
     for (_, phase) in SCALING {
-        for haproxy in [HAPROXY_FORCED_2T, HAPROXY_AUTO_2T] {
-            goals.push(ratio_goal(
-                find(phase),
-                phase,
-                PROXY_CORE_2T,
-                haproxy,
-                Bound::AtLeast(1.0),
-            ));
+        for ours in [PROXY_CORE_2T, PROXY_CORE_2L] {
+            for haproxy in [HAPROXY_FORCED_2T, HAPROXY_AUTO_2T] {
+                goals.push(ratio_goal(
+                    find(phase),
+                    phase,
+                    ours,
+                    haproxy,
+                    Bound::AtLeast(1.0),
+                ));
+            }
         }
     }
     if let Some(figure) = find(LATENCY_P99.name) {
@@ -235,14 +237,69 @@ pub(super) fn notes(settings: &Settings, workload: &Workload, figures: &[Figure]
         ("profile_dir", PROFILE_DIR.to_owned()),
     ];
     let mut notes = notes_from(NOTES_TEMPLATE, &values);
+    notes.extend(listener_per_thread(figures));
     notes.extend(bounds(figures));
     notes
+}
+
+/// The two-thread figures of a listener per thread against one shared listener, as ratios of
+/// medians; `None` when neither was measured.
+fn listener_per_thread(figures: &[Figure]) -> Option<String> {
+    let closed_rate = format!("{CLOSED_2T_PHASE}: completed connections");
+    let closed_cpu = format!("{CLOSED_2T_PHASE}: relay CPU per 1000 connections");
+    let mut wanted = vec![
+        (closed_rate, "the rate"),
+        (closed_cpu, "the relay CPU per 1 000 connections"),
+    ];
+    for (_, phase) in SCALING {
+        wanted.push((phase.to_owned(), "the throughput"));
+        wanted.push((
+            format!("{phase}: relay CPU per GiB"),
+            "the relay CPU per GiB",
+        ));
+    }
+    let parts: Vec<String> = wanted
+        .iter()
+        .filter_map(|(name, what)| {
+            let figure = figures.iter().find(|f| &f.name == name)?;
+            let ratio = figure.median(PROXY_CORE_2L)? / figure.median(PROXY_CORE_2T)?;
+            Some(format!("{name}: {ratio:.2}x {what}"))
+        })
+        .collect();
+    (!parts.is_empty()).then(|| {
+        format!(
+            "Listener per thread ({PROXY_CORE_2L}) against one listener shared by a runtime's 2 workers ({PROXY_CORE_2T}), ratio of medians: {}.",
+            parts.join("; ")
+        )
+    })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::bench::report::{Metric, Recorder};
+
+    #[test]
+    fn the_listener_per_thread_note_compares_the_two_thread_runtimes() {
+        let mut recorder = Recorder::default();
+        let rate = Metric::higher(
+            "connections, closed loop of 16, 2 relay threads: completed connections",
+            "conn/s",
+        );
+        recorder.record(rate, PROXY_CORE_2T, 10_000.0);
+        recorder.record(rate, PROXY_CORE_2L, 12_000.0);
+        recorder.record(rate, HAPROXY_AUTO_2T, 99_000.0);
+        let note = listener_per_thread(&recorder.finish(&[])).unwrap_or_default();
+        assert!(
+            note.contains("2 relay threads: completed connections: 1.20x the rate"),
+            "{note}"
+        );
+        assert!(
+            !note.contains("per GiB"),
+            "unmeasured figures are left out: {note}"
+        );
+        assert_eq!(listener_per_thread(&[]), None);
+    }
 
     #[test]
     fn ratio_goals_judge_each_bound() {

@@ -22,7 +22,7 @@ mod relays;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use super::procs::SinkProcess;
+use super::procs::{SinkProcess, Work};
 use super::report::{Metric, Recorder};
 use super::system::{self, GENERATOR_CPU, RELAY_CPU};
 use super::{Outcome, Settings};
@@ -39,6 +39,9 @@ const PROXY_CORE: &str = "proxy-core";
 const HAPROXY_AUTO: &str = "haproxy splice-auto";
 const HAPROXY_FORCED: &str = "haproxy forced splice";
 const PROXY_CORE_2T: &str = "proxy-core 2 threads";
+/// Two event loops with a listening socket each (`SO_REUSEPORT`), against [`PROXY_CORE_2T`]'s
+/// one runtime whose two workers share a listener.
+const PROXY_CORE_2L: &str = "proxy-core 2 threads, listener per thread";
 /// Another build of `tcp_relay` (e.g. before a change), when `NETKIT_BENCH_BASELINE_RELAY`
 /// names one: measured in the same rounds, so before and after share the run's noise.
 const PROXY_CORE_BASELINE: &str = "proxy-core baseline";
@@ -105,6 +108,7 @@ const LATENCY_P50: Metric = Metric::lower("1 KiB echo at 5k msg/s, p50", "µs");
 const LATENCY_P99: Metric = Metric::lower("1 KiB echo at 5k msg/s, p99", "µs");
 const LATENCY_P999: Metric = Metric::lower("1 KiB echo at 5k msg/s, p99.9", "µs");
 const CLOSED_PHASE: &str = "connections, closed loop of 16";
+const CLOSED_2T_PHASE: &str = "connections, closed loop of 16, 2 relay threads";
 const IDLE_RSS: Metric = Metric::lower("relay RSS per idle connection", "KiB");
 const IDLE_FDS: Metric = Metric::lower("relay descriptors per idle connection", "fds");
 
@@ -148,9 +152,19 @@ pub fn run(settings: &Settings) -> anyhow::Result<Outcome> {
             &mut recorder,
             &mut busy,
         )?;
+        let mut phases = vec![(
+            CLOSED_PHASE.to_owned(),
+            Work::Closed {
+                concurrency: workload.connection_concurrency,
+            },
+        )];
+        for rate in workload.open_rates {
+            phases.push((open_phase(rate), Work::Open { rate }));
+        }
         connections(
             settings,
             &workload,
+            &phases,
             &mut contenders,
             &mut recorder,
             &mut busy,
@@ -175,6 +189,17 @@ pub fn run(settings: &Settings) -> anyhow::Result<Outcome> {
         scaling(
             settings,
             &workload,
+            &mut contenders,
+            &mut recorder,
+            &mut busy,
+        )?;
+        let closed = Work::Closed {
+            concurrency: workload.connection_concurrency,
+        };
+        connections(
+            settings,
+            &workload,
+            &[(CLOSED_2T_PHASE.to_owned(), closed)],
             &mut contenders,
             &mut recorder,
             &mut busy,

@@ -8,8 +8,8 @@ use anyhow::Context as _;
 
 use super::relays::{Contender, Relays};
 use super::{
-    BULK, CLOSED_PHASE, CPU_PER_GIB, DIRECT, GIB, IDLE_FDS, IDLE_RSS, LATENCY_P50, LATENCY_P99,
-    LATENCY_P999, SCALING, Workload, open_phase, shuffled,
+    BULK, CPU_PER_GIB, DIRECT, GIB, IDLE_FDS, IDLE_RSS, LATENCY_P50, LATENCY_P99, LATENCY_P999,
+    SCALING, Workload, shuffled,
 };
 use crate::bench::Settings;
 use crate::bench::load::{self, Sink};
@@ -216,21 +216,14 @@ pub(super) fn scaling(
 pub(super) fn connections(
     settings: &Settings,
     workload: &Workload,
+    phases: &[(String, Work)],
     contenders: &mut [Contender],
     recorder: &mut Recorder,
     busy: &mut Busy,
 ) -> anyhow::Result<()> {
-    let mut phases = vec![(
-        CLOSED_PHASE.to_owned(),
-        Work::Closed {
-            concurrency: workload.connection_concurrency,
-        },
-    )];
-    for rate in workload.open_rates {
-        phases.push((open_phase(rate), Work::Open { rate }));
-    }
     let mut failures: BTreeMap<(String, &str), (u64, u64, u64)> = BTreeMap::new();
     for (phase, work) in phases {
+        let (phase, work) = (phase.clone(), *work);
         eprintln!("proxy: {phase}");
         let rate = metric(format!("{phase}: completed connections"), "conn/s", true);
         let p50 = metric(format!("{phase}: connect to first byte, p50"), "µs", false);

@@ -10,7 +10,7 @@ use anyhow::Context as _;
 
 use super::{
     BASELINE_ENV, DIRECT, HAPROXY_AUTO, HAPROXY_AUTO_2T, HAPROXY_FORCED, HAPROXY_FORCED_2T,
-    PIPE_SIZE, PROXY_CORE, PROXY_CORE_2T, PROXY_CORE_BASELINE, Workload,
+    PIPE_SIZE, PROXY_CORE, PROXY_CORE_2L, PROXY_CORE_2T, PROXY_CORE_BASELINE, Workload,
 };
 use crate::bench::Settings;
 use crate::bench::procs::{self, Measured, SinkProcess, WindowCpu, Work};
@@ -83,8 +83,15 @@ pub(super) struct Relays {
 #[derive(Clone, Copy)]
 enum Kind {
     Direct,
-    ProxyCore { threads: usize, baseline: bool },
-    Haproxy { threads: usize, forced: bool },
+    ProxyCore {
+        threads: usize,
+        baseline: bool,
+        listener_per_thread: bool,
+    },
+    Haproxy {
+        threads: usize,
+        forced: bool,
+    },
 }
 
 fn kind(name: &str) -> Kind {
@@ -92,14 +99,22 @@ fn kind(name: &str) -> Kind {
         PROXY_CORE => Kind::ProxyCore {
             threads: 1,
             baseline: false,
+            listener_per_thread: false,
         },
         PROXY_CORE_BASELINE => Kind::ProxyCore {
             threads: 1,
             baseline: true,
+            listener_per_thread: false,
         },
         PROXY_CORE_2T => Kind::ProxyCore {
             threads: 2,
             baseline: false,
+            listener_per_thread: false,
+        },
+        PROXY_CORE_2L => Kind::ProxyCore {
+            threads: 2,
+            baseline: false,
+            listener_per_thread: true,
         },
         HAPROXY_AUTO => Kind::Haproxy {
             threads: 1,
@@ -136,7 +151,7 @@ impl Relays {
 
     /// The contenders of the scaling phase.
     pub(super) fn scaling_names(&self) -> Vec<&'static str> {
-        let mut names = vec![DIRECT, PROXY_CORE_2T];
+        let mut names = vec![DIRECT, PROXY_CORE_2T, PROXY_CORE_2L];
         if self.haproxy.is_some() {
             names.extend([HAPROXY_AUTO_2T, HAPROXY_FORCED_2T]);
         }
@@ -173,12 +188,16 @@ impl Relays {
         let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, system::free_port()?));
         let mut service = match kind(name) {
             Kind::Direct => return Ok((upstream, None)),
-            Kind::ProxyCore { threads, baseline } => {
+            Kind::ProxyCore {
+                threads,
+                baseline,
+                listener_per_thread,
+            } => {
                 let program = match &self.baseline {
                     Some(program) if baseline => program,
                     _ => &self.tcp_relay,
                 };
-                self.start_proxy_core(program, addr, upstream, threads)?
+                self.start_proxy_core(program, addr, upstream, threads, listener_per_thread)?
             }
             Kind::Haproxy { threads, forced } => {
                 self.start_haproxy(addr, upstream, threads, forced, idle_only)?
@@ -204,8 +223,12 @@ impl Relays {
         listen: SocketAddr,
         upstream: SocketAddr,
         threads: usize,
+        listener_per_thread: bool,
     ) -> anyhow::Result<Service> {
         let mut cmd = self.command(threads, program);
+        if listener_per_thread {
+            cmd.arg("--listener-per-thread");
+        }
         cmd.arg("--listen")
             .arg(listen.to_string())
             .arg("--upstream")
@@ -348,7 +371,11 @@ pub fn contenders(_settings: &Settings) -> Vec<(&'static str, String)> {
         ),
         (
             PROXY_CORE_2T,
-            "examples/tcp_relay, --threads 2 (multi-thread runtime, 2 workers), unpinned, otherwise as proxy-core".to_owned(),
+            "examples/tcp_relay, --threads 2 (multi-thread runtime, 2 workers sharing one listener), unpinned, otherwise as proxy-core".to_owned(),
+        ),
+        (
+            PROXY_CORE_2L,
+            "examples/tcp_relay, --threads 2 --listener-per-thread (2 threads, each its own current-thread runtime and listening socket, SO_REUSEPORT: a connection stays on the thread that accepted it), unpinned, otherwise as proxy-core".to_owned(),
         ),
         (
             HAPROXY_AUTO_2T,
