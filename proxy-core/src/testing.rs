@@ -4,10 +4,13 @@
 //! timer, child processes that are killed when dropped, and a real HTTP proxy ([`Tinyproxy`]). Not
 //! part of any production binary.
 
+use std::collections::BTreeSet;
+use std::hash::{BuildHasher as _, Hasher as _, RandomState};
 use std::io;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
@@ -16,15 +19,87 @@ use tokio::net::{TcpListener, TcpStream, UdpSocket};
 /// How long [`http_get`] waits for a whole response.
 const HTTP_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// A port free on 127.0.0.1 right now (another program may take it before the caller binds it;
-/// tests accept that small race).
+/// The lowest port the `free_*` functions hand out: above the Kubernetes components' own ports
+/// (10249-10259).
+const PORT_FLOOR: u16 = 20_000;
+/// One past the highest port the `free_*` functions hand out: below the NodePort range
+/// (30000-32767).
+const PORT_CEILING: u16 = 30_000;
+
+/// Ports this process handed out, so that two servers of one test binary never get the same one.
+static HANDED_OUT: Mutex<BTreeSet<u16>> = Mutex::new(BTreeSet::new());
+
+/// A port free on 127.0.0.1 for a server the caller starts next.
+///
+/// It comes from below the kernel's ephemeral range. A port the kernel picks (for `bind(0)` or
+/// for an outgoing connection, and tests make thousands) can be taken again between this check
+/// and the server's own bind; that once failed a CI run with "address already in use". A port
+/// outside that range is taken only by another program that chose it. No port is handed out
+/// twice by one process. When the machine's ephemeral range leaves no room below it, the
+/// kernel's pick is returned, with that race.
 pub fn free_port() -> io::Result<u16> {
-    Ok(free_addr()?.port())
+    Ok(free_port_range(1)?.0)
 }
 
 /// [`free_port`] as a socket address on 127.0.0.1.
 pub fn free_addr() -> io::Result<SocketAddr> {
-    std::net::TcpListener::bind((Ipv4Addr::LOCALHOST, 0))?.local_addr()
+    Ok(SocketAddr::from((Ipv4Addr::LOCALHOST, free_port()?)))
+}
+
+/// `count` consecutive ports free on 127.0.0.1, as the first and the last, chosen like
+/// [`free_port`] (for a program that takes a port range).
+///
+/// # Errors
+///
+/// `count` is 0, or no such run of ports is free (in the fallback, the kernel's port only serves
+/// a `count` of 1).
+pub fn free_port_range(count: u16) -> io::Result<(u16, u16)> {
+    let invalid = |what: &str| io::Error::new(io::ErrorKind::InvalidInput, what.to_owned());
+    if count == 0 {
+        return Err(invalid("a port range of 0 ports"));
+    }
+    let ceiling = ephemeral_low().map_or(PORT_CEILING, |low| low.min(PORT_CEILING));
+    let slots = ceiling.saturating_sub(PORT_FLOOR) / count;
+    if slots == 0 {
+        if count > 1 {
+            return Err(invalid("no room below the ephemeral port range"));
+        }
+        let port = std::net::TcpListener::bind((Ipv4Addr::LOCALHOST, 0))?
+            .local_addr()?
+            .port();
+        return Ok((port, port));
+    }
+    // A different start per call and process keeps concurrent test binaries apart.
+    let mut hasher = RandomState::new().build_hasher();
+    hasher.write_u32(std::process::id());
+    let start = hasher.finish() % u64::from(slots);
+    let mut handed_out = HANDED_OUT
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    for step in 0..u64::from(slots) {
+        let slot = u16::try_from((start + step) % u64::from(slots))
+            .map_err(|_| invalid("a port slot out of range"))?;
+        let first = PORT_FLOOR + slot * count;
+        let ports = first..first + count;
+        let free = ports.clone().all(|port| {
+            !handed_out.contains(&port)
+                && std::net::TcpListener::bind((Ipv4Addr::LOCALHOST, port)).is_ok()
+        });
+        if free {
+            handed_out.extend(ports);
+            return Ok((first, first + count - 1));
+        }
+    }
+    Err(io::Error::new(
+        io::ErrorKind::AddrInUse,
+        format!("no {count} consecutive free ports in {PORT_FLOOR}..{ceiling}"),
+    ))
+}
+
+/// The low end of the kernel's ephemeral port range, when it can be read.
+fn ephemeral_low() -> Option<u16> {
+    let range = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range").ok()?;
+    range.split_whitespace().next()?.parse().ok()
 }
 
 /// A TCP server on 127.0.0.1 that echoes every byte and half-closes after the client did; it
@@ -479,5 +554,31 @@ mod tests {
     fn free_ports_are_bindable() {
         let addr = free_addr().unwrap();
         assert!(std::net::TcpListener::bind(addr).is_ok());
+    }
+
+    #[test]
+    fn free_ports_stay_out_of_the_ephemeral_range_and_are_never_handed_out_twice() {
+        let low = ephemeral_low().unwrap();
+        let ports: Vec<u16> = (0..50).map(|_| free_port().unwrap()).collect();
+        let distinct: BTreeSet<u16> = ports.iter().copied().collect();
+        assert_eq!(distinct.len(), ports.len(), "{ports:?}");
+        assert!(
+            ports.iter().all(|&p| (PORT_FLOOR..low).contains(&p)),
+            "{ports:?}"
+        );
+    }
+
+    #[test]
+    fn a_free_port_range_is_consecutive_bindable_and_not_empty() {
+        let (first, last) = free_port_range(5).unwrap();
+        assert_eq!(last - first, 4);
+        let held: Vec<_> = (first..=last)
+            .map(|p| std::net::TcpListener::bind((Ipv4Addr::LOCALHOST, p)).unwrap())
+            .collect();
+        assert_eq!(held.len(), 5);
+        assert_eq!(
+            free_port_range(0).unwrap_err().kind(),
+            io::ErrorKind::InvalidInput
+        );
     }
 }

@@ -7,7 +7,6 @@
 
 use std::fs::File;
 use std::io::Write as _;
-use std::net::{Ipv4Addr, TcpListener};
 use std::os::unix::process::CommandExt as _;
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, Command, Stdio};
@@ -215,22 +214,13 @@ impl Guardian {
     }
 }
 
-/// A free TCP port on 127.0.0.1 (the kernel picks it; the tiny race with other programs binding it
-/// before the server does is accepted, as envtest does).
+/// A free TCP port on 127.0.0.1 for a server this module starts (see
+/// [`proxy_core::testing::free_port`] for why it is not the kernel's pick).
 pub(crate) fn free_port() -> Result<u16, TestingError> {
-    let listener =
-        TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).map_err(|source| TestingError::Io {
-            context: "finding a free port".to_owned(),
-            cause: source,
-        })?;
-    let port = listener
-        .local_addr()
-        .map_err(|source| TestingError::Io {
-            context: "finding a free port".to_owned(),
-            cause: source,
-        })?
-        .port();
-    Ok(port)
+    proxy_core::testing::free_port().map_err(|source| TestingError::Io {
+        context: "finding a free port".to_owned(),
+        cause: source,
+    })
 }
 
 /// The last `lines` lines of a log file, for error messages.

@@ -5,10 +5,9 @@
 //! client.
 #![allow(dead_code, unused_imports, clippy::unwrap_used, clippy::expect_used)]
 
-use std::net::{IpAddr, SocketAddr, TcpListener as StdListener};
+use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicU16, Ordering};
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
@@ -382,19 +381,9 @@ pub fn free_port() -> u16 {
     proxy_core::testing::free_port().unwrap()
 }
 
-/// `count` consecutive ports free on 127.0.0.1, from a range per test binary run.
+/// `count` consecutive ports free on 127.0.0.1.
 pub fn free_range(count: u16) -> (u16, u16) {
-    static NEXT: AtomicU16 = AtomicU16::new(0);
-    let base = 20000 + (std::process::id() % 100) as u16 * 100;
-    loop {
-        let offset = NEXT.fetch_add(count + 1, Ordering::Relaxed);
-        let start = base + offset;
-        let end = start + count - 1;
-        let all_free = (start..=end).all(|p| StdListener::bind(("127.0.0.1", p)).is_ok());
-        if all_free {
-            return (start, end);
-        }
-    }
+    proxy_core::testing::free_port_range(count).unwrap()
 }
 
 /// The pod-proxier binary as a child process.

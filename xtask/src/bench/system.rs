@@ -3,7 +3,7 @@
 
 use std::fs::File;
 use std::io::{BufRead as _, BufReader};
-use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -142,10 +142,10 @@ pub fn fd_count(pid: u32) -> anyhow::Result<usize> {
         .count())
 }
 
-/// A free TCP port on 127.0.0.1 (the kernel picks it; the race with other programs is accepted).
+/// A free TCP port on 127.0.0.1, from below the kernel's ephemeral range (see
+/// [`proxy_core::testing::free_port`]).
 pub fn free_port() -> anyhow::Result<u16> {
-    let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).context("finding a free port")?;
-    Ok(listener.local_addr()?.port())
+    proxy_core::testing::free_port().context("finding a free port")
 }
 
 /// A child process whose output goes to a log file; killed and reaped on drop, so every exit path
