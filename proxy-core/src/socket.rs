@@ -197,6 +197,54 @@ fn set_reuse_port(_socket: &TcpSocket) -> io::Result<()> {
     ))
 }
 
+/// Opens a TCP connection to `addr`, as [`TcpStream::connect`] does, with one syscall fewer on
+/// Linux: tokio reads `SO_ERROR` after every connect, this only when epoll reported an error or
+/// a hang-up, the only ways a failed non-blocking connect shows itself.
+pub(crate) async fn connect(addr: SocketAddr) -> io::Result<TcpStream> {
+    #[cfg(target_os = "linux")]
+    {
+        connect_nonblocking(addr).await
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        TcpStream::connect(addr).await
+    }
+}
+
+#[cfg(target_os = "linux")]
+async fn connect_nonblocking(addr: SocketAddr) -> io::Result<TcpStream> {
+    use rustix::io::Errno;
+    use rustix::net::{AddressFamily, SocketFlags, SocketType, ipproto};
+    use tokio::io::Interest;
+
+    let family = match addr {
+        SocketAddr::V4(_) => AddressFamily::INET,
+        SocketAddr::V6(_) => AddressFamily::INET6,
+    };
+    let socket = rustix::net::socket_with(
+        family,
+        SocketType::STREAM,
+        SocketFlags::NONBLOCK | SocketFlags::CLOEXEC,
+        Some(ipproto::TCP),
+    )?;
+    match rustix::net::connect(&socket, &addr) {
+        // An interrupted connect goes on in the background, as an in-progress one does.
+        Ok(()) | Err(Errno::INPROGRESS | Errno::INTR) => {}
+        Err(errno) => return Err(errno.into()),
+    }
+    let stream = TcpStream::from_std(std::net::TcpStream::from(socket))?;
+    let ready = stream.ready(Interest::WRITABLE | Interest::ERROR).await?;
+    if ready.is_error() || ready.is_write_closed() {
+        return Err(stream.take_error()?.unwrap_or_else(|| {
+            io::Error::new(
+                io::ErrorKind::ConnectionAborted,
+                "the connection closed while connecting",
+            )
+        }));
+    }
+    Ok(stream)
+}
+
 /// Sends FIN on `stream` while its read side stays open (half-close).
 pub(crate) fn shutdown_write(stream: &TcpStream) -> io::Result<()> {
     SockRef::from(stream).shutdown(Shutdown::Write)
@@ -275,6 +323,28 @@ mod tests {
             Duration::from_secs(11)
         );
         assert_eq!(accepted.tcp_keepalive_retries().unwrap(), 7);
+    }
+
+    #[tokio::test]
+    async fn connect_reaches_a_listener_and_reports_a_refusal() {
+        let listener = bind_listener(SocketAddr::from((Ipv4Addr::LOCALHOST, 0)), 16).unwrap();
+        let addr = listener.local_addr().unwrap();
+        let mut client = connect(addr).await.unwrap();
+        let (mut served, _) = listener.accept().await.unwrap();
+        client.write_all(b"ping").await.unwrap();
+        let mut got = [0u8; 4];
+        served.read_exact(&mut got).await.unwrap();
+        assert_eq!(&got, b"ping");
+
+        // Nothing listens on the port once the listener is gone: the refusal is the error.
+        drop(listener);
+        let refused = connect(addr).await.map(|_| ()).map_err(|e| e.kind());
+        assert_eq!(refused, Err(io::ErrorKind::ConnectionRefused));
+        let refused = connect(SocketAddr::from((Ipv6Addr::LOCALHOST, addr.port())))
+            .await
+            .map(|_| ())
+            .map_err(|e| e.kind());
+        assert_eq!(refused, Err(io::ErrorKind::ConnectionRefused));
     }
 
     #[tokio::test]

@@ -11,6 +11,7 @@ use std::time::Duration;
 use tokio::net::TcpStream;
 
 use crate::error::{ConfigError, ConnectError};
+use crate::socket;
 
 /// An upstream address: a socket address, or a host name resolved at each connect.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -91,7 +92,7 @@ impl TargetAddr {
         let attempt = async {
             match self {
                 TargetAddr::Socket(addr) => {
-                    TcpStream::connect(addr)
+                    socket::connect(*addr)
                         .await
                         .map_err(|cause| ConnectError::Io {
                             target: self.to_string(),
@@ -108,7 +109,7 @@ impl TargetAddr {
                         .map_err(resolve_error)?;
                     let mut last = None;
                     for addr in addrs {
-                        match TcpStream::connect(addr).await {
+                        match socket::connect(addr).await {
                             Ok(stream) => return Ok(stream),
                             Err(error) => last = Some(error),
                         }
