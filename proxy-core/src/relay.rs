@@ -9,9 +9,12 @@
 use std::future::Future;
 use std::io;
 use std::pin::{Pin, pin};
-use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::task::{Context, Poll, Wake, Waker};
 use std::time::Duration;
 
+use futures::task::AtomicWaker;
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio_util::sync::CancellationToken;
@@ -430,6 +433,8 @@ async fn drive(
     };
     let idle = idle_expired(counters, config.idle_timeout);
     tokio::pin!(lifetime, idle);
+    let cancelled = pin!(cancel.cancelled());
+    let mut cancelled = WhenWoken::new(cancelled);
     let (mut upstream_done, mut client_done) = (false, false);
     while !(upstream_done && client_done) {
         let (direction, result) = tokio::select! {
@@ -443,7 +448,7 @@ async fn drive(
             }
             () = &mut idle => return Ending::IdleTimeout,
             () = &mut lifetime => return Ending::MaxLifetime,
-            () = cancel.cancelled() => return Ending::Cancelled,
+            () = &mut cancelled => return Ending::Cancelled,
         };
         if let Err(error) = result {
             let ending = Ending::from_error(&error, direction);
@@ -452,6 +457,65 @@ async fn drive(
         }
     }
     Ending::Completed
+}
+
+/// Polls `inner` only once its own waker has fired. A cancellation future stays registered
+/// with its token after its first poll, yet polling it again locks the token's node and its
+/// notifier; without this, every wake-up of a connection (each segment that arrives) would pay
+/// both locks. A few atomics per poll instead, and one allocation per connection.
+struct WhenWoken<'a, F> {
+    inner: Pin<&'a mut F>,
+    signal: Arc<WakeSignal>,
+    waker: Waker,
+}
+
+/// Set by the inner future's waker; passes the wake-up on to the task that polled last.
+struct WakeSignal {
+    woken: AtomicBool,
+    task: AtomicWaker,
+}
+
+impl Wake for WakeSignal {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref();
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        self.woken.store(true, Ordering::Release);
+        self.task.wake();
+    }
+}
+
+impl<'a, F: Future> WhenWoken<'a, F> {
+    fn new(inner: Pin<&'a mut F>) -> Self {
+        // Woken at first, so the first poll registers the inner future.
+        let signal = Arc::new(WakeSignal {
+            woken: AtomicBool::new(true),
+            task: AtomicWaker::new(),
+        });
+        let waker = Waker::from(Arc::clone(&signal));
+        Self {
+            inner,
+            signal,
+            waker,
+        }
+    }
+}
+
+impl<F: Future> Future for WhenWoken<'_, F> {
+    type Output = F::Output;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
+        let this = &mut *self;
+        // Registered before the flag is read: a wake-up in between is seen either way.
+        this.signal.task.register(cx.waker());
+        if !this.signal.woken.swap(false, Ordering::AcqRel) {
+            return Poll::Pending;
+        }
+        this.inner
+            .as_mut()
+            .poll(&mut Context::from_waker(&this.waker))
+    }
 }
 
 /// Completes once no byte has moved for `idle`; never completes without an idle timeout.
