@@ -116,6 +116,15 @@ async fn cluster_ip_mode_points_kubernetes_at_the_service_and_repairs_drift() {
     let (_, body) = proxy.readyz().await.unwrap();
     assert!(body.contains("[+] endpoints"), "{body}");
     assert!(body.contains("[+] upstream"), "{body}");
+    // The counters move when the reconcile ends, which is after its slice write is visible: a
+    // CI run read 4 here, in the moment between the fifth repair and its count.
+    eventually("five repairs counted", Duration::from_secs(5), || async {
+        metric_line(
+            &proxy.metrics_text().await,
+            "steward_endpoint_repairs_total 5",
+        )
+    })
+    .await;
     let metrics = proxy.metrics_text().await;
     assert!(
         metric_line(&metrics, "steward_endpoint_repairs_total 5"),
