@@ -543,6 +543,17 @@ async fn reconcile_one<R: Reconciler>(
             .map_err(ReconcileFailure::Reconciler),
         Some(name) => {
             let api = state.api_for(object.as_ref());
+            // Adding the finalizer is a JSON patch whose `test` op compares `/metadata/finalizers`
+            // with the object given; a stale one from the store (our own earlier add not yet seen
+            // by the watch, say) fails that test and the API server answers 422 Invalid. So the
+            // add starts from the live object.
+            let object = match live_for_finalizer(&api, object, name).await {
+                Ok(Some(object)) => object,
+                Ok(None) => return Ok(KubeAction::await_change()),
+                Err(err) => {
+                    return Err(ReconcileFailure::Framework(Error::Finalizer(Box::new(err))));
+                }
+            };
             let reconciler = Arc::clone(&state.reconciler);
             let ctx = state.ctx.clone();
             finalizer(&api, name, object, |event| async move {
@@ -553,6 +564,23 @@ async fn reconcile_one<R: Reconciler>(
                 .map(to_kube)
             })
             .await
+            .or_else(|err| match err {
+                // The object changed between our read and the patch (its finalizers no longer
+                // what the `test` op expects): the API server's answer to a stale object, not a
+                // failure. The change's watch event reconciles it again; the requeue is a net.
+                kube::runtime::finalizer::Error::AddFinalizer(kube::Error::Api(status))
+                    if status.code == 422 || status.code == 409 =>
+                {
+                    tracing::debug!(
+                        controller = %state.ctx.name,
+                        code = status.code,
+                        message = %status.message,
+                        "finalizer not added yet: the object changed since it was read; reconciling again"
+                    );
+                    Ok(KubeAction::requeue(STALE_FINALIZER_RETRY))
+                }
+                other => Err(other),
+            })
             .map_err(|err| match err {
                 kube::runtime::finalizer::Error::ApplyFailed(e)
                 | kube::runtime::finalizer::Error::CleanupFailed(e) => {
@@ -572,6 +600,29 @@ async fn reconcile_one<R: Reconciler>(
         }
     }
     result
+}
+
+/// How soon an object whose finalizer add met a changed object is reconciled again (its watch
+/// event usually comes first).
+const STALE_FINALIZER_RETRY: Duration = Duration::from_secs(1);
+
+/// The object to hand kube-runtime's finalizer helper: `object` itself when it already carries
+/// `finalizer` or is being deleted (no patch follows), otherwise the live object read from the
+/// API server (`None`: it is gone), so the add's `test` op compares against what the server
+/// holds, not a cached copy that may be a version behind.
+pub(crate) async fn live_for_finalizer<K>(
+    api: &Api<K>,
+    object: Arc<K>,
+    finalizer: &str,
+) -> Result<Option<Arc<K>>, kube::Error>
+where
+    K: Resource + Clone + DeserializeOwned + Debug,
+{
+    let has = object.finalizers().iter().any(|f| f == finalizer);
+    if has || object.meta().deletion_timestamp.is_some() {
+        return Ok(Some(object));
+    }
+    Ok(api.get_opt(&object.name_any()).await?.map(Arc::new))
 }
 
 fn error_policy<R: Reconciler>(
@@ -617,4 +668,107 @@ pub fn backoff_delay(min: Duration, max: Duration, attempt: u32, seed: &str) -> 
     let jitter_permille = std::hash::Hasher::finish(&hasher) % 100;
     let jitter = base.mul_f64(jitter_permille as f64 / 1000.0);
     (base + jitter).min(max)
+}
+
+#[cfg(all(test, feature = "testing"))]
+mod stale_finalizer_tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+
+    use super::*;
+    use k8s_openapi::api::core::v1::ConfigMap;
+    use kube::api::{ObjectMeta, PostParams};
+
+    const FINALIZER: &str = "netkit.test/stale";
+
+    #[derive(Debug, thiserror::Error)]
+    #[error("never")]
+    struct Never;
+
+    struct Counting(Mutex<u32>);
+
+    impl Reconciler for Counting {
+        type Resource = ConfigMap;
+        type Error = Never;
+        fn finalizer(&self) -> Option<&str> {
+            Some(FINALIZER)
+        }
+        async fn reconcile(&self, _: Arc<ConfigMap>, _: &Context) -> Result<Action, Never> {
+            *self.0.lock().unwrap() += 1;
+            Ok(Action::Done)
+        }
+    }
+
+    /// The store's copy of an object, read before our own finalizer add reached the watch: the
+    /// API server refuses kube-runtime's add (its JSON patch `test` of `/metadata/finalizers`
+    /// fails: 422 Invalid, the error CI logged). A reconcile given that copy adds nothing twice,
+    /// fails nothing and runs the reconciler with the live object.
+    #[tokio::test]
+    async fn a_stale_copy_without_the_finalizer_reconciles_without_a_422() {
+        let plane = crate::testing::ControlPlane::shared().await.unwrap();
+        let client = plane.client().await.unwrap();
+        let api: Api<ConfigMap> = Api::namespaced(client.clone(), "default");
+        let name = format!("stale-finalizer-{}", rand_suffix());
+        let created = api
+            .create(
+                &PostParams::default(),
+                &ConfigMap {
+                    metadata: ObjectMeta {
+                        name: Some(name.clone()),
+                        ..ObjectMeta::default()
+                    },
+                    ..ConfigMap::default()
+                },
+            )
+            .await
+            .unwrap();
+        let stale = Arc::new(created);
+        let state = Arc::new(RunState {
+            reconciler: Arc::new(Counting(Mutex::new(0))),
+            ctx: Context::new(client.clone(), "stale-test", "stale-test"),
+            api: api.clone(),
+            failures: Mutex::new(HashMap::new()),
+            resync: Duration::from_secs(300),
+            backoff: (Duration::from_millis(10), Duration::from_secs(1)),
+            metrics: None,
+        });
+        // The first reconcile adds the finalizer (the server's object moves on).
+        reconcile_one(Arc::clone(&stale), Arc::clone(&state))
+            .await
+            .unwrap();
+        let live = api.get(&name).await.unwrap();
+        assert_eq!(live.finalizers(), [FINALIZER.to_owned()]);
+
+        // kube-runtime's add from the stale copy is what the API server refuses with 422.
+        let refused = finalizer(&api, FINALIZER, Arc::clone(&stale), |_| async {
+            Ok::<_, Never>(KubeAction::await_change())
+        })
+        .await
+        .unwrap_err();
+        assert!(
+            matches!(&refused, kube::runtime::finalizer::Error::AddFinalizer(kube::Error::Api(s)) if s.code == 422),
+            "{refused:?}"
+        );
+
+        // A reconcile triggered with the stale copy: no error, the reconciler ran, and the
+        // finalizer is on the object once.
+        let action = reconcile_one(Arc::clone(&stale), Arc::clone(&state)).await;
+        assert!(action.is_ok(), "{:?}", action.err());
+        assert_eq!(*state.reconciler.0.lock().unwrap(), 1);
+        let live = api.get(&name).await.unwrap();
+        assert_eq!(live.finalizers(), [FINALIZER.to_owned()]);
+
+        // Cleaned up: remove the finalizer, delete.
+        api.patch(
+            &name,
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(serde_json::json!({"metadata": {"finalizers": null}})),
+        )
+        .await
+        .unwrap();
+        api.delete(&name, &Default::default()).await.unwrap();
+    }
+
+    fn rand_suffix() -> u32 {
+        std::process::id() ^ (Instant::now().elapsed().subsec_nanos())
+    }
 }
