@@ -89,6 +89,103 @@ async fn wrong_token_is_unauthorized_and_not_retryable() {
     engine.shutdown().await;
 }
 
+/// A rotation as an operator does it: the engine accepts the old and the new token, then
+/// revokes the old one: the channel logged in with it is closed at once, a channel with the new
+/// one stays, and a new login with the old one is refused. Every login is recorded.
+#[tokio::test]
+async fn a_revoked_token_closes_its_channels_and_is_refused() {
+    let engine = LocalEngine::builder()
+        .auth(EngineAuth::Tokens(vec!["old".into()]))
+        .start()
+        .await
+        .unwrap();
+    let with = |token: &str| builder(&engine).token(token).build().unwrap();
+    let old = with("old").connect().await.unwrap();
+    let refused = with("new").connect().await.unwrap_err();
+    assert_eq!(refused.engine_code(), Some(EngineErrorCode::Unauthorized));
+    engine.set_auth(EngineAuth::Tokens(vec!["old".into(), "new".into()]));
+    let new = with("new").connect().await.unwrap();
+    // Both accepted: nobody is closed.
+    assert!(!old.is_closed() && !new.is_closed());
+    assert_eq!(engine.control_channels(), 2);
+
+    let revoked = Instant::now();
+    engine.set_auth(EngineAuth::Tokens(vec!["new".into()]));
+    tokio::time::timeout(Duration::from_secs(30), old.wait_closed())
+        .await
+        .expect("the channel of the revoked token still open 30 s after the revocation")
+        .ok();
+    eprintln!(
+        "the revoked token's channel closed {:?} after the revocation",
+        revoked.elapsed()
+    );
+    assert!(
+        eventually(30, || engine.control_channels() == 1).await,
+        "{:?}",
+        engine.control_logins()
+    );
+    assert!(!new.is_closed(), "the new token's channel was closed too");
+    let err = with("old").connect().await.unwrap_err();
+    assert_eq!(
+        err.engine_code(),
+        Some(EngineErrorCode::Unauthorized),
+        "{err}"
+    );
+
+    let logins: Vec<_> = engine
+        .control_logins()
+        .into_iter()
+        .map(|l| (l.token.unwrap_or_default(), l.accepted, l.open))
+        .collect();
+    let owned = |t: &str, a, o| (t.to_owned(), a, o);
+    assert_eq!(
+        logins,
+        [
+            owned("old", true, false),
+            owned("new", false, false),
+            owned("new", true, true),
+            owned("old", false, false),
+        ]
+    );
+    assert!(
+        engine.control_logins()[2]
+            .client_id
+            .as_deref()
+            .is_some_and(|id| id == new.client_id())
+    );
+    new.close().await.unwrap();
+    engine.shutdown().await;
+}
+
+/// An identity written as JSON and read back serves the same certificate: a client trusting the
+/// first engine's CA connects to a second engine started with it (as a restarted process would).
+#[tokio::test]
+async fn an_identity_read_back_from_json_serves_the_same_certificate() {
+    let first = engine().await;
+    let json = first.identity().to_json();
+    let trusted = first.client_tls();
+    let addr = first.addr();
+    first.shutdown().await;
+    let identity = rstream_client::engine::EngineIdentity::from_json(&json).unwrap();
+    let second = LocalEngine::builder()
+        .bind(addr)
+        .identity(identity)
+        .token(TOKEN)
+        .start()
+        .await
+        .unwrap();
+    let control = builder(&second)
+        .tls(trusted)
+        .build()
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    control.close().await.unwrap();
+    assert!(rstream_client::engine::EngineIdentity::from_json("{}").is_err());
+    second.shutdown().await;
+}
+
 #[tokio::test]
 async fn expired_token_is_reported_before_connecting() {
     use base64::Engine as _;

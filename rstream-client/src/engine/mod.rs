@@ -4,7 +4,9 @@
 //! `127.0.0.1` and `::1`, ALPN `rstrm/1`) on a loopback port:
 //!
 //! * control channels with token checks, protocol-version checks, liveness negotiation and heartbeat
-//!   acknowledgements;
+//!   acknowledgements; the accepted tokens can change at run time ([`LocalEngine::set_auth`]),
+//!   which closes the control channels of a revoked token, and every login is recorded with its
+//!   token and outcome ([`LocalEngine::control_logins`]);
 //! * tunnels with IDs `tun_<n>`, validated with the client rules; duplicate stable hostnames are
 //!   refused with "Hostname is already in use.";
 //! * **published ingress**: every published tunnel (tcp, tls or http) gets its own plain TCP listener on
@@ -105,6 +107,9 @@ pub enum EngineAuth {
     AnyToken,
     /// Exactly this token.
     Token(String),
+    /// Any one of these tokens (none accepted when empty): a rotation accepts the old and the
+    /// new one for a while, then only the new one.
+    Tokens(Vec<String>),
     /// No token must be sent (mTLS or unauthenticated engines).
     NoToken,
 }
@@ -113,12 +118,43 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+impl EngineAuth {
+    /// Whether a connection presenting `token` (`None`: no token) is let in.
+    pub fn accepts(&self, token: Option<&str>) -> bool {
+        match self {
+            EngineAuth::AnyToken => true,
+            EngineAuth::Token(expected) => token == Some(expected.as_str()),
+            EngineAuth::Tokens(accepted) => token.is_some_and(|t| accepted.iter().any(|a| a == t)),
+            EngineAuth::NoToken => token.is_none(),
+        }
+    }
+}
+
+/// One `OpenControlChannelReq` the engine answered: the token it carried and the outcome.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ControlLogin {
+    /// The client id the engine gave (`cli_<n>`), when it accepted the channel.
+    pub client_id: Option<String>,
+    /// The token sent (`None`: none).
+    pub token: Option<String>,
+    /// Whether the channel was opened; false when refused (token, version or an injected error).
+    pub accepted: bool,
+    /// Whether the channel is still open (always false for a refused one).
+    pub open: bool,
+}
+
 #[derive(Clone, Debug)]
 enum Command {
     DropControls,
+    /// Close the control channels whose token the current policy refuses.
+    DropRevoked,
     Raw(Bytes),
     ServerMessage(String),
-    Flood { tunnel_id: String, count: usize },
+    Flood {
+        tunnel_id: String,
+        count: usize,
+    },
 }
 
 enum Out {
@@ -156,13 +192,14 @@ struct EState {
 }
 
 struct Config {
-    auth: EngineAuth,
     liveness_timeout: Option<Duration>,
     proxy_timeout: Duration,
 }
 
 struct EngineShared {
     cfg: Config,
+    auth: Mutex<EngineAuth>,
+    logins: Mutex<Vec<ControlLogin>>,
     faults: Faults,
     state: Mutex<EState>,
     commands: broadcast::Sender<Command>,
@@ -190,12 +227,7 @@ impl EngineShared {
         details: Option<&proto::ClientDetails>,
     ) -> std::result::Result<(), proto::Error> {
         let token = details.and_then(|d| d.token.as_deref());
-        let ok = match &self.cfg.auth {
-            EngineAuth::AnyToken => true,
-            EngineAuth::Token(expected) => token == Some(expected.as_str()),
-            EngineAuth::NoToken => token.is_none(),
-        };
-        if ok {
+        if lock(&self.auth).accepts(token) {
             Ok(())
         } else {
             Err(proto::Error::new(
@@ -309,10 +341,11 @@ impl LocalEngineBuilder {
         let (commands, _) = broadcast::channel(1024);
         let shared = Arc::new(EngineShared {
             cfg: Config {
-                auth: self.auth,
                 liveness_timeout: self.liveness_timeout,
                 proxy_timeout: self.proxy_timeout,
             },
+            auth: Mutex::new(self.auth),
+            logins: Mutex::new(Vec::new()),
             faults: Faults::default(),
             state: Mutex::new(EState::default()),
             commands,
@@ -481,6 +514,26 @@ impl LocalEngine {
     /// `ClientDetails` of every control channel, private dial and proxy leg, in order.
     pub fn client_details(&self) -> Vec<proto::ClientDetails> {
         lock(&self.shared.client_details).clone()
+    }
+
+    /// Replaces the authentication policy at run time: later logins and private dials are checked
+    /// against it, and every open control channel whose token it refuses is closed abruptly (its
+    /// tunnels go with it; streams already relayed stay up). Revoking a rotated-out token:
+    /// `set_auth(EngineAuth::Tokens(vec![new]))`.
+    pub fn set_auth(&self, auth: EngineAuth) {
+        *lock(&self.shared.auth) = auth;
+        let _ = self.shared.commands.send(Command::DropRevoked);
+    }
+
+    /// The current authentication policy.
+    pub fn auth(&self) -> EngineAuth {
+        lock(&self.shared.auth).clone()
+    }
+
+    /// Every control-channel login, in order: its token, whether it was accepted, whether it is
+    /// still open.
+    pub fn control_logins(&self) -> Vec<ControlLogin> {
+        lock(&self.shared.logins).clone()
     }
 
     /// Abruptly closes every control channel (streams stay up).

@@ -73,6 +73,52 @@ impl EngineIdentity {
         })
     }
 
+    /// The identity (CA certificate and key, server chain and key) as JSON, to restart the same
+    /// engine in another process ([`EngineIdentity::from_json`]). It holds private keys: keep it
+    /// in a file only the engine's user reads.
+    pub fn to_json(&self) -> String {
+        use base64::Engine as _;
+        let b64 = |b: &[u8]| base64::engine::general_purpose::STANDARD.encode(b);
+        serde_json::json!({
+            "caPem": self.ca_pem,
+            "caDer": b64(&self.ca_der),
+            "caKeyDer": b64(&self.ca_key_der),
+            "certChainDer": self.cert_chain.iter().map(|c| b64(c)).collect::<Vec<_>>(),
+            "keyDer": b64(&self.key_der),
+        })
+        .to_string()
+    }
+
+    /// Reads an identity written by [`EngineIdentity::to_json`].
+    pub fn from_json(json: &str) -> Result<Self> {
+        use base64::Engine as _;
+        let v: serde_json::Value = serde_json::from_str(json).map_err(other)?;
+        let bytes = |field: &serde_json::Value, name: &str| -> Result<Vec<u8>> {
+            let text = field
+                .as_str()
+                .ok_or_else(|| other(format!("engine identity: {name} is not a string")))?;
+            base64::engine::general_purpose::STANDARD
+                .decode(text)
+                .map_err(|e| other(format!("engine identity: {name}: {e}")))
+        };
+        let cert_chain = v["certChainDer"]
+            .as_array()
+            .ok_or_else(|| other("engine identity: certChainDer is not a list"))?
+            .iter()
+            .map(|c| bytes(c, "certChainDer").map(CertificateDer::from))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self {
+            ca_pem: v["caPem"]
+                .as_str()
+                .ok_or_else(|| other("engine identity: caPem is not a string"))?
+                .to_owned(),
+            ca_der: CertificateDer::from(bytes(&v["caDer"], "caDer")?),
+            ca_key_der: bytes(&v["caKeyDer"], "caKeyDer")?,
+            cert_chain,
+            key_der: bytes(&v["keyDer"], "keyDer")?,
+        })
+    }
+
     /// The CA certificate (PEM) that clients must trust.
     pub fn ca_pem(&self) -> &str {
         &self.ca_pem

@@ -138,7 +138,14 @@ pub(super) async fn control_connection(
                 .clone()
                 .map(|(c, m)| proto::Error::new(c, m))
         });
+    let token = req.client_details.as_ref().and_then(|d| d.token.clone());
     if let Some(error) = refuse {
+        lock(&shared.logins).push(ControlLogin {
+            client_id: None,
+            token,
+            accepted: false,
+            open: false,
+        });
         let rsp = proto::OpenControlChannelRsp {
             payload: Some(proto::open_control_channel_rsp::Payload::Error(error)),
         };
@@ -183,6 +190,17 @@ pub(super) async fn control_connection(
     {
         return;
     }
+    let client_id = format!("cli_{conn_id}");
+    let login = {
+        let mut logins = lock(&shared.logins);
+        logins.push(ControlLogin {
+            client_id: Some(client_id.clone()),
+            token: token.clone(),
+            accepted: true,
+            open: true,
+        });
+        logins.len() - 1
+    };
     let (tls, leftover) = reader.into_parts();
     let (rd, wr) = tokio::io::split(PrefixedIo::new(leftover, tls));
     let mut reader = FrameReader::new(rd);
@@ -203,6 +221,12 @@ pub(super) async fn control_connection(
             _ = tick.tick() => continue,
             cmd = commands.recv() => match cmd {
                 Ok(Command::DropControls) => break,
+                Ok(Command::DropRevoked) => {
+                    if !lock(&shared.auth).accepts(token.as_deref()) {
+                        debug!(%client_id, "closing a control channel whose token was revoked");
+                        break;
+                    }
+                }
                 Ok(Command::Raw(bytes)) => { let _ = tx.send(Out::Raw(bytes)).await; }
                 Ok(Command::ServerMessage(text)) => {
                     let _ = tx.send(Out::Msg(Box::new(Payload::ServerMessage(proto::ServerMessage { message: text }).into()))).await;
@@ -240,6 +264,9 @@ pub(super) async fn control_connection(
         }
     }
     // Cleanup: the owner's tunnels and pending streams go away with it.
+    if let Some(l) = lock(&shared.logins).get_mut(login) {
+        l.open = false;
+    }
     {
         let mut st = shared.state();
         st.controls.remove(&conn_id);
