@@ -30,6 +30,7 @@ mod modules;
 mod node_images;
 mod readme_flags;
 mod test;
+mod test_binaries;
 mod tools;
 
 use clap::{Parser, Subcommand};
@@ -86,8 +87,20 @@ enum Task {
     Modules,
 }
 
-fn main() -> anyhow::Result<()> {
-    let cli = Cli::parse();
+/// Runs the task; an error ends the output with its cause chain on one line and exit status 1,
+/// never a backtrace (`anyhow`'s `Debug` would print one whenever `RUST_BACKTRACE` is set), so a
+/// task's own summary stays the last thing a user reads.
+fn main() -> std::process::ExitCode {
+    match run(Cli::parse()) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("error: {err:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.task {
         Task::Envtest(args) => {
             let dir = envtest::ensure(&args)?;

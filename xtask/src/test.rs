@@ -63,11 +63,8 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
     let helm = helm?;
 
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
-    let mut test_cmd = vec!["test", "--workspace", "--all-features", "--no-fail-fast"];
-    if !args.test_args.is_empty() {
-        test_cmd.push("--");
-        test_cmd.extend(args.test_args.iter().map(String::as_str));
-    }
+    // Built and run by `test_binaries` (two binaries at a time); shown as cargo would run it.
+    let test_cmd = vec!["test", "--workspace", "--all-features"];
     let plan: Vec<(&'static str, Vec<&str>, Env<'_>)> = vec![
         (
             "cargo fmt --check",
@@ -173,6 +170,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
             vec![],
         ),
     ];
+    let images = crate::image::images_dir(&root);
     let mut failed = false;
     let mut totals = TestTotals::default();
     let mut e2e = Checks::default();
@@ -185,10 +183,15 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
             .args(&cmd_args)
             .envs(envs)
             .env("KUBEBUILDER_ASSETS", &assets)
-            .env("NETKIT_RELEASE_IMAGES", crate::image::images_dir(&root))
+            .env("NETKIT_RELEASE_IMAGES", &images)
             .env(crate::tools::HELM_ENV, &helm);
         let ok = if cmd_args.first() == Some(&"test") {
-            let status = run_counting(&mut cmd, &mut totals)?;
+            let env = [
+                ("KUBEBUILDER_ASSETS", assets.as_os_str()),
+                ("NETKIT_RELEASE_IMAGES", images.as_os_str()),
+                (crate::tools::HELM_ENV, helm.as_os_str()),
+            ];
+            let ran = crate::test_binaries::run(&root, &cargo, &args.test_args, &env, &mut totals)?;
             for name in totals.unexpected_ignored() {
                 eprintln!(
                     "ignored test not in the allowlist (ALLOWED_IGNORED, xtask/src/test.rs): {name}"
@@ -196,7 +199,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
             }
             // A binary that printed no result (killed by a signal, or exited mid-run) and an
             // ignored test nobody allowed each fail the step, whatever cargo's status says.
-            status.success() && totals.unexpected_ignored().is_empty() && totals.unfinished() == 0
+            ran && totals.unexpected_ignored().is_empty() && totals.unfinished() == 0
         } else if cmd_args.contains(&"e2e") {
             let run = run_e2e(&mut cmd)?;
             e2e.add_e2e(run.status.success(), run.counts);
@@ -281,25 +284,25 @@ const ALLOWED_IGNORED: [(&str, &str); 1] = [(
 
 /// What the `cargo test` output said, summed over its test binaries.
 #[derive(Default, Debug)]
-struct TestTotals {
+pub(crate) struct TestTotals {
     /// Test binaries (and doc-test runs) cargo started.
-    started: u64,
+    pub(crate) started: u64,
     /// `test result:` lines seen: test binaries that finished.
-    binaries: u64,
-    passed: u64,
-    failed: u64,
-    ignored: u64,
+    pub(crate) binaries: u64,
+    pub(crate) passed: u64,
+    pub(crate) failed: u64,
+    pub(crate) ignored: u64,
     /// The names of the ignored tests.
-    ignored_names: Vec<String>,
+    pub(crate) ignored_names: Vec<String>,
     /// The names of the failed tests.
-    failed_names: Vec<String>,
+    pub(crate) failed_names: Vec<String>,
     /// cargo's lines about a test binary killed by a signal.
-    killed: Vec<String>,
+    pub(crate) killed: Vec<String>,
 }
 
 impl TestTotals {
     /// One line of `cargo test`'s standard output (the test binaries' own).
-    fn stdout_line(&mut self, line: &str) {
+    pub(crate) fn stdout_line(&mut self, line: &str) {
         if let Some(result) = line.strip_prefix("test result: ") {
             self.binaries += 1;
             for part in result.split(';') {
@@ -330,7 +333,7 @@ impl TestTotals {
     }
 
     /// One line of `cargo test`'s standard error (cargo's own).
-    fn stderr_line(&mut self, line: &str) {
+    pub(crate) fn stderr_line(&mut self, line: &str) {
         let trimmed = line.trim_start();
         if trimmed.starts_with("Running ") || trimmed.starts_with("Doc-tests ") {
             self.started += 1;
@@ -352,7 +355,7 @@ impl TestTotals {
 
     /// Test binaries that ended without a `test result:` line (a signal, an exit mid-run); at
     /// least one per kill cargo reported.
-    fn unfinished(&self) -> u64 {
+    pub(crate) fn unfinished(&self) -> u64 {
         self.started
             .saturating_sub(self.binaries)
             .max(self.killed.len() as u64)
@@ -362,46 +365,6 @@ impl TestTotals {
     fn failed_with_unfinished(&self) -> u64 {
         self.failed + self.unfinished()
     }
-}
-
-/// Runs `cargo test`, echoing its output while reading the test binaries' results (standard
-/// output) and cargo's lines about each binary (standard error).
-fn run_counting(
-    cmd: &mut Command,
-    totals: &mut TestTotals,
-) -> anyhow::Result<std::process::ExitStatus> {
-    use std::io::{BufRead as _, BufReader};
-    let mut child = cmd
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()?;
-    let stderr = child.stderr.take().map(|stderr| {
-        std::thread::spawn(move || {
-            let mut lines = Vec::new();
-            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                eprintln!("{line}");
-                lines.push(line);
-            }
-            lines
-        })
-    });
-    if let Some(stdout) = child.stdout.take() {
-        for line in BufReader::new(stdout).lines() {
-            let line = line?;
-            println!("{line}");
-            totals.stdout_line(&line);
-        }
-    }
-    let status = child.wait()?;
-    if let Some(reader) = stderr {
-        let lines = reader
-            .join()
-            .map_err(|_| anyhow::anyhow!("the thread reading cargo test's stderr panicked"))?;
-        for line in &lines {
-            totals.stderr_line(line);
-        }
-    }
-    Ok(status)
 }
 
 /// Passed and failed checks of a step that is not `cargo test`.

@@ -474,6 +474,9 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Every chart's [`helm_test_scenario`].
+pub const HELM_TEST_SCENARIO: &str = "helm install prints NOTES.txt (what to check next); helm test (a restricted Pod through the Service) passes";
+
 /// The chart as users meet it: `helm install` printed NOTES.txt (what to check next) and
 /// `helm test` of `release` passes; `probe` names what the test Pod checks.
 pub async fn helm_test_scenario(
@@ -502,12 +505,10 @@ pub async fn helm_test_scenario(
         }
     );
     report.record(
-        &format!(
-            "helm install prints NOTES.txt (what to check next); helm test (a restricted Pod GETs {probe} through the Service) passes"
-        ),
+        HELM_TEST_SCENARIO,
         notes && tested.as_ref().is_ok_and(|t| t.contains("Succeeded")),
         started,
-        detail,
+        format!("the test Pod GETs {probe}; {detail}"),
     );
 }
 
