@@ -31,7 +31,7 @@ fn free_port() -> u16 {
 
 /// Sends `payload`, half-closes, and returns everything echoed back.
 async fn round_trip(addr: SocketAddr, payload: &[u8]) -> Vec<u8> {
-    let deadline = Instant::now() + Duration::from_secs(10);
+    let deadline = Instant::now() + Duration::from_secs(30);
     let mut stream = loop {
         match TcpStream::connect(addr).await {
             Ok(stream) => break stream,
@@ -44,7 +44,7 @@ async fn round_trip(addr: SocketAddr, payload: &[u8]) -> Vec<u8> {
     stream.write_all(payload).await.unwrap();
     stream.shutdown().await.unwrap();
     let mut echoed = Vec::new();
-    tokio::time::timeout(Duration::from_secs(10), stream.read_to_end(&mut echoed))
+    tokio::time::timeout(Duration::from_secs(30), stream.read_to_end(&mut echoed))
         .await
         .unwrap()
         .unwrap();
@@ -154,7 +154,7 @@ async fn rstream_expose_publishes_a_local_port_through_an_engine() {
         .spawn()
         .unwrap();
     let _expose = Running(child);
-    let deadline = Instant::now() + Duration::from_secs(15);
+    let deadline = Instant::now() + Duration::from_secs(30);
     let ingress = loop {
         let published = engine
             .tunnels()

@@ -88,7 +88,7 @@ async fn configmap_create_get_list_watch_and_server_side_apply() {
 
     let mut seen = Vec::new();
     while seen.len() < 3 {
-        let event = tokio::time::timeout(Duration::from_secs(10), events.try_next())
+        let event = tokio::time::timeout(Duration::from_secs(30), events.try_next())
             .await
             .expect("watch events arrive")
             .unwrap()
@@ -214,7 +214,7 @@ async fn rbac_denies_an_unbound_user_until_bound() {
         .unwrap();
 
     // The RBAC authorizer learns of new bindings through its informer: allow it a moment.
-    let deadline = Instant::now() + Duration::from_secs(10);
+    let deadline = Instant::now() + Duration::from_secs(30);
     loop {
         match as_alice.list(&ListParams::default()).await {
             Ok(list) => {
@@ -275,7 +275,7 @@ async fn kubernetes_service_and_its_endpointslice_exist() {
     assert_eq!(svc.spec.unwrap().cluster_ip.as_deref(), Some("10.0.0.1"));
     // The API server's own endpoint reconciler writes the slice shortly after start.
     let slices: Api<EndpointSlice> = Api::namespaced(client, "default");
-    let deadline = Instant::now() + Duration::from_secs(20);
+    let deadline = Instant::now() + Duration::from_secs(30);
     let slice = loop {
         match slices.get_opt("kubernetes").await.unwrap() {
             Some(slice) => break slice,
@@ -369,7 +369,7 @@ async fn no_process_outlives_the_test_binary() {
             .split(',')
             .map(|p| p.parse().unwrap())
             .collect();
-        let deadline = Instant::now() + Duration::from_secs(15);
+        let deadline = Instant::now() + Duration::from_secs(30);
         while (pids.iter().any(|p| process_alive(*p)) || std::path::Path::new(dir).exists())
             && Instant::now() < deadline
         {

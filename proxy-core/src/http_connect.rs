@@ -661,7 +661,7 @@ mod tests {
             .unwrap();
         let target = "example.test:443".parse().unwrap();
         proxy
-            .connect(&target, Duration::from_secs(5))
+            .connect(&target, Duration::from_secs(30))
             .await
             .unwrap();
         let request = seen.await.unwrap();

@@ -509,7 +509,7 @@ mod tests {
                 let _ = socket.write_all(b"hi").await;
             }
         });
-        let timeout = Duration::from_secs(5);
+        let timeout = Duration::from_secs(30);
         let took = post_to_first_byte(api, "/map", "{}", Some("t"), entry, timeout)
             .await
             .unwrap();
@@ -537,7 +537,7 @@ mod tests {
             }
         });
         let entry = free_addr().unwrap();
-        let err = post_to_first_byte(api, "/map", "{}", None, entry, Duration::from_secs(5))
+        let err = post_to_first_byte(api, "/map", "{}", None, entry, Duration::from_secs(30))
             .await
             .unwrap_err();
         assert!(err.to_string().starts_with("the API answered 403"), "{err}");

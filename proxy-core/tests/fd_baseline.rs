@@ -48,7 +48,7 @@ async fn ten_thousand_connections_leave_no_descriptor_behind() {
     for addr in &listeners {
         one_exchange(*addr).await;
     }
-    eventually(Duration::from_secs(5), "warm-up closed", || {
+    eventually(Duration::from_secs(30), "warm-up closed", || {
         CountingObserver::get(&observer.closed) == 2
     })
     .await;
@@ -64,7 +64,7 @@ async fn ten_thousand_connections_leave_no_descriptor_behind() {
             exchange.await.unwrap();
         }
     }
-    eventually(Duration::from_secs(10), "every connection closed", || {
+    eventually(Duration::from_secs(30), "every connection closed", || {
         CountingObserver::get(&observer.closed) == TOTAL + 2
     })
     .await;

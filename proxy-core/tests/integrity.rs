@@ -43,7 +43,7 @@ async fn concurrent_transfers(mode: CopyMode) {
             transfer.await.unwrap();
         }
         expected_connections += connections;
-        eventually(Duration::from_secs(10), "every connection closed", || {
+        eventually(Duration::from_secs(30), "every connection closed", || {
             CountingObserver::get(&observer.closed) == expected_connections
         })
         .await;

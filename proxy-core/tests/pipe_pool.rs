@@ -109,7 +109,7 @@ async fn pipes_are_lent_only_to_streaming_copies_and_only_empty_ones_come_back()
         }
     });
     eventually(
-        Duration::from_secs(10),
+        Duration::from_secs(30),
         "a pipe lent to the stalled copy",
         || pipe::stats().in_use == 1,
     )

@@ -144,7 +144,7 @@ async fn refused_upstream_is_a_connect_error() {
         matches!(result, Err(ConnectError::Io { ref cause, .. }) if cause.kind() == io::ErrorKind::ConnectionRefused),
         "{result:?}"
     );
-    assert!(closes_within(&mut relay.client, Duration::from_secs(5)).await);
+    assert!(closes_within(&mut relay.client, Duration::from_secs(30)).await);
 }
 
 /// A connector whose connect never completes, like a SYN to a black hole, without sending
@@ -198,7 +198,7 @@ async fn idle_timeout_closes_quiet_connections_only() {
             "{mode:?}: {:?}",
             summary.duration
         );
-        assert!(closes_within(&mut relay.client, Duration::from_secs(1)).await);
+        assert!(closes_within(&mut relay.client, Duration::from_secs(30)).await);
     }
 }
 
@@ -244,9 +244,9 @@ async fn counters_are_live_on_both_paths() {
     }
 }
 
-/// The counter's value once it reaches `expected`, or its value after two seconds.
+/// The counter's value once it reaches `expected`, or its value after 30 s.
 async fn counted_soon(counters: &RelayCounters, direction: Direction, expected: u64) -> u64 {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(2);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
     loop {
         let counted = counters.get(direction);
         if counted >= expected || tokio::time::Instant::now() >= deadline {

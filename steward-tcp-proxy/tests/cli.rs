@@ -58,7 +58,7 @@ async fn plain_http_through(addr: SocketAddr) -> String {
         .await
         .unwrap();
     let mut answer = Vec::new();
-    tokio::time::timeout(Duration::from_secs(10), stream.read_to_end(&mut answer))
+    tokio::time::timeout(Duration::from_secs(30), stream.read_to_end(&mut answer))
         .await
         .unwrap()
         .unwrap();
@@ -90,7 +90,7 @@ async fn colon_port_listens_on_both_families_and_boolean_flags_take_gos_forms() 
     );
     let v6 = |port| SocketAddr::from((std::net::Ipv6Addr::LOCALHOST, port));
     let v4 = |port| SocketAddr::from((Ipv4Addr::LOCALHOST, port));
-    eventually("listening", Duration::from_secs(10), || async {
+    eventually("listening", Duration::from_secs(30), || async {
         tokio::net::TcpStream::connect(v4(listen)).await.is_ok()
     })
     .await;
@@ -108,7 +108,7 @@ async fn colon_port_listens_on_both_families_and_boolean_flags_take_gos_forms() 
         for addr in [v6(port), v4(port)] {
             eventually(
                 &format!("{path} on {addr}"),
-                Duration::from_secs(5),
+                Duration::from_secs(30),
                 || async {
                     proxy
                         .get(addr, path)
@@ -119,8 +119,25 @@ async fn colon_port_listens_on_both_families_and_boolean_flags_take_gos_forms() 
             .await;
         }
     }
-    // --leader-elect=false beat the environment's True: no Lease is taken.
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // --leader-elect=false beat the environment's True: the controller runs without an election
+    // (its readiness says so, a positive sign that it started, where a candidate would say
+    // leader or follower after its first attempt at the Lease), and no Lease is taken.
+    let started = std::time::Instant::now();
+    eventually(
+        "/readyz reports leader election disabled",
+        Duration::from_secs(30),
+        || async {
+            proxy
+                .get(v4(health), "/readyz")
+                .await
+                .is_some_and(|(_, body)| body.contains("[+] leadership: leader election disabled"))
+        },
+    )
+    .await;
+    eprintln!(
+        "the controller ran without an election after {:?}",
+        started.elapsed()
+    );
     let leases = Api::<k8s_openapi::api::coordination::v1::Lease>::namespaced(
         plane.client().await.unwrap(),
         &ns,
@@ -195,7 +212,8 @@ async fn a_taken_ops_port_stops_the_start_unless_told_to_log_it_and_zero_turns_a
         Some([&t[0], &t[1], &t[2]]),
     );
     let mut status = None;
-    for _ in 0..500 {
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while std::time::Instant::now() < deadline {
         status = proxy.child.try_wait().unwrap();
         if status.is_some() {
             break;
@@ -222,7 +240,7 @@ async fn a_taken_ops_port_stops_the_start_unless_told_to_log_it_and_zero_turns_a
     let metrics_addr = SocketAddr::from((Ipv4Addr::LOCALHOST, metrics));
     eventually(
         "/metrics served beside the taken port",
-        Duration::from_secs(10),
+        Duration::from_secs(30),
         || async {
             proxy
                 .get(metrics_addr, "/metrics")
@@ -252,7 +270,7 @@ async fn a_taken_ops_port_stops_the_start_unless_told_to_log_it_and_zero_turns_a
         &[],
         Some([&t[0], "0", &t[2]]),
     );
-    eventually("/metrics served", Duration::from_secs(10), || async {
+    eventually("/metrics served", Duration::from_secs(30), || async {
         proxy
             .get(metrics_addr, "/metrics")
             .await

@@ -44,12 +44,14 @@ async fn cluster_ip_mode_points_kubernetes_at_the_service_and_repairs_drift() {
             "--service-name=proxy",
             "--endpoint-mode=cluster-ip",
             "--service-port=6443",
+            // No resync within the test: a repair can only come from the watch.
+            "--reconcile-interval=1h",
         ],
     );
     let expected = (vec![cluster_ip.clone()], 6443);
     eventually(
         "slice points at the proxy ClusterIP",
-        Duration::from_secs(15),
+        Duration::from_secs(30),
         || async { published(&client).await.as_ref() == Some(&expected) },
     )
     .await;
@@ -65,12 +67,12 @@ async fn cluster_ip_mode_points_kubernetes_at_the_service_and_repairs_drift() {
         (port.name.as_deref(), port.protocol.as_deref()),
         (Some("https"), Some("TCP"))
     );
-    eventually("stale slice removed", Duration::from_secs(5), || async {
+    eventually("stale slice removed", Duration::from_secs(30), || async {
         slices.get_opt("kubernetes-stale").await.unwrap().is_none()
     })
     .await;
     let endpoints_api = Api::<Endpoints>::namespaced(client.clone(), "default");
-    eventually("Endpoints written", Duration::from_secs(5), || async {
+    eventually("Endpoints written", Duration::from_secs(30), || async {
         endpoints_api.get_opt("kubernetes").await.unwrap().is_some()
     })
     .await;
@@ -83,8 +85,9 @@ async fn cluster_ip_mode_points_kubernetes_at_the_service_and_repairs_drift() {
     assert_eq!(subset.addresses.as_ref().unwrap()[0].ip, cluster_ip);
     assert_eq!(subset.ports.as_ref().unwrap()[0].port, 6443);
 
-    // Manual edits are repaired through the watch. Typically well under a second each (the
-    // figure is for benches); the bound here is generous for a busy machine: 5 s.
+    // Manual edits are repaired through the watch (the resync is an hour away). Typically well
+    // under a second each: that figure is `cargo xtask bench steward`'s; here the deadline is
+    // generous for a busy machine and the latencies are reported.
     let mut repairs = Vec::new();
     for i in 0..5 {
         let tampered =
@@ -98,7 +101,7 @@ async fn cluster_ip_mode_points_kubernetes_at_the_service_and_repairs_drift() {
             )
             .await
             .unwrap();
-        eventually("drift repaired", Duration::from_secs(5), || async {
+        eventually("drift repaired", Duration::from_secs(30), || async {
             published(&client).await.as_ref() == Some(&expected)
         })
         .await;
@@ -106,10 +109,9 @@ async fn cluster_ip_mode_points_kubernetes_at_the_service_and_repairs_drift() {
     }
     repairs.sort();
     eprintln!("drift repair latencies: {repairs:?}");
-    assert!(repairs[4] < Duration::from_secs(5), "{repairs:?}");
 
     // Ready: upstream dialable and endpoints correct.
-    eventually("ready", Duration::from_secs(5), || async {
+    eventually("ready", Duration::from_secs(30), || async {
         proxy.readyz().await.is_some_and(|(code, _)| code == 200)
     })
     .await;
@@ -118,7 +120,7 @@ async fn cluster_ip_mode_points_kubernetes_at_the_service_and_repairs_drift() {
     assert!(body.contains("[+] upstream"), "{body}");
     // The counters move when the reconcile ends, which is after its slice write is visible: a
     // CI run read 4 here, in the moment between the fifth repair and its count.
-    eventually("five repairs counted", Duration::from_secs(5), || async {
+    eventually("five repairs counted", Duration::from_secs(30), || async {
         metric_line(
             &proxy.metrics_text().await,
             "steward_endpoint_repairs_total 5",
@@ -166,7 +168,12 @@ async fn pod_ip_mode_publishes_the_ready_proxy_endpoints() {
     let proxy = Proxy::start(
         plane.kubeconfig_path(),
         &apiserver_addr(plane),
-        &[&format!("--service-namespace={ns}"), "--service-name=proxy"],
+        &[
+            &format!("--service-namespace={ns}"),
+            "--service-name=proxy",
+            // No resync within the test: a new ready Pod can only be seen through the watch.
+            "--reconcile-interval=1h",
+        ],
     );
     // Addresses are data here: nothing is ever sent to them.
     let expected = (
@@ -175,7 +182,7 @@ async fn pod_ip_mode_publishes_the_ready_proxy_endpoints() {
     );
     eventually(
         "slice lists the ready proxy pods",
-        Duration::from_secs(15),
+        Duration::from_secs(30),
         || async { published(&client).await.as_ref() == Some(&expected) },
     )
     .await;
@@ -201,8 +208,9 @@ async fn pod_ip_mode_publishes_the_ready_proxy_endpoints() {
         ],
         16443,
     );
-    // A generous bound (the speed is a bench's figure).
-    let deadline = Instant::now() + Duration::from_secs(10);
+    // A generous deadline (the speed is a bench's figure); the resync is an hour away.
+    let changed = Instant::now();
+    let deadline = changed + Duration::from_secs(30);
     while published(&client).await.as_ref() != Some(&expected) {
         assert!(
             Instant::now() < deadline,
@@ -212,6 +220,10 @@ async fn pod_ip_mode_publishes_the_ready_proxy_endpoints() {
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+    eprintln!(
+        "the new ready pod published {:?} after the change",
+        changed.elapsed()
+    );
 }
 
 #[tokio::test]
@@ -248,7 +260,7 @@ async fn a_fight_with_the_builtin_reconciler_is_reported_and_bounded() {
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    let deadline = Instant::now() + Duration::from_secs(5);
+    let deadline = Instant::now() + Duration::from_secs(30);
     loop {
         let (code, body) = proxy.readyz().await.unwrap();
         if code == 503 && body.contains("endpoint-reconciler-type=none") {

@@ -71,12 +71,14 @@ async fn runs_under_the_charts_rbac_alone() {
             "--endpoint-mode=cluster-ip",
             "--leader-elect",
             "--identity=rbac-test",
+            // No resync within the test: the repair below can only come from the watch.
+            "--reconcile-interval=1h",
         ],
     );
     let expected = (vec![cluster_ip], 6443);
     eventually(
         "slice written under the chart's RBAC",
-        Duration::from_secs(20),
+        Duration::from_secs(30),
         || async { published(&client).await.as_ref() == Some(&expected) },
     )
     .await;
@@ -90,6 +92,8 @@ async fn runs_under_the_charts_rbac_alone() {
         Some("rbac-test")
     );
     let slices: Api<EndpointSlice> = Api::namespaced(client.clone(), "default");
+    let before_edit = reconciles(&proxy).await;
+    let edited = Instant::now();
     slices
         .patch(
             "kubernetes",
@@ -100,11 +104,21 @@ async fn runs_under_the_charts_rbac_alone() {
         .unwrap();
     eventually(
         "drift repaired under RBAC",
-        Duration::from_secs(2),
+        Duration::from_secs(30),
         || async { published(&client).await.as_ref() == Some(&expected) },
     )
     .await;
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    eprintln!("drift repaired {:?} after the edit", edited.elapsed());
+    // Settled: the repair's reconcile and the one its own write triggers have ended (polled,
+    // not a guessed sleep), so any request they made is in the audit log below.
+    let settled = Instant::now();
+    while reconciles(&proxy).await < before_edit + 2 {
+        assert!(
+            settled.elapsed() < Duration::from_secs(30),
+            "fewer than two reconciles after the edit in 30 s"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     // Counted where no refusal can hide: the API server's audit log for steward's user.
     let user = format!("system:serviceaccount:{ns}:steward-tcp-proxy");
     let requests = plane.requests_by(&user).await.unwrap();
@@ -211,7 +225,7 @@ async fn under_the_originals_narrower_cluster_role_the_slice_is_managed_without_
     let expected = (vec![cluster_ip], 6443);
     eventually(
         "slice written under the narrow role",
-        Duration::from_secs(20),
+        Duration::from_secs(30),
         || async { published(&client).await.as_ref() == Some(&expected) },
     )
     .await;
@@ -227,7 +241,7 @@ async fn under_the_originals_narrower_cluster_role_the_slice_is_managed_without_
             .unwrap();
         eventually(
             "drift repaired under the narrow role",
-            Duration::from_secs(5),
+            Duration::from_secs(30),
             || async { published(&client).await.as_ref() == Some(&expected) },
         )
         .await;
@@ -343,7 +357,7 @@ async fn a_forbidden_endpoints_write_closes_the_gate_after_one_403() {
         ],
     );
     let expected = (vec![cluster_ip], 6443);
-    eventually("slice written", Duration::from_secs(20), || async {
+    eventually("slice written", Duration::from_secs(30), || async {
         published(&client).await.as_ref() == Some(&expected)
     })
     .await;
@@ -357,7 +371,7 @@ async fn a_forbidden_endpoints_write_closes_the_gate_after_one_403() {
         )
         .await
         .unwrap();
-    eventually("drift repaired", Duration::from_secs(5), || async {
+    eventually("drift repaired", Duration::from_secs(30), || async {
         published(&client).await.as_ref() == Some(&expected)
     })
     .await;

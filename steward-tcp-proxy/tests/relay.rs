@@ -31,7 +31,7 @@ async fn api_calls_and_watches_pass_through_the_relay() {
             "--threads=1",
         ],
     );
-    eventually("listening", Duration::from_secs(10), || async {
+    eventually("listening", Duration::from_secs(30), || async {
         tokio::net::TcpStream::connect(proxy.listen).await.is_ok()
     })
     .await;
@@ -60,7 +60,7 @@ async fn api_calls_and_watches_pass_through_the_relay() {
         .await
         .unwrap();
     assert_eq!(
-        next_added(&mut events, Duration::from_secs(10)).await,
+        next_added(&mut events, Duration::from_secs(30)).await,
         "through-the-proxy"
     );
     let metrics = proxy.metrics_text().await;
@@ -91,7 +91,7 @@ async fn tls_termination_verifies_upstream_mirrors_alpn_and_reloads_certificates
             &format!("--upstream-ca-file={}", upstream_ca.display()),
         ],
     );
-    eventually("listening", Duration::from_secs(10), || async {
+    eventually("listening", Duration::from_secs(30), || async {
         tokio::net::TcpStream::connect(proxy.listen).await.is_ok()
     })
     .await;
@@ -114,7 +114,7 @@ async fn tls_termination_verifies_upstream_mirrors_alpn_and_reloads_certificates
     std::fs::write(&cert_path, &cert).unwrap();
     eventually(
         "rotated certificate served",
-        Duration::from_secs(12),
+        Duration::from_secs(30),
         || async {
             tls_probe(&ca, proxy.listen, &[b"http/1.1"], None)
                 .await
@@ -129,7 +129,7 @@ async fn tls_termination_verifies_upstream_mirrors_alpn_and_reloads_certificates
     std::fs::write(&cert_path, "not a certificate").unwrap();
     eventually(
         "the broken certificate refused",
-        Duration::from_secs(20),
+        Duration::from_secs(30),
         || async { proxy.logs()[log_from..].contains("refused") },
     )
     .await;
@@ -223,7 +223,7 @@ async fn the_upstream_is_reached_through_an_http_proxy() {
     );
     eventually(
         "ready through the proxy",
-        Duration::from_secs(20),
+        Duration::from_secs(30),
         || async {
             proxy.readyz().await.is_some_and(|(code, body)| {
                 code == 200 && body.contains(&format!("via {}", tiny.url()))
@@ -273,7 +273,7 @@ async fn the_upstream_is_reached_through_an_http_proxy() {
         );
         eventually(
             &format!("/readyz says {expected:?}"),
-            Duration::from_secs(20),
+            Duration::from_secs(30),
             || async {
                 proxy
                     .readyz()
@@ -317,7 +317,7 @@ async fn https_proxy_and_no_proxy_are_honoured_for_the_upstream() {
         ],
         None,
     );
-    let deadline = Instant::now() + Duration::from_secs(20);
+    let deadline = Instant::now() + Duration::from_secs(30);
     loop {
         let ready = proxy.readyz().await;
         if ready.as_ref().is_some_and(|(code, body)| {
@@ -363,7 +363,7 @@ async fn https_proxy_and_no_proxy_are_honoured_for_the_upstream() {
         ],
         None,
     );
-    eventually("ready directly", Duration::from_secs(20), || async {
+    eventually("ready directly", Duration::from_secs(30), || async {
         proxy.readyz().await.is_some_and(|(code, body)| {
             code == 200 && body.contains(&format!("{upstream} dialable"))
         })

@@ -239,7 +239,8 @@ mod tests {
         assert!(matches!(started, Err(Error::Serve { .. })), "{started:?}");
         // The server bound before the failure is stopped, so its port is free again.
         let mut rebound = None;
-        for _ in 0..100 {
+        // Polled, bounded generously (30 s).
+        for _ in 0..1500 {
             if let Ok(listener) = std::net::TcpListener::bind(free_addr) {
                 rebound = Some(listener);
                 break;
@@ -281,7 +282,7 @@ mod tests {
         assert!(app.health().check(SHUTDOWN_CHECK).unwrap().ok);
         app.shutdown().cancel();
         let mut waited = 0;
-        while app.health().ready() && waited < 100 {
+        while app.health().ready() && waited < 3000 {
             tokio::time::sleep(std::time::Duration::from_millis(10)).await;
             waited += 1;
         }

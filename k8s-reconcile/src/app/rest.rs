@@ -281,11 +281,16 @@ mod tests {
         );
     }
 
+    /// Everything the server sent until it closed the connection; panics if it is still open
+    /// after 30 s (generous: the timeouts below are seconds).
     async fn read_all(stream: &mut tokio::net::TcpStream) -> String {
         use tokio::io::AsyncReadExt as _;
         let mut text = Vec::new();
-        let read = tokio::time::timeout(Duration::from_secs(5), stream.read_to_end(&mut text));
-        let _ = read.await;
+        let read = tokio::time::timeout(Duration::from_secs(30), stream.read_to_end(&mut text));
+        assert!(
+            read.await.is_ok(),
+            "the server kept the connection open for 30 s"
+        );
         String::from_utf8_lossy(&text).into_owned()
     }
 
@@ -297,7 +302,9 @@ mod tests {
         let addr = listener.local_addr().unwrap();
         let router = Router::new().route("/", axum::routing::get(|| async { "hello" }));
         let limits = ApiLimits {
-            header_read_timeout: Duration::from_millis(500),
+            // Long enough that a busy machine still sends the third client while both slow ones
+            // hold their slots.
+            header_read_timeout: Duration::from_secs(3),
             max_connections: 2,
             busy_body: r#"{"error":"busy"}"#,
             drain_timeout: Duration::from_secs(1),
@@ -316,7 +323,7 @@ mod tests {
         assert!(read_all(&mut third).await.starts_with("HTTP/1.1 503"));
         for stream in &mut slow {
             assert!(!read_all(stream).await.contains("hello"));
-            assert!(started.elapsed() >= Duration::from_millis(500));
+            assert!(started.elapsed() >= Duration::from_secs(3));
         }
         let mut normal = TcpStream::connect(addr).await.unwrap();
         normal

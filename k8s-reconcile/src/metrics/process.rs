@@ -144,16 +144,28 @@ mod tests {
 
     #[test]
     fn this_process_is_exported() {
-        // Spend CPU above the kernel's tick (10 ms) so the counter cannot read 0.
-        let busy = std::time::Instant::now();
-        let mut x = 0u64;
-        while busy.elapsed() < std::time::Duration::from_millis(50) {
-            x = std::hint::black_box(x.wrapping_mul(31).wrapping_add(7));
-        }
+        // Spend CPU until the counter (in kernel ticks, 10 ms) moves: on a busy machine a fixed
+        // wall-clock spin may get less than a tick of CPU. Bounded, generously.
         let mut registry = Registry::default();
         register(&mut registry);
-        let mut text = String::new();
-        prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+        let started = std::time::Instant::now();
+        let mut x = 0u64;
+        let text = loop {
+            let busy = std::time::Instant::now();
+            while busy.elapsed() < std::time::Duration::from_millis(10) {
+                x = std::hint::black_box(x.wrapping_mul(31).wrapping_add(7));
+            }
+            let mut text = String::new();
+            prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+            let cpu = text
+                .lines()
+                .find_map(|l| l.strip_prefix("process_cpu_seconds_total "))
+                .and_then(|v| v.parse::<f64>().ok())
+                .unwrap_or(0.0);
+            if cpu > 0.0 || started.elapsed() > std::time::Duration::from_secs(30) {
+                break text;
+            }
+        };
         for name in [
             "process_cpu_seconds_total ",
             "process_open_fds ",
