@@ -527,7 +527,8 @@ async fn a_verb_taken_away_is_reported_backed_off_and_recovered() {
         "the log does not name the verb and resource:\n{logs}"
     );
 
-    // The verb comes back: repaired within one backoff period (at most 30 s).
+    // The verb comes back: repaired at the next retry (the backoff is capped at 30 s); the
+    // deadline leaves a busy machine room, the time is reported.
     roles
         .patch(
             user,
@@ -539,7 +540,7 @@ async fn a_verb_taken_away_is_reported_backed_off_and_recovered() {
     let restored = Instant::now();
     eventually(
         "repaired once the verb is back",
-        Duration::from_secs(31),
+        Duration::from_secs(60),
         || async { published(&client).await.as_ref() == Some(&expected) },
     )
     .await;
