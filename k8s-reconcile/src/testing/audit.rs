@@ -126,7 +126,9 @@ impl ControlPlane {
         let api: Api<ServiceAccount> = Api::namespaced(self.client().await?, "default");
         // A 404 is fine: the request is logged all the same.
         let _ = api.get_opt(&marker).await;
-        let deadline = Instant::now() + Duration::from_secs(5);
+        // Generous: the audit log is written in batches, later on a busy machine.
+        const AUDIT_WAIT: Duration = Duration::from_secs(60);
+        let deadline = Instant::now() + AUDIT_WAIT;
         loop {
             let logged = self.audit_events()?.iter().any(|e| {
                 e.object_ref
@@ -138,7 +140,7 @@ impl ControlPlane {
             }
             if Instant::now() > deadline {
                 return Err(TestingError::Timeout(
-                    Duration::from_secs(5),
+                    AUDIT_WAIT,
                     "the audit log to catch up".to_owned(),
                 ));
             }

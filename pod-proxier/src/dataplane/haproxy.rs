@@ -447,7 +447,8 @@ mod tests {
             "{:?}",
             plane.err()
         );
-        assert!(started.elapsed() < Duration::from_secs(5));
+        // It gave up instead of waiting forever (a bound no busy machine reaches).
+        assert!(started.elapsed() < Duration::from_secs(60));
     }
 
     #[test]
