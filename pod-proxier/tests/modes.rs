@@ -54,7 +54,7 @@ async fn published_port(env: &Env, ns: &str, name: &str) -> PortMapping {
     let mapping = format!("svc.{ns}.{name}.debug");
     eventually(
         &format!("{mapping} is published"),
-        Duration::from_secs(15),
+        Duration::from_secs(30),
         || async { env.mappings().get_opt(&mapping).await.unwrap().is_some() },
     )
     .await;
@@ -190,7 +190,7 @@ async fn cluster_ip_target_relays_to_the_service_ip_not_its_endpoints() {
     ));
     eventually(
         "the Service port answers",
-        Duration::from_secs(5),
+        Duration::from_secs(30),
         || async { greeting(entry).await.as_deref() == Some("svc-a") },
     )
     .await;
@@ -242,7 +242,7 @@ async fn two_active_replicas_serve_the_same_mappings() {
     };
     eventually(
         "the first replica leads",
-        Duration::from_secs(20),
+        Duration::from_secs(30),
         || async { holder().await.as_deref() == Some(leader.as_str()) },
     )
     .await;
@@ -258,7 +258,7 @@ async fn two_active_replicas_serve_the_same_mappings() {
     ] {
         eventually(
             &format!("the {who} replica relays the Service port"),
-            Duration::from_secs(5),
+            Duration::from_secs(30),
             || async { greeting(entry).await.as_deref() == Some("svc-a") },
         )
         .await;
@@ -269,7 +269,7 @@ async fn two_active_replicas_serve_the_same_mappings() {
     for (who, entry) in [("first", first.entry), ("second", second.entry)] {
         eventually(
             &format!("the {who} replica relays the V1 mapping"),
-            Duration::from_secs(5),
+            Duration::from_secs(30),
             || async { greeting(entry).await.as_deref() == Some("pod-a") },
         )
         .await;
@@ -287,7 +287,7 @@ async fn two_active_replicas_serve_the_same_mappings() {
     for (who, entry) in [("first", first.entry), ("second", second.entry)] {
         eventually(
             &format!("the {who} replica stops relaying the deleted mapping"),
-            Duration::from_secs(5),
+            Duration::from_secs(30),
             || async { greeting(entry).await.is_none() },
         )
         .await;
@@ -307,7 +307,7 @@ async fn two_active_replicas_serve_the_same_mappings() {
     let port_b = u16::try_from(published_port(&env, &ns, "svc-b").await.spec.entry_port).unwrap();
     eventually(
         "the new leader relays svc-b",
-        Duration::from_secs(5),
+        Duration::from_secs(30),
         || async {
             greeting(SocketAddr::from(([127, 0, 0, 2], port_b)))
                 .await

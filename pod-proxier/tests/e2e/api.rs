@@ -489,7 +489,7 @@ async fn a_permission_the_binary_lacks_shows_in_the_audit_log() {
     let env = Env::new("unbound", 1).await;
     let unbound = env.plane.create_namespace("unbound-x").await.unwrap();
     let px = Proxier::start(&env, &["--enable-v2", "--allowed-namespaces", &unbound]).await;
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
     // The Service and EndpointSlice watches start together; either may be refused first.
     let services_refused = |f: &[String]| {
         f.iter()

@@ -746,3 +746,212 @@ pub async fn greeting(addr: SocketAddr) -> Option<String> {
 }
 
 pub use k8s_reconcile::testing::eventually;
+
+/// How a port met one connection: the greeting of whoever answered, a refusal (refused, or
+/// closed before any byte), or neither (a timeout: proves nothing either way).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Probe {
+    Answered(String),
+    Refused,
+    Unclear(String),
+}
+
+/// One connection to `addr`, read up to the greeting's newline (within 5 s).
+pub async fn probe(addr: SocketAddr) -> Probe {
+    use std::io::ErrorKind;
+    let mut stream =
+        match tokio::time::timeout(Duration::from_secs(5), TcpStream::connect(addr)).await {
+            Err(_) => return Probe::Unclear("connect timed out after 5 s".to_owned()),
+            Ok(Err(e)) if e.kind() == ErrorKind::ConnectionRefused => return Probe::Refused,
+            Ok(Err(e)) => return Probe::Unclear(format!("connect: {e}")),
+            Ok(Ok(stream)) => stream,
+        };
+    let mut buf = Vec::new();
+    let mut byte = [0u8; 1];
+    let read = tokio::time::timeout(Duration::from_secs(5), async {
+        loop {
+            match stream.read(&mut byte).await {
+                Ok(0) => return Ok(()),
+                Err(e) => return Err(e),
+                Ok(_) if byte[0] == b'\n' => return Ok(()),
+                Ok(_) => buf.push(byte[0]),
+            }
+        }
+    })
+    .await;
+    match read {
+        Err(_) if buf.is_empty() => Probe::Unclear("no byte within 5 s".to_owned()),
+        Ok(Ok(())) if buf.is_empty() => Probe::Refused,
+        Ok(Err(e))
+            if buf.is_empty()
+                && matches!(
+                    e.kind(),
+                    ErrorKind::ConnectionReset
+                        | ErrorKind::ConnectionAborted
+                        | ErrorKind::BrokenPipe
+                ) =>
+        {
+            Probe::Refused
+        }
+        Ok(Ok(())) => Probe::Answered(String::from_utf8_lossy(&buf).into_owned()),
+        other => Probe::Unclear(format!(
+            "{other:?} after {:?}",
+            String::from_utf8_lossy(&buf)
+        )),
+    }
+}
+
+/// How late an expiry may be before the check fails: generous, so a busy machine never fails
+/// it (the precision of expiry is `cargo xtask bench`'s figure, not a test's).
+pub const EXPIRY_LATE_LIMIT: Duration = Duration::from_secs(10);
+
+/// One [`probe`] with the wall-clock times it started and ended.
+#[derive(Debug, Clone)]
+pub struct Probed {
+    pub started: k8s_openapi::jiff::Timestamp,
+    pub ended: k8s_openapi::jiff::Timestamp,
+    pub outcome: Probe,
+}
+
+/// Whether `probes` (in order, of a port mapped to `tag` until `deadline`) prove an expiry that
+/// is neither early nor far too late: some probe answered `tag` and ended before the deadline;
+/// no probe that ended before the deadline was refused (an early expiry) and none answered
+/// another greeting; a refusal started no later than [`EXPIRY_LATE_LIMIT`] after the deadline;
+/// every probe after the first refusal that ended past the deadline was refused too, at least
+/// three. Ok is the lateness: from the deadline to the start of that first refusal (the probe
+/// before it answered or proved nothing, so the mapping ended between the two).
+pub fn judge_expiry(
+    tag: &str,
+    deadline: k8s_openapi::jiff::Timestamp,
+    probes: &[Probed],
+) -> Result<Duration, String> {
+    let ms = |t: k8s_openapi::jiff::Timestamp| t.as_millisecond() - deadline.as_millisecond();
+    let unclear = probes
+        .iter()
+        .filter(|p| matches!(p.outcome, Probe::Unclear(_)))
+        .count();
+    let note = format!("{} probes, {unclear} unclear", probes.len());
+    if let Some(p) = probes
+        .iter()
+        .find(|p| matches!(&p.outcome, Probe::Answered(g) if g != tag))
+    {
+        return Err(format!(
+            "answered {:?} at {} ms from the deadline, not {tag:?} ({note})",
+            p.outcome,
+            ms(p.started)
+        ));
+    }
+    if !probes
+        .iter()
+        .any(|p| p.ended < deadline && p.outcome == Probe::Answered(tag.to_owned()))
+    {
+        return Err(format!(
+            "never seen mapped before the deadline: nothing proves it did not end early ({note})"
+        ));
+    }
+    if let Some(p) = probes
+        .iter()
+        .find(|p| p.ended < deadline && p.outcome == Probe::Refused)
+    {
+        return Err(format!(
+            "expired early: a probe from {} ms to {} ms (before the deadline) was refused ({note})",
+            ms(p.started),
+            ms(p.ended)
+        ));
+    }
+    let Some(first) = probes
+        .iter()
+        .position(|p| p.ended >= deadline && p.outcome == Probe::Refused)
+    else {
+        return Err(format!(
+            "never refused: probed until {} ms after the deadline ({note})",
+            probes.last().map_or(0, |p| ms(p.ended))
+        ));
+    };
+    let late = ms(probes[first].started).max(0);
+    let limit = i64::try_from(EXPIRY_LATE_LIMIT.as_millis()).unwrap_or(i64::MAX);
+    if late > limit {
+        return Err(format!(
+            "expired too late: first refused {late} ms after the deadline (limit {EXPIRY_LATE_LIMIT:?}; {note})"
+        ));
+    }
+    let rest = &probes[first..];
+    if let Some(p) = rest.iter().find(|p| p.outcome != Probe::Refused) {
+        return Err(format!(
+            "refused from {late} ms after the deadline, then {:?} at {} ms ({note})",
+            p.outcome,
+            ms(p.started)
+        ));
+    }
+    if rest.len() < 3 {
+        return Err(format!(
+            "only {} refusals after the expiry ({note})",
+            rest.len()
+        ));
+    }
+    Ok(Duration::from_millis(u64::try_from(late).unwrap_or(0)))
+}
+
+/// Probes `addr` (mapped to a server greeting `tag` until `deadline`) from now on, every 50 ms,
+/// until it has been refused three times in a row past the deadline or [`EXPIRY_LATE_LIMIT`]
+/// has passed since the deadline; panics unless [`judge_expiry`] accepts. Call it while the
+/// mapping is still live: it must be seen mapped before the deadline. Prints and returns the
+/// lateness.
+pub async fn expect_expiry(addr: SocketAddr, tag: &str, deadline: &str) -> Duration {
+    use k8s_openapi::jiff::{SignedDuration, Timestamp};
+    let deadline: Timestamp = deadline.parse().unwrap();
+    let stop = deadline
+        .checked_add(SignedDuration::try_from(EXPIRY_LATE_LIMIT + Duration::from_secs(1)).unwrap())
+        .unwrap();
+    let mut probes: Vec<Probed> = Vec::new();
+    loop {
+        let started = Timestamp::now();
+        let outcome = probe(addr).await;
+        let ended = Timestamp::now();
+        probes.push(Probed {
+            started,
+            ended,
+            outcome,
+        });
+        let refused_after = probes
+            .iter()
+            .rev()
+            .take_while(|p| p.outcome == Probe::Refused && p.ended >= deadline)
+            .count();
+        if refused_after >= 3 || ended > stop {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    match judge_expiry(tag, deadline, &probes) {
+        Ok(late) => {
+            eprintln!(
+                "{addr} ({tag}) expired {late:?} after its deadline ({} probes)",
+                probes.len()
+            );
+            late
+        }
+        Err(e) => panic!("the mapping of {addr} to {tag}: {e}"),
+    }
+}
+
+/// That `expires_at` (the API's answer to a request sent at `sent` and answered at `received`)
+/// is `ttl` after the server's clock while it handled the request (millisecond precision,
+/// truncated): between `sent + ttl` (less 1 ms) and `received + ttl`.
+pub fn assert_deadline_within(
+    expires_at: &str,
+    sent: k8s_openapi::jiff::Timestamp,
+    received: k8s_openapi::jiff::Timestamp,
+    ttl: Duration,
+) {
+    let deadline: k8s_openapi::jiff::Timestamp = expires_at.parse().unwrap();
+    let ttl = i64::try_from(ttl.as_millis()).unwrap();
+    let (low, high) = (
+        sent.as_millisecond() + ttl - 1,
+        received.as_millisecond() + ttl,
+    );
+    assert!(
+        (low..=high).contains(&deadline.as_millisecond()),
+        "expires_at {expires_at} is not {ttl} ms after the request (sent {sent}, answered {received})"
+    );
+}
