@@ -1,8 +1,10 @@
 //! rstream-operator on the node: the chart with its CRDs under Pod Security `restricted`, the
 //! manager Ready by its own probe, its metrics through the chart's Service; the seed's Quick Start
 //! against a LocalEngine run here on the host's end of the node link (a self-hosted engine with a
-//! private CA, given to the agent by Secret reference): HTTP and TCP tunnels, token rotation, an
-//! agent Pod killed, an engine outage under a live stream, deletion; NOTES.txt and `helm test`; a
+//! private CA, given to the agent by Secret reference, run as a process of its own by the
+//! `local_engine` example and enforcing tokens): HTTP and TCP tunnels, token rotation (the old
+//! token revoked in the engine), an agent Pod killed, the engine SIGKILLed under a live stream and
+//! started again, deletion; NOTES.txt and `helm test`; a
 //! `helm upgrade` to a next chart version whose CRD adds a field (served after the upgrade, the
 //! existing object kept); an uninstall that leaves no Pod but keeps the CRDs and their objects
 //! (`crds.keep`).
@@ -21,6 +23,7 @@ use kube::api::{
     Api, ApiResource, DeleteParams, DynamicObject, ListParams, Patch, PatchParams, PostParams,
 };
 use rstream_client::engine::{EngineIdentity, LocalEngine};
+use rstream_client::tls::TlsOptions;
 use rstream_operator::api::{RstreamConnection, RstreamTunnel};
 use rstream_operator::names;
 use serde_json::json;
@@ -270,7 +273,8 @@ async fn crd_upgrade(env: &Env<'_>, ns: &str) -> anyhow::Result<String> {
         );
     }
     // The API server serves a changed CRD schema a moment after storing it.
-    let deadline = Instant::now() + Duration::from_secs(15);
+    let schema_wait = Instant::now();
+    let deadline = schema_wait + Duration::from_secs(60);
     let read_back = loop {
         conns
             .patch(SURVIVOR, &PatchParams::default(), &note("after"))
@@ -292,9 +296,10 @@ async fn crd_upgrade(env: &Env<'_>, ns: &str) -> anyhow::Result<String> {
     }
     Ok(format!(
         "before: spec.{NEW_FIELD} pruned; helm upgrade to chart {version} from {NEXT_REPO} in {took:.1?}; \
-         after: the CRD's schema lists it, a patch with it reads back {NEW_FIELD}={}, \
+         after: the CRD's schema lists it, a patch with it reads back {NEW_FIELD}={} (served {:.1?} after the upgrade), \
          RstreamConnection {SURVIVOR} keeps uid {uid}; CRD helm.sh/resource-policy={keep:?}",
-        read_back.data["spec"][NEW_FIELD]
+        read_back.data["spec"][NEW_FIELD],
+        schema_wait.elapsed()
     ))
 }
 
@@ -370,6 +375,268 @@ fn next_chart(env: &Env<'_>, out: &std::path::Path) -> anyhow::Result<String> {
 }
 
 const TOKEN: &str = "e2e-token-1";
+/// The token the rotation scenario moves the agents to.
+const TOKEN_2: &str = "e2e-token-2";
+
+/// What the scenarios need of an engine: its address, its CA and a tunnel's ingress.
+pub trait EngineView {
+    /// The engine address agents dial.
+    fn engine_address(&self) -> String;
+    /// The CA certificate (PEM) agents trust.
+    fn ca_pem(&self) -> String;
+    /// The published TCP ingress of a tunnel.
+    fn ingress_addr(&self, tunnel_id: &str) -> Option<SocketAddr>;
+}
+
+impl EngineView for LocalEngine {
+    fn engine_address(&self) -> String {
+        LocalEngine::engine_address(self)
+    }
+    fn ca_pem(&self) -> String {
+        LocalEngine::ca_pem(self).to_owned()
+    }
+    fn ingress_addr(&self, tunnel_id: &str) -> Option<SocketAddr> {
+        LocalEngine::ingress_addr(self, tunnel_id)
+    }
+}
+
+/// A control-channel login the engine process reported.
+#[derive(Clone, Debug)]
+pub struct Login {
+    pub client_id: String,
+    pub token: String,
+    pub accepted: bool,
+    pub open: bool,
+}
+
+impl std::fmt::Display for Login {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let outcome = if !self.accepted {
+            "refused"
+        } else if self.open {
+            "open"
+        } else {
+            "closed"
+        };
+        write!(f, "{} {} ({outcome})", self.client_id, self.token)
+    }
+}
+
+fn logins_text(logins: &[Login]) -> String {
+    if logins.is_empty() {
+        return "none".to_owned();
+    }
+    logins
+        .iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+#[derive(Default)]
+struct EngineEvents {
+    logins: Vec<Login>,
+    tunnels: std::collections::HashMap<String, SocketAddr>,
+    auth_acks: u64,
+}
+
+/// LocalEngine as a process of its own (the `local_engine` example), so a scenario can SIGKILL
+/// it: its events (logins with their token, tunnels with their ingress) read from its stdout,
+/// its accepted tokens changed through its stdin.
+pub struct EngineProcess {
+    child: tokio::process::Child,
+    stdin: tokio::process::ChildStdin,
+    addr: SocketAddr,
+    ca_pem: String,
+    events: std::sync::Arc<std::sync::Mutex<EngineEvents>>,
+}
+
+/// How long the engine process may take to listen, or to acknowledge a command.
+const ENGINE_PROCESS_LIMIT: Duration = Duration::from_secs(30);
+
+impl EngineProcess {
+    /// Starts `bin` listening on `listen` with the identity in `identity` (JSON), accepting
+    /// exactly `tokens`.
+    pub async fn start(
+        bin: &std::path::Path,
+        listen: SocketAddr,
+        identity: &std::path::Path,
+        ca_pem: &str,
+        tokens: &[&str],
+    ) -> anyhow::Result<Self> {
+        use tokio::io::AsyncBufReadExt as _;
+        let mut cmd = tokio::process::Command::new(bin);
+        cmd.arg("--listen")
+            .arg(listen.to_string())
+            .arg("--identity")
+            .arg(identity)
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .kill_on_drop(true);
+        for token in tokens {
+            cmd.args(["--token", token]);
+        }
+        let mut child = cmd
+            .spawn()
+            .with_context(|| format!("starting {}", bin.display()))?;
+        let stdin = child.stdin.take().context("no stdin")?;
+        let mut lines =
+            tokio::io::BufReader::new(child.stdout.take().context("no stdout")?).lines();
+        let first = tokio::time::timeout(ENGINE_PROCESS_LIMIT, lines.next_line())
+            .await
+            .with_context(|| {
+                format!("the engine process did not listen within {ENGINE_PROCESS_LIMIT:?}")
+            })??
+            .context("the engine process ended before listening")?;
+        let addr: SocketAddr = first
+            .strip_prefix("listening ")
+            .with_context(|| format!("the engine process said {first:?}, not listening"))?
+            .parse()?;
+        let events = std::sync::Arc::new(std::sync::Mutex::new(EngineEvents::default()));
+        let sink = events.clone();
+        tokio::spawn(async move {
+            while let Ok(Some(line)) = lines.next_line().await {
+                let words: Vec<&str> = line.split(' ').collect();
+                let mut ev = sink.lock().unwrap_or_else(|p| p.into_inner());
+                match words.as_slice() {
+                    ["login", id, outcome, token] => ev.logins.push(Login {
+                        client_id: (*id).to_owned(),
+                        token: (*token).to_owned(),
+                        accepted: *outcome == "accepted",
+                        open: *outcome == "accepted",
+                    }),
+                    ["closed", id] => {
+                        for l in ev.logins.iter_mut().filter(|l| l.client_id == *id) {
+                            l.open = false;
+                        }
+                    }
+                    ["tunnel", id, ingress] => {
+                        if let Ok(ingress) = ingress.parse() {
+                            ev.tunnels.insert((*id).to_owned(), ingress);
+                        }
+                    }
+                    ["tunnel-closed", id] => {
+                        ev.tunnels.remove(*id);
+                    }
+                    ["auth", ..] => ev.auth_acks += 1,
+                    _ => {}
+                }
+            }
+        });
+        Ok(Self {
+            child,
+            stdin,
+            addr,
+            ca_pem: ca_pem.to_owned(),
+            events,
+        })
+    }
+
+    fn events(&self) -> std::sync::MutexGuard<'_, EngineEvents> {
+        self.events.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The listening address.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Every login so far, in order.
+    pub fn logins(&self) -> Vec<Login> {
+        self.events().logins.clone()
+    }
+
+    /// Accept exactly `tokens` from now on; the engine closes the channels of any other token.
+    /// Returns once the engine acknowledged it.
+    pub async fn set_tokens(&mut self, tokens: &[&str]) -> anyhow::Result<()> {
+        use tokio::io::AsyncWriteExt as _;
+        let acks = self.events().auth_acks;
+        self.stdin
+            .write_all(format!("tokens {}\n", tokens.join(" ")).as_bytes())
+            .await?;
+        self.stdin.flush().await?;
+        let started = Instant::now();
+        while self.events().auth_acks == acks {
+            if started.elapsed() > ENGINE_PROCESS_LIMIT {
+                bail!(
+                    "the engine process did not acknowledge tokens {tokens:?} within {ENGINE_PROCESS_LIMIT:?}"
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        Ok(())
+    }
+
+    /// SIGKILL: the process ends at once, every connection with it.
+    pub async fn kill(mut self) -> anyhow::Result<()> {
+        self.child.start_kill()?;
+        self.child.wait().await?;
+        Ok(())
+    }
+
+    /// Ends the process (`quit`, then SIGKILL after 10 s).
+    pub async fn shutdown(mut self) {
+        use tokio::io::AsyncWriteExt as _;
+        let _ = self.stdin.write_all(b"quit\n").await;
+        if tokio::time::timeout(Duration::from_secs(10), self.child.wait())
+            .await
+            .is_err()
+        {
+            let _ = self.child.start_kill();
+            let _ = self.child.wait().await;
+        }
+    }
+}
+
+impl EngineView for EngineProcess {
+    fn engine_address(&self) -> String {
+        self.addr.to_string()
+    }
+    fn ca_pem(&self) -> String {
+        self.ca_pem.clone()
+    }
+    fn ingress_addr(&self, tunnel_id: &str) -> Option<SocketAddr> {
+        self.events().tunnels.get(tunnel_id).copied()
+    }
+}
+
+/// The ingress of `tunnel_id`, waiting up to 30 s for the engine to report it (a separate
+/// engine process reports a new tunnel a moment after the agent sees it open).
+async fn wait_ingress(engine: &(impl EngineView + ?Sized), tunnel_id: &str) -> Option<SocketAddr> {
+    let started = Instant::now();
+    loop {
+        if let Some(addr) = engine.ingress_addr(tunnel_id) {
+            return Some(addr);
+        }
+        if started.elapsed() > Duration::from_secs(30) {
+            return None;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Builds the `local_engine` example (a no-op when it is up to date); returns its path.
+async fn build_engine_process() -> anyhow::Result<std::path::PathBuf> {
+    let root = crate::workspace_root();
+    let mut cmd =
+        std::process::Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned()));
+    cmd.current_dir(&root).args([
+        "build",
+        "--quiet",
+        "-p",
+        "examples",
+        "--example",
+        "local_engine",
+    ]);
+    crate::image::without_run_env(&mut cmd);
+    let status = tokio::task::spawn_blocking(move || cmd.status())
+        .await?
+        .context("running cargo build -p examples --example local_engine")?;
+    if !status.success() {
+        bail!("building the local_engine example failed ({status})");
+    }
+    Ok(crate::image::target_dir(&root).join("debug/examples/local_engine"))
+}
 
 /// A tunnel's condition `(status, reason, message)`.
 fn condition(t: &RstreamTunnel, type_: &str) -> Option<(String, String, String)> {
@@ -488,11 +755,24 @@ pub async fn start_engine(identity: Option<EngineIdentity>) -> anyhow::Result<Lo
 
 /// The seed's Quick Start on the node: a workload behind a Service, an RstreamConnection with
 /// the engine's CA by Secret reference, an HTTP and a TCP tunnel; then rotation, an engine
-/// outage and deletion.
+/// outage and deletion. The engine is a process of its own (SIGKILLed in the outage) accepting
+/// only the Secret's token.
 async fn tunnel_scenarios(env: &Env<'_>, report: &mut ChartReport, ns: &str) -> anyhow::Result<()> {
     let client = env.plane.client().await?;
     let started = Instant::now();
-    let mut engine = start_engine(None).await?;
+    let bin = build_engine_process().await?;
+    let dir = tempfile::tempdir()?;
+    let identity_file = dir.path().join("engine-identity.json");
+    let identity = EngineIdentity::generate_for(&[&node::HOST_IP.to_string()])?;
+    std::fs::write(&identity_file, identity.to_json())?;
+    let mut engine = EngineProcess::start(
+        &bin,
+        SocketAddr::new(node::HOST_IP.into(), 0),
+        &identity_file,
+        identity.ca_pem(),
+        &[TOKEN],
+    )
+    .await?;
     let deployments: Api<Deployment> = Api::namespaced(client.clone(), ns);
     let secrets: Api<Secret> = Api::namespaced(client.clone(), ns);
     let tunnels: Api<RstreamTunnel> = Api::namespaced(client.clone(), ns);
@@ -523,7 +803,7 @@ async fn tunnel_scenarios(env: &Env<'_>, report: &mut ChartReport, ns: &str) -> 
         match wait_condition(&tunnels, "echo", "Ready", "True", Duration::from_secs(90)).await {
             Ok(t) => {
                 let tunnel_id = t.status.and_then(|s| s.tunnel_id).unwrap_or_default();
-                match engine.ingress_addr(&tunnel_id) {
+                match wait_ingress(&engine, &tunnel_id).await {
                     Some(ingress) => echo_bulk(ingress, 64 << 20).await,
                     None => Err(anyhow::anyhow!("the engine has no ingress for {tunnel_id}")),
                 }
@@ -569,17 +849,23 @@ async fn tunnel_scenarios(env: &Env<'_>, report: &mut ChartReport, ns: &str) -> 
         ),
     }
 
-    // 3. Token rotation: the agent restarts (config hash), the tunnel is Ready again and bytes
-    //    go through both tunnels.
+    // 3. Token rotation: the engine accepts both tokens, the Secret changes, the agents roll
+    //    (config hash) and log in with the new token; then the engine revokes the old one (any
+    //    channel still on it is closed, a login with it refused) and both tunnels carry traffic.
     let started = Instant::now();
-    let outcome = match rotate_token(&tunnels, &deployments, &secrets).await {
-        Ok(rotated) => traffic(&tunnels, &engine)
-            .await
-            .map(|sent| format!("{rotated}; then {sent}")),
+    let outcome = match rotate_token(&tunnels, &deployments, &secrets, &mut engine).await {
+        Ok((rotated, revoked_at)) => match traffic(&tunnels, &engine).await {
+            Ok(sent) => after_revocation(&engine, revoked_at)
+                .map(|logins| format!("{rotated}; then {sent}; {logins}")),
+            Err(err) => Err(err.context(format!(
+                "{rotated}; logins since the revocation: {}",
+                logins_text(&engine.logins()[revoked_at..])
+            ))),
+        },
         Err(err) => Err(err),
     };
     report.record(
-        "token rotated in the Secret: the agent Deployment rolls (config hash), the tunnel is Ready again and both tunnels carry traffic",
+        "token rotated in the Secret, then the old one revoked in the engine: both agents log in again with the new token (the engine's record of each login), a login with the old token is refused, the agent Deployment rolled (config hash), both tunnels carry traffic",
         outcome.is_ok(),
         started,
         outcome.unwrap_or_else(|e| format!("{e:#}")),
@@ -595,12 +881,14 @@ async fn tunnel_scenarios(env: &Env<'_>, report: &mut ChartReport, ns: &str) -> 
         outcome.unwrap_or_else(|e| format!("{e:#}")),
     );
 
-    // 5. Engine stopped under a live stream through echo: the stream ends at the client within
-    //    LIVE_END_LIMIT, echo goes not-Ready with a reason and web TunnelReady=False; started
-    //    again: Ready, both tunnels carry traffic, and a new stream through echo echoes bytes.
+    // 5. The engine process SIGKILLed under a live stream through echo: the stream ends at the
+    //    client; echo Ready=False with a reason, web TunnelReady=False and Ready=False while it is
+    //    down; started again on the same address with the same certificate: the agents log in
+    //    again (new control connections, the token in force), both tunnels Ready, traffic flows,
+    //    a new stream through echo echoes bytes.
     let started = Instant::now();
     let live = open_stream(&tunnels, &engine, "echo", LIVE_BYTES).await;
-    let (addr, identity) = (engine.addr(), engine.identity().clone());
+    let addr = engine.addr();
     let (live_end, _keep_write) = match live {
         Ok(stream) => {
             let (read, write) = stream.into_split();
@@ -608,68 +896,71 @@ async fn tunnel_scenarios(env: &Env<'_>, report: &mut ChartReport, ns: &str) -> 
         }
         Err(err) => (Err(err), None),
     };
-    let stopping = Instant::now();
-    engine.shutdown().await;
+    let killed = Instant::now();
+    engine.kill().await?;
     let ended = match live_end {
-        Ok(task) => {
-            // The reader's own clock judges: the shutdown awaited above may itself have taken
-            // longer than the bound, and a timeout polls a finished task first.
-            let limit = tokio::time::Instant::from_std(stopping + LIVE_END_LIMIT);
-            match tokio::time::timeout_at(limit, task).await {
-                Ok(Ok((at, how))) if at - stopping <= LIVE_END_LIMIT => Ok((at - stopping, how)),
-                Ok(Ok((at, how))) => Err(anyhow::anyhow!(
-                    "the stream through echo ended ({how}) only {:.2?} after the engine's shutdown began, more than {LIVE_END_LIMIT:?}",
-                    at - stopping
-                )),
-                Ok(Err(err)) => Err(anyhow::anyhow!("the stream reader: {err}")),
-                Err(_) => Err(anyhow::anyhow!(
-                    "the stream through echo was still open {LIVE_END_LIMIT:?} after the engine stopped"
-                )),
-            }
-        }
+        Ok(task) => match tokio::time::timeout(LIVE_END_LIMIT, task).await {
+            Ok(Ok((at, how))) => Ok((at - killed, how)),
+            Ok(Err(err)) => Err(anyhow::anyhow!("the stream reader: {err}")),
+            Err(_) => Err(anyhow::anyhow!(
+                "the stream through echo was still open {LIVE_END_LIMIT:?} after the engine was killed"
+            )),
+        },
         Err(err) => Err(err.context("opening the live stream through echo")),
     };
-    let echo_down = wait_condition(&tunnels, "echo", "Ready", "False", Duration::from_secs(60))
+    let echo_down = wait_condition(&tunnels, "echo", "Ready", "False", OUTAGE_LIMIT)
         .await
-        .map(|t| (stopping.elapsed(), t));
-    let down = wait_condition(
-        &tunnels,
-        "web",
-        "TunnelReady",
-        "False",
-        Duration::from_secs(60),
-    )
-    .await;
-    engine = LocalEngine::builder()
-        .bind(addr)
-        .identity(identity)
-        .start()
-        .await?;
+        .map(|t| (killed.elapsed(), t));
+    let web_down = wait_condition(&tunnels, "web", "TunnelReady", "False", OUTAGE_LIMIT)
+        .await
+        .map(|t| (killed.elapsed(), t));
+    let web_unready = web_down
+        .as_ref()
+        .ok()
+        .and_then(|(_, t)| condition(t, "Ready"));
+    engine =
+        EngineProcess::start(&bin, addr, &identity_file, identity.ca_pem(), &[TOKEN_2]).await?;
     let restarted = Instant::now();
-    let back = wait_condition(&tunnels, "web", "Ready", "True", Duration::from_secs(90)).await;
-    let ready_after = started.elapsed();
-    let echo_back = wait_condition(&tunnels, "echo", "Ready", "True", Duration::from_secs(90))
+    let relogin = wait_logins(&engine, TOKEN_2, 2, OUTAGE_LIMIT).await;
+    let back = wait_condition(&tunnels, "web", "Ready", "True", OUTAGE_LIMIT)
         .await
         .map(|_| restarted.elapsed());
-    let sent = match &back {
-        Ok(_) => traffic(&tunnels, &engine).await,
-        Err(_) => Err(anyhow::anyhow!("not tried: the tunnel is not Ready")),
+    let echo_back = wait_condition(&tunnels, "echo", "Ready", "True", OUTAGE_LIMIT)
+        .await
+        .map(|_| restarted.elapsed());
+    let sent = match (&back, &echo_back) {
+        (Ok(_), Ok(_)) => traffic(&tunnels, &engine)
+            .await
+            .map(|sent| (restarted.elapsed(), sent)),
+        _ => Err(anyhow::anyhow!("not tried: the tunnels are not Ready")),
     };
+    let web_was_down = web_unready.as_ref().is_some_and(|(s, _, _)| s == "False");
     report.record(
-        "engine stopped: TunnelReady=False with the reason; engine back: Ready again and both tunnels carry traffic",
-        down.is_ok() && back.is_ok() && sent.is_ok(),
+        "engine process SIGKILLed: web TunnelReady=False and Ready=False while it is down; started again on the same address: the agents open new control connections with the token in force, both tunnels Ready again and carry traffic (recovery time reported)",
+        web_down.is_ok() && web_was_down && relogin.is_ok() && back.is_ok() && sent.is_ok(),
         started,
         format!(
-            "while down: {}; after restart: {}; {}",
-            match &down {
-                Ok(t) => format!("{:?}", condition(t, "TunnelReady")),
+            "while down: {}; after the restart: {}; {}; {}",
+            match &web_down {
+                Ok((at, t)) => format!(
+                    "TunnelReady {:?}, Ready {:?} (seen {at:.1?} after the kill)",
+                    condition(t, "TunnelReady"),
+                    condition(t, "Ready")
+                ),
+                Err(e) => format!("{e:#}"),
+            },
+            match &relogin {
+                Ok((at, logins)) => format!("the agents logged in again {at:.1?} after it: {logins}"),
                 Err(e) => format!("{e:#}"),
             },
             match &back {
-                Ok(_) => format!("Ready after {ready_after:.1?}"),
+                Ok(at) => format!("web Ready {at:.1?} after the restart"),
                 Err(e) => format!("{e:#}"),
             },
-            sent.unwrap_or_else(|e| format!("{e:#}"))
+            match &sent {
+                Ok((at, sent)) => format!("{sent} (done {at:.1?} after the restart)"),
+                Err(e) => format!("{e:#}"),
+            },
         ),
     );
     let fresh = match &echo_back {
@@ -686,7 +977,7 @@ async fn tunnel_scenarios(env: &Env<'_>, report: &mut ChartReport, ns: &str) -> 
     let reasoned = echo_reason.as_ref().is_some_and(|(_, r, _)| !r.is_empty());
     report.record(
         &format!(
-            "engine stopped under a live stream through echo: the client sees the stream end (EOF or error) within {LIVE_END_LIMIT:?}; echo Ready=False with a reason while down; engine back: echo Ready, a new stream echoes bytes"
+            "engine process SIGKILLed under a live stream through echo: the client sees the stream end (EOF or error) within {LIVE_END_LIMIT:?}; echo Ready=False with a reason while down; engine back: echo Ready, a new stream echoes bytes"
         ),
         ended.is_ok() && reasoned && echo_back.is_ok() && fresh.is_ok(),
         started,
@@ -694,13 +985,13 @@ async fn tunnel_scenarios(env: &Env<'_>, report: &mut ChartReport, ns: &str) -> 
             "live stream: {}; echo while down: {}; engine back: {}; new stream: {}",
             match &ended {
                 Ok((at, how)) => format!(
-                    "{LIVE_BYTES} bytes echoed, then {how} {at:.2?} after the engine's shutdown began"
+                    "{LIVE_BYTES} bytes echoed, then {how} {at:.2?} after the SIGKILL"
                 ),
                 Err(e) => format!("{e:#}"),
             },
             match &echo_down {
                 Ok((at, t)) => format!(
-                    "Ready {:?}, TunnelReady {:?} (seen {at:.1?} after the shutdown began)",
+                    "Ready {:?}, TunnelReady {:?} (seen {at:.1?} after the kill)",
                     condition(t, "Ready"),
                     condition(t, "TunnelReady")
                 ),
@@ -760,7 +1051,7 @@ pub fn tcp_tunnel_spec() -> serde_json::Value {
 pub async fn quick_start(
     client: &kube::Client,
     ns: &str,
-    engine: &LocalEngine,
+    engine: &(impl EngineView + ?Sized),
     tunnel_specs: &[(&str, serde_json::Value)],
 ) -> anyhow::Result<()> {
     let deployments: Api<Deployment> = Api::namespaced(client.clone(), ns);
@@ -865,10 +1156,11 @@ impl HttpTunnel {
 }
 
 /// Waits for HTTP tunnel `name` to be Ready and its agent Deployment Available by its probe, then
-/// GETs `/` through the engine's ingress until the workload Pod answers (bounded).
+/// GETs `/` through the engine's ingress until the workload Pod answers (within
+/// [`TRAFFIC_LIMIT`]).
 pub async fn http_tunnel(
     env: &Env<'_>,
-    engine: &LocalEngine,
+    engine: &(impl EngineView + ?Sized),
     ns: &str,
     name: &str,
 ) -> anyhow::Result<HttpTunnel> {
@@ -885,7 +1177,7 @@ pub async fn http_tunnel(
     // The tunnel can be Ready before the workload is: its Pod must be Ready and its endpoint
     // routed by kube-proxy before the agent's dial to the Service lands.
     check::wait_pods_ready(env.plane, ns, "app=web", 1).await?;
-    let ingress = engine.ingress_addr(&tunnel_id);
+    let ingress = wait_ingress(engine, &tunnel_id).await;
     let mut outcome = HttpTunnel {
         agent_deployment: agent,
         agent_available: available,
@@ -895,6 +1187,7 @@ pub async fn http_tunnel(
         attempts: 0,
         answer: Err("not tried".to_owned()),
     };
+    let asked = Instant::now();
     loop {
         outcome.attempts += 1;
         outcome.answer = match ingress {
@@ -904,7 +1197,7 @@ pub async fn http_tunnel(
                 outcome.tunnel_id
             )),
         };
-        if outcome.reached_pod() || outcome.attempts >= 50 {
+        if outcome.reached_pod() || asked.elapsed() > TRAFFIC_LIMIT {
             return Ok(outcome);
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
@@ -948,7 +1241,10 @@ const TRAFFIC_LIMIT: Duration = Duration::from_secs(60);
 /// the workload Pod answers, then 1 MiB through `echo` and back intact, each within
 /// [`TRAFFIC_LIMIT`]; the ingress is looked up from the tunnel's status each try (an engine
 /// restart makes new tunnels).
-async fn traffic(tunnels: &Api<RstreamTunnel>, engine: &LocalEngine) -> anyhow::Result<String> {
+async fn traffic(
+    tunnels: &Api<RstreamTunnel>,
+    engine: &(impl EngineView + ?Sized),
+) -> anyhow::Result<String> {
     let started = Instant::now();
     let ingress = |t: RstreamTunnel| {
         let id = t.status.and_then(|s| s.tunnel_id).unwrap_or_default();
@@ -991,7 +1287,7 @@ async fn traffic(tunnels: &Api<RstreamTunnel>, engine: &LocalEngine) -> anyhow::
 /// tries it took.
 async fn echo_through(
     tunnels: &Api<RstreamTunnel>,
-    engine: &LocalEngine,
+    engine: &(impl EngineView + ?Sized),
     name: &str,
     len: usize,
 ) -> anyhow::Result<(Duration, u32)> {
@@ -1029,7 +1325,7 @@ async fn kill_agent(
     client: &kube::Client,
     ns: &str,
     tunnels: &Api<RstreamTunnel>,
-    engine: &LocalEngine,
+    engine: &(impl EngineView + ?Sized),
     name: &str,
 ) -> anyhow::Result<String> {
     let before = wait_condition(tunnels, name, "Ready", "True", Duration::from_secs(60)).await?;
@@ -1106,14 +1402,15 @@ async fn kill_agent(
 
 /// Bytes the live stream of the engine outage echoes before and after.
 const LIVE_BYTES: usize = 64 * 1024;
-/// How soon the client must see a live stream end once the engine stops.
-const LIVE_END_LIMIT: Duration = Duration::from_secs(10);
+/// How soon the client must see a live stream end once the engine is killed (the kernel resets
+/// its connections at once; generous for a busy machine, the time is reported).
+const LIVE_END_LIMIT: Duration = Duration::from_secs(30);
 
 /// Connects to TCP tunnel `name`'s ingress and echoes `len` bytes on that connection (within
-/// 10 s), leaving it open.
+/// 30 s), leaving it open.
 async fn open_stream(
     tunnels: &Api<RstreamTunnel>,
-    engine: &LocalEngine,
+    engine: &(impl EngineView + ?Sized),
     name: &str,
     len: usize,
 ) -> anyhow::Result<tokio::net::TcpStream> {
@@ -1121,7 +1418,7 @@ async fn open_stream(
     let id = (tunnels.get(name).await?.status)
         .and_then(|s| s.tunnel_id)
         .unwrap_or_default();
-    let addr = (engine.ingress_addr(&id))
+    let addr = (wait_ingress(engine, &id).await)
         .with_context(|| format!("the engine has no ingress for tunnel {id:?}"))?;
     let data: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
     let exchange = async {
@@ -1131,9 +1428,9 @@ async fn open_stream(
         stream.read_exact(&mut back).await?;
         anyhow::Ok((stream, back))
     };
-    let (stream, back) = tokio::time::timeout(Duration::from_secs(10), exchange)
+    let (stream, back) = tokio::time::timeout(Duration::from_secs(30), exchange)
         .await
-        .with_context(|| format!("no echo of {len} bytes through {addr} within 10 s"))??;
+        .with_context(|| format!("no echo of {len} bytes through {addr} within 30 s"))??;
     if back != data {
         bail!("the echo through {addr} differs");
     }
@@ -1165,11 +1462,46 @@ async fn stream_end(mut read: tokio::net::tcp::OwnedReadHalf) -> (Instant, Strin
     }
 }
 
+/// How long the rotation may take: the Secret change to both agents on the new token.
+const ROTATION_LIMIT: Duration = Duration::from_secs(180);
+/// How long an engine outage's effects (conditions, logins, Ready) may take to show.
+const OUTAGE_LIMIT: Duration = Duration::from_secs(90);
+
+/// Waits until `engine` has at least `count` open control channels and every open one logged in
+/// with `token`; returns when and the logins.
+async fn wait_logins(
+    engine: &EngineProcess,
+    token: &str,
+    count: usize,
+    limit: Duration,
+) -> anyhow::Result<(Duration, String)> {
+    let started = Instant::now();
+    loop {
+        let logins = engine.logins();
+        let open: Vec<&Login> = logins.iter().filter(|l| l.open).collect();
+        if open.len() >= count && open.iter().all(|l| l.token == token) {
+            return Ok((started.elapsed(), logins_text(&logins)));
+        }
+        if started.elapsed() > limit {
+            bail!(
+                "within {limit:?}, not {count} open control channels all with token {token}: logins {}",
+                logins_text(&logins)
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Rotates the token: the engine accepts [`TOKEN`] and [`TOKEN_2`], the Secret changes to
+/// [`TOKEN_2`], both agents (web and echo) roll and log in with it; then the engine revokes
+/// [`TOKEN`] and a login of our own with it must be refused. Returns the detail and the index of
+/// the first login after the revocation.
 async fn rotate_token(
     tunnels: &Api<RstreamTunnel>,
     deployments: &Api<Deployment>,
     secrets: &Api<Secret>,
-) -> anyhow::Result<String> {
+    engine: &mut EngineProcess,
+) -> anyhow::Result<(String, usize)> {
     let agent = tunnels
         .get("web")
         .await?
@@ -1187,47 +1519,111 @@ async fn rotate_token(
             .unwrap_or_default()
     };
     let before = hash(&deployments.get(&agent).await?);
+    let before_logins = engine.logins();
+    if before_logins.iter().any(|l| l.open && l.token != TOKEN) {
+        bail!(
+            "before the rotation a channel is open without token {TOKEN}: {}",
+            logins_text(&before_logins)
+        );
+    }
+    engine.set_tokens(&[TOKEN, TOKEN_2]).await?;
+    let mark = before_logins.len();
     secrets
         .patch(
             "rstream-credentials",
             &PatchParams::default(),
-            &Patch::Merge(json!({ "stringData": { "token": "e2e-token-2" } })),
+            &Patch::Merge(json!({ "stringData": { "token": TOKEN_2 } })),
         )
         .await?;
     let started = Instant::now();
-    let after = loop {
-        let h = hash(&deployments.get(&agent).await?);
-        if h != before {
-            break h;
-        }
-        if started.elapsed() > Duration::from_secs(30) {
-            bail!("the config hash stayed {before} for 30 s");
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    };
-    // The rollout replaces the agent Pod; Ready again once the new one has the tunnel.
-    let mut rolled = false;
-    while started.elapsed() < Duration::from_secs(120) {
-        let d = deployments.get(&agent).await?;
-        let generation = d.metadata.generation.unwrap_or(0);
-        let status = d.status.unwrap_or_default();
-        if status.observed_generation == Some(generation)
-            && status.updated_replicas == Some(1)
-            && status.replicas == Some(1)
-            && status.available_replicas == Some(1)
+    // Both agents on the new token: each open channel logged in with it (the old agents' channels
+    // closed as their Pods went), and both tunnels Ready.
+    loop {
+        let logins = engine.logins();
+        let open: Vec<&Login> = logins.iter().filter(|l| l.open).collect();
+        let switched = open.len() >= 2 && open.iter().all(|l| l.token == TOKEN_2);
+        if switched
+            && condition(&tunnels.get("web").await?, "Ready").is_some_and(|(s, _, _)| s == "True")
+            && condition(&tunnels.get("echo").await?, "Ready").is_some_and(|(s, _, _)| s == "True")
         {
-            rolled = true;
             break;
         }
+        if started.elapsed() > ROTATION_LIMIT {
+            bail!(
+                "within {ROTATION_LIMIT:?} of the Secret change the agents are not both on the new token: logins since the change {}; open channels {}",
+                logins_text(&logins[mark..]),
+                logins_text(&open.into_iter().cloned().collect::<Vec<_>>())
+            );
+        }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    if !rolled {
-        bail!("the agent Deployment did not roll out within 120 s");
+    let switched = started.elapsed();
+    // Revoked: the engine refuses the old token from now on and closes any channel on it.
+    let revoked_at = engine.logins().len();
+    engine.set_tokens(&[TOKEN_2]).await?;
+    let probe = rstream_client::Client::builder()
+        .engine(engine.engine_address())
+        .token(TOKEN)
+        .tls(TlsOptions::new().ca_pem(engine.ca_pem().into_bytes()))
+        .operation_timeout(Duration::from_secs(30))
+        .connect_timeout(Duration::from_secs(30))
+        .build()?
+        .connect()
+        .await;
+    let probe = match probe {
+        Err(err) if err.engine_code() == Some(rstream_client::EngineErrorCode::Unauthorized) => {
+            format!("a login of ours with the old token refused ({err})")
+        }
+        Err(err) => {
+            bail!("a login with the old token after the revocation failed otherwise: {err}")
+        }
+        Ok(control) => {
+            let _ = control.close().await;
+            bail!("the engine let a login with the revoked token {TOKEN} in");
+        }
+    };
+    // The agents were restarted by the operator: the Deployment's config hash moved and it rolled.
+    let after = hash(&deployments.get(&agent).await?);
+    if after == before {
+        bail!("both agents use the new token, yet the config hash stayed {before}");
     }
-    wait_condition(tunnels, "web", "Ready", "True", Duration::from_secs(60)).await?;
+    let d = deployments.get(&agent).await?;
+    let generation = d.metadata.generation.unwrap_or(0);
+    let status = d.status.unwrap_or_default();
+    if status.observed_generation != Some(generation) || status.updated_replicas != Some(1) {
+        bail!("the agent Deployment {agent} has not rolled out: {status:?}");
+    }
+    Ok((
+        format!(
+            "config hash {before} -> {after}; both agents on {TOKEN_2} {switched:.1?} after the Secret changed (logins since: {}); {TOKEN} revoked, {probe}",
+            logins_text(&engine.logins()[mark..])
+        ),
+        revoked_at,
+    ))
+}
+
+/// After the revocation of [`TOKEN`]: no login with it was let in, and the open channels (at
+/// least the two agents') all carry [`TOKEN_2`].
+fn after_revocation(engine: &EngineProcess, revoked_at: usize) -> anyhow::Result<String> {
+    let logins = engine.logins();
+    let since = &logins[revoked_at.min(logins.len())..];
+    if let Some(l) = since.iter().find(|l| l.accepted && l.token == TOKEN) {
+        bail!(
+            "after the revocation the engine let {l} in: {}",
+            logins_text(since)
+        );
+    }
+    let open: Vec<Login> = logins.iter().filter(|l| l.open).cloned().collect();
+    if open.len() < 2 || open.iter().any(|l| l.token != TOKEN_2) {
+        bail!(
+            "after the revocation the open channels are {} (want both agents on {TOKEN_2})",
+            logins_text(&open)
+        );
+    }
     Ok(format!(
-        "config hash {before} -> {after}; rolled out and Ready {:.1?} after the Secret changed",
-        started.elapsed()
+        "after the revocation: open channels {}, logins {}",
+        logins_text(&open),
+        logins_text(since)
     ))
 }
 
