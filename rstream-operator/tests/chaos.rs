@@ -237,7 +237,7 @@ async fn a_lost_lease_stops_the_writes_before_the_new_holder_starts() {
     let admin = plane.client().await.unwrap();
     let identity = manager_identity(plane, &ns, true).await;
     let user = sa_user(&ns, MANAGER_SA);
-    let stop = start_manager_with(
+    let (stop, health) = start_manager_observed(
         plane.client_as(&identity).await.unwrap(),
         &ns,
         Some((ns.clone(), "chaos-op".to_owned())),
@@ -260,6 +260,12 @@ async fn a_lost_lease_stops_the_writes_before_the_new_holder_starts() {
 
     // Another holder takes the tunnels' Lease for 10 s, then the token rotates: the old leader
     // must leave the new hash to whoever holds the Lease.
+    let leadership = "tunnels/leadership";
+    let leading = health.check(leadership).map(|c| c.detail);
+    assert!(
+        leading.as_deref().is_some_and(|d| d != "term ended"),
+        "the manager does not lead before the takeover: {leading:?}"
+    );
     let leases: Api<Lease> = Api::namespaced(admin.clone(), &ns);
     let now = MicroTime(k8s_openapi::jiff::Timestamp::now());
     let taken = std::time::Instant::now();
@@ -276,8 +282,23 @@ async fn a_lost_lease_stops_the_writes_before_the_new_holder_starts() {
         )
         .await
         .unwrap();
-    // A real successor waits out the old term; this one does not: one renew period (2 s) first.
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    // A real successor waits out the old term; this one does not: wait until the manager has
+    // seen the Lease go (its next renewal, every 2 s) and its term's work has returned (the
+    // leadership check changes only then).
+    wait_for(
+        "the manager's term to end",
+        Duration::from_secs(60),
+        || async {
+            let now = health.check(leadership).map(|c| c.detail);
+            (now != leading).then_some(())
+        },
+    )
+    .await;
+    eprintln!(
+        "the manager's term ended {:?} after the takeover ({leadership}: {:?})",
+        taken.elapsed(),
+        health.check(leadership).map(|c| c.detail)
+    );
     plane.writes_by(&user).await.unwrap();
     let from = plane.audit_events().unwrap().len();
     Api::<Secret>::namespaced(admin.clone(), &ns)

@@ -219,7 +219,7 @@ async fn a_datagram_tunnel_carries_udp_to_its_service_intact_and_in_order() {
             next += 1;
             continue;
         }
-        let n = tokio::time::timeout(Duration::from_secs(5), peer.recv(&mut buf))
+        let n = tokio::time::timeout(Duration::from_secs(30), peer.recv(&mut buf))
             .await
             .unwrap_or_else(|_| panic!("datagram {received} did not come back"))
             .unwrap();

@@ -59,15 +59,31 @@ pub async fn roundtrip(addr: SocketAddr, data: &[u8]) -> Vec<u8> {
     out
 }
 
+/// The shortest deadline of [`within`] and [`eventually`]: a correctness test waits for the
+/// state, and a slow or busy machine must not fail it (latency figures live in `cargo xtask
+/// bench`).
+pub const MIN_DEADLINE_SECS: u64 = 30;
+
+/// Awaits `fut`, panicking if it takes longer than `secs` seconds (at least
+/// [`MIN_DEADLINE_SECS`]); a wait longer than `secs` is reported on stderr.
 pub async fn within<T>(secs: u64, fut: impl std::future::Future<Output = T>) -> T {
-    tokio::time::timeout(Duration::from_secs(secs), fut)
+    let started = tokio::time::Instant::now();
+    let deadline = Duration::from_secs(secs.max(MIN_DEADLINE_SECS));
+    let out = tokio::time::timeout(deadline, fut)
         .await
-        .expect("timed out")
+        .unwrap_or_else(|_| panic!("timed out after {deadline:?}"));
+    if started.elapsed() > Duration::from_secs(secs) {
+        eprintln!(
+            "slow: took {:?}, expected within {secs} s",
+            started.elapsed()
+        );
+    }
+    out
 }
 
-/// Polls `cond` every 20 ms for up to `secs` seconds.
+/// Polls `cond` every 20 ms for up to `secs` seconds (at least [`MIN_DEADLINE_SECS`]).
 pub async fn eventually(secs: u64, mut cond: impl FnMut() -> bool) -> bool {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(secs);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(secs.max(MIN_DEADLINE_SECS));
     while tokio::time::Instant::now() < deadline {
         if cond() {
             return true;

@@ -16,7 +16,7 @@ use tokio_util::sync::CancellationToken;
 use super::*;
 
 /// How long a test waits for a state.
-pub const WAIT: Duration = Duration::from_secs(20);
+pub const WAIT: Duration = Duration::from_secs(60);
 
 /// Objects of one tunnel's children, by kind.
 pub struct Children {

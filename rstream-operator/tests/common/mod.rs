@@ -77,6 +77,16 @@ pub async fn start_manager_with(
     ns: &str,
     leader_election: Option<(String, String)>,
 ) -> CancellationToken {
+    start_manager_observed(client, ns, leader_election).await.0
+}
+
+/// Like [`start_manager_with`], and the manager's readiness checks (`tunnels/leadership` says
+/// when a term of the tunnels' controller ended).
+pub async fn start_manager_observed(
+    client: Client,
+    ns: &str,
+    leader_election: Option<(String, String)>,
+) -> (CancellationToken, Health) {
     let shutdown = CancellationToken::new();
     let options = ManagerOptions {
         agent_image: "example.test/rstream-operator:dev".into(),
@@ -87,14 +97,15 @@ pub async fn start_manager_with(
         namespace: Some(ns.to_owned()),
     };
     let metrics = ControllerMetrics::register(&mut Registry::default());
+    let health = Health::new();
     tokio::spawn(manager::run(
         client,
         options,
-        Health::new(),
+        health.clone(),
         metrics,
         shutdown.clone(),
     ));
-    shutdown
+    (shutdown, health)
 }
 
 /// The manager's identity in `ns`: a ServiceAccount bound only to the ClusterRole (and, when
@@ -579,7 +590,7 @@ impl Live {
             "Ready",
             "True",
             "Ready",
-            Duration::from_secs(20),
+            Duration::from_secs(60),
         )
         .await;
     }
@@ -599,12 +610,12 @@ pub fn config_hash(d: &k8s_openapi::api::apps::v1::Deployment) -> String {
 
 /// `GET /` through `ingress`; the body, or the error.
 pub async fn body_through(ingress: std::net::SocketAddr) -> Result<String, String> {
-    match tokio::time::timeout(Duration::from_secs(3), http_get(ingress)).await {
+    match tokio::time::timeout(Duration::from_secs(30), http_get(ingress)).await {
         Ok(Ok(r)) if r.starts_with("HTTP/1.1 200") => {
             Ok(r.split("\r\n\r\n").nth(1).unwrap_or("").to_owned())
         }
         Ok(Ok(r)) => Err(r),
         Ok(Err(e)) => Err(e.to_string()),
-        Err(_) => Err("no answer in 3 s".to_owned()),
+        Err(_) => Err("no answer in 30 s".to_owned()),
     }
 }
