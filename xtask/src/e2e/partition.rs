@@ -1,8 +1,10 @@
 //! The node cut off from the API server for 30 s (nftables in the node's namespace drop every
 //! packet between the node and the API server's port, as a broken link does):
-//! - while pod-proxier serves mappings: the data plane keeps relaying what it already knows, the
-//!   API says it cannot check credentials instead of hanging, the Node stays Ready, and the API
-//!   and kubelet's lease converge when the link returns;
+//! - while pod-proxier serves mappings: the data plane keeps relaying what it already knows (new
+//!   connections, and one connection held open through the V1 entry across the whole cut), the
+//!   API says it cannot check credentials instead of hanging, and the API and kubelet's lease
+//!   converge when the link returns. The Node's Ready condition is reported, not claimed: the
+//!   cut is shorter than the node-monitor grace period, so it cannot turn NotReady;
 //! - under steward, whose upstream is the API server itself (so there is nothing to relay during
 //!   the cut): when the link returns, clients through `kubernetes.default` reach the API server
 //!   through steward again and `default/kubernetes` still names the steward Pods.
@@ -22,9 +24,9 @@ use super::steward::{Release, service_client};
 use super::{ChartReport, Env, url_port};
 use k8s_reconcile::testing::node::{NODE_NAME, check};
 
-/// How long the link stays cut: less than the node-monitor grace period (50 s), so the Node must
-/// stay Ready, and more than the API's request timeout (10 s) and a token's cache life (10 s), so
-/// the API must meet the cut.
+/// How long the link stays cut: more than the API's request timeout (10 s) and a token's cache
+/// life (10 s), so the API must meet the cut; less than the node-monitor grace period (50 s),
+/// so the Node's Ready condition is only observed.
 const CUT: Duration = Duration::from_secs(30);
 /// How often the data plane is tried during the cut.
 const PROBE_EVERY: Duration = Duration::from_secs(2);
@@ -68,7 +70,7 @@ pub async fn pod_proxier(env: &Env<'_>, report: &mut ChartReport, served: &Serve
     let started = Instant::now();
     let outcome = cut_and_converge(env, served).await;
     report.record(
-        "node cut off from the API server for 30 s (nftables in the node's namespace): V1 and V2 mappings keep relaying, the API answers 503 instead of hanging, the Node stays Ready, and after the link returns the API and kubelet's lease converge",
+        "node cut off from the API server for 30 s (nftables in the node's namespace): V1 and V2 mappings keep relaying, a connection held open through the V1 entry echoes before, during and after the cut, the API answers 503 instead of hanging, and after the link returns the API and kubelet's lease converge",
         outcome.as_ref().is_ok_and(|o| o.passed()),
         started,
         match outcome {
@@ -81,6 +83,12 @@ pub async fn pod_proxier(env: &Env<'_>, report: &mut ChartReport, served: &Serve
 #[derive(Debug, Default)]
 struct Outcome {
     echoes: (usize, usize),
+    /// Round trips on the connection held through the V1 entry during the cut: (ok, of), and
+    /// the first failure.
+    held_during: (usize, usize),
+    held_error: Option<String>,
+    /// Its round trip after the link returned.
+    held_after: Option<Result<(), String>>,
     v2_answers: (usize, usize),
     /// The API's answer during the cut: status, and how long it took.
     api_during: Option<(u16, Duration)>,
@@ -97,8 +105,9 @@ impl Outcome {
         let all = |(ok, of): (usize, usize)| of > 0 && ok == of;
         all(self.echoes)
             && all(self.v2_answers)
+            && all(self.held_during)
+            && matches!(self.held_after, Some(Ok(())))
             && matches!(self.api_during, Some((503, took)) if took < API_WAIT)
-            && self.node_ready_during
             && self.api_back_after.is_some()
             && self.lease_back_after.is_some()
     }
@@ -113,10 +122,21 @@ impl Outcome {
             d.map(|d| format!("{d:.1?}"))
                 .unwrap_or_else(|| format!("not within {CONVERGE_LIMIT:?}"))
         };
+        let held_after = match &self.held_after {
+            Some(Ok(())) => "echoed".to_owned(),
+            Some(Err(e)) => format!("failed: {e}"),
+            None => "not tried".to_owned(),
+        };
         format!(
-            "during the cut: V1 echo {}/{}, V2 answers {}/{}, API (GET /api/v1/mappings) {api_during}, Node Ready throughout: {}; after the link returned: API 200 after {}, kubelet's lease renewed after {}",
+            "during the cut: V1 echo {}/{}, held V1 connection {}/{} round trips{}, V2 answers {}/{}, API (GET /api/v1/mappings) {api_during}, Node Ready throughout (observed; the cut is shorter than the grace period): {}; after the link returned: held connection {held_after}, API 200 after {}, kubelet's lease renewed after {}",
             self.echoes.0,
             self.echoes.1,
+            self.held_during.0,
+            self.held_during.1,
+            self.held_error
+                .as_ref()
+                .map(|e| format!(" (first failure: {e})"))
+                .unwrap_or_default(),
             self.v2_answers.0,
             self.v2_answers.1,
             self.node_ready_during,
@@ -144,14 +164,27 @@ async fn cut_and_converge(env: &Env<'_>, served: &Served<'_>) -> anyhow::Result<
         status == 200 && answer["data"]["extended"] == true,
         "extending the V1 mapping before the cut: {status} {answer}"
     );
+    // One connection through the V1 entry to the Pod's echo, open from before the cut until
+    // after it.
+    let mut held = tokio::time::timeout(
+        Duration::from_secs(10),
+        tokio::net::TcpStream::connect(served.entry),
+    )
+    .await
+    .context("connecting to the V1 entry before the cut: timed out")?
+    .context("connecting to the V1 entry before the cut")?;
+    round_trip(&mut held, 0)
+        .await
+        .map_err(|e| anyhow::anyhow!("the held connection before the cut: {e}"))?;
     node.cut_apiserver_link(port)?;
     let cut_at = Instant::now();
     // Whatever happens below, the link comes back.
-    let during = during_cut(&client, served, cut_at).await;
+    let during = during_cut(&client, served, &mut held, cut_at).await;
     let restored = node.restore_apiserver_link();
     let (returned_at, returned) = (Instant::now(), k8s_openapi::jiff::Timestamp::now());
     restored?;
     let mut outcome = during?;
+    outcome.held_after = Some(round_trip(&mut held, usize::MAX).await);
 
     // Converged: the API checks credentials again, and kubelet renews its lease.
     let leases: Api<Lease> = Api::namespaced(client.clone(), "kube-node-lease");
@@ -186,6 +219,7 @@ async fn cut_and_converge(env: &Env<'_>, served: &Served<'_>) -> anyhow::Result<
 async fn during_cut(
     client: &kube::Client,
     served: &Served<'_>,
+    held: &mut tokio::net::TcpStream,
     cut_at: Instant,
 ) -> anyhow::Result<Outcome> {
     let mut outcome = Outcome {
@@ -201,9 +235,17 @@ async fn during_cut(
     let probes = async {
         let nodes: Api<NodeObject> = Api::all(client.clone());
         let (mut echoes, mut answers, mut ready) = ((0, 0), (0, 0), true);
+        let (mut held_ok, mut held_error) = ((0, 0), None);
         while cut_at.elapsed() < CUT {
             echoes.1 += 1;
             echoes.0 += usize::from(tcp_echo(served.entry, 4096).await.is_ok());
+            held_ok.1 += 1;
+            match round_trip(held, held_ok.1).await {
+                Ok(()) => held_ok.0 += 1,
+                Err(e) => {
+                    held_error.get_or_insert(format!("{e} at {:.1?}", cut_at.elapsed()));
+                }
+            }
             answers.1 += 1;
             answers.0 += usize::from(check::http_get(served.v2, "/").await.is_ok());
             let node = nodes.get(NODE_NAME).await?;
@@ -215,10 +257,12 @@ async fn during_cut(
                 .any(|c| c.type_ == "Ready" && c.status == "True");
             tokio::time::sleep(PROBE_EVERY).await;
         }
-        anyhow::Ok((echoes, answers, ready))
+        anyhow::Ok((echoes, answers, ready, held_ok, held_error))
     };
     let ((answer, took), probed) = tokio::join!(api, probes);
-    let (echoes, answers, ready) = probed?;
+    let (echoes, answers, ready, held_ok, held_error) = probed?;
+    outcome.held_during = held_ok;
+    outcome.held_error = held_error;
     outcome.echoes = echoes;
     outcome.v2_answers = answers;
     outcome.node_ready_during = ready;
@@ -227,6 +271,24 @@ async fn during_cut(
         Err(e) => outcome.api_error = Some(format!("{e:#} after {took:.1?}")),
     }
     Ok(outcome)
+}
+
+/// One echo round trip of a numbered line on the held connection, within 10 s.
+async fn round_trip(stream: &mut tokio::net::TcpStream, n: usize) -> Result<(), String> {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let line = format!("held connection, round trip {n}\n");
+    let exchange = async {
+        stream.write_all(line.as_bytes()).await?;
+        let mut back = vec![0; line.len()];
+        stream.read_exact(&mut back).await?;
+        std::io::Result::Ok(back)
+    };
+    match tokio::time::timeout(Duration::from_secs(10), exchange).await {
+        Err(_) => Err("no echo within 10 s".to_owned()),
+        Ok(Err(e)) => Err(e.to_string()),
+        Ok(Ok(back)) if back == line.as_bytes() => Ok(()),
+        Ok(Ok(back)) => Err(format!("echoed {:?}", String::from_utf8_lossy(&back))),
+    }
 }
 
 /// Cuts the link for [`CUT`] under steward and records the scenario.
