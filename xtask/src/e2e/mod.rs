@@ -417,11 +417,15 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
         let mut charts = Vec::new();
         if wanted(steward::RELEASE) {
             println!("steward-tcp-proxy:");
-            charts.push(steward::run(&env).await);
+            let mut chart = steward::run(&env).await;
+            chart.expect(&steward::expected_scenarios());
+            charts.push(chart);
         }
         if wanted(pod_proxier::RELEASE) {
             println!("pod-proxier:");
-            charts.push(pod_proxier::run(&env).await);
+            let mut chart = pod_proxier::run(&env).await;
+            chart.expect(&pod_proxier::expected_scenarios());
+            charts.push(chart);
         }
         if wanted(rstream_operator::RELEASE) {
             println!("rstream-operator:");

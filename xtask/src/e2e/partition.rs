@@ -24,6 +24,10 @@ use super::steward::{Release, service_client};
 use super::{ChartReport, Env, url_port};
 use k8s_reconcile::testing::node::{NODE_NAME, check};
 
+/// A scenario this module records (its chart lists it).
+pub const POD_PROXIER_CUT: &str = "node cut off from the API server for 30 s (nftables in the node's namespace): V1 and V2 mappings keep relaying, a connection held open through the V1 entry echoes before, during and after the cut, the API answers 503 instead of hanging, and after the link returns the API and kubelet's lease converge";
+/// A scenario this module records (its chart lists it).
+pub const STEWARD_CUT: &str = "node cut off from the API server for 30 s (nftables in the node's namespace) under steward: when the link returns, clients through kubernetes.default reach the API server through steward again and default/kubernetes still names the steward Pods";
 /// How long the link stays cut: more than the API's request timeout (10 s) and a token's cache
 /// life (10 s), so the API must meet the cut; less than the node-monitor grace period (50 s),
 /// so the Node's Ready condition is only observed.
@@ -70,7 +74,7 @@ pub async fn pod_proxier(env: &Env<'_>, report: &mut ChartReport, served: &Serve
     let started = Instant::now();
     let outcome = cut_and_converge(env, served).await;
     report.record(
-        "node cut off from the API server for 30 s (nftables in the node's namespace): V1 and V2 mappings keep relaying, a connection held open through the V1 entry echoes before, during and after the cut, the API answers 503 instead of hanging, and after the link returns the API and kubelet's lease converge",
+        POD_PROXIER_CUT,
         outcome.as_ref().is_ok_and(|o| o.passed()),
         started,
         match outcome {
@@ -296,7 +300,7 @@ pub async fn steward(env: &Env<'_>, report: &mut ChartReport, release: &Release)
     let started = Instant::now();
     let outcome = steward_converges(env, release).await;
     report.record(
-        "node cut off from the API server for 30 s (nftables in the node's namespace) under steward: when the link returns, clients through kubernetes.default reach the API server through steward again and default/kubernetes still names the steward Pods",
+        STEWARD_CUT,
         outcome.is_ok(),
         started,
         outcome.unwrap_or_else(|e| format!("{e:#}")),

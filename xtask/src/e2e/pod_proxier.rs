@@ -28,6 +28,38 @@ const METRICS_PORT: u16 = 8081;
 const V2_START: u16 = 9000;
 const V2_END: u16 = 9004;
 
+const V1_MAPS: &str = "V1: a ServiceAccount bound only to create pods/portforward maps a Pod's jprofiler-port; bytes through the Service's entry port reach the Pod and come back; a caller without the binding gets 403";
+const METRICS: &str = "the pod-proxier Pod's /metrics has process_*, its build info, the mappings, the relay's and leader election's families";
+const NODE_PORT: &str = "chart Service as NodePort on this node carries a mapping";
+const V2_BOTH_PODS: &str =
+    "V2: a Service over a 2-replica Deployment gets a stable port; connections reach both Pods";
+const V2_SCALED: &str = "V2: scaled to 3, the new Pod receives traffic";
+const V2_DELETED_POD: &str = "V2: a deleted Pod that still serves while Terminating gets no connection once its endpoint left the slice";
+const RESTORED: &str = "pod-proxier Pod deleted: the replacement restores every mapping with the same ports and remaining TTL";
+const EXPIRY: &str = "expiry: the entry port answers until the deadline (no refusal before it), then refuses connections (refused, or closed before any byte) within 10 s of it";
+const V2_CLUSTER_IP: &str = "V2 with podProxier.v2Target=cluster-ip (helm upgrade): a new Service's debug port is published with the Service's ClusterIP as its upstream; bytes echo through kube-proxy's rules";
+const HAPROXY_BACKEND: &str = "podProxier.backend=haproxy (helm upgrade, HAProxy from Debian's package as the sidecar, driven by its Runtime API): a V1 mapping and a V2 mapping relay bytes through HAProxy";
+/// Every scenario a whole run of this chart records, in order: `cargo xtask e2e` fails a run
+/// that misses one or records one not listed here.
+pub fn expected_scenarios() -> Vec<String> {
+    [
+        V1_MAPS,
+        METRICS,
+        NODE_PORT,
+        V2_BOTH_PODS,
+        V2_SCALED,
+        V2_DELETED_POD,
+        RESTORED,
+        super::partition::POD_PROXIER_CUT,
+        EXPIRY,
+        super::HELM_TEST_SCENARIO,
+        V2_CLUSTER_IP,
+        HAPROXY_BACKEND,
+    ]
+    .map(str::to_owned)
+    .into()
+}
+
 pub async fn run(env: &Env<'_>) -> ChartReport {
     let mut report = ChartReport::new("pod-proxier");
     let mut watch = None;
@@ -116,7 +148,7 @@ async fn scenarios(
     let (denied_status, denied_answer) =
         http(api, "POST", "/api/v1/mapping", Some(&denied), Some(&body)).await?;
     report.record(
-        "V1: a ServiceAccount bound only to create pods/portforward maps a Pod's jprofiler-port; bytes through the Service's entry port reach the Pod and come back; a caller without the binding gets 403",
+        V1_MAPS,
         status == 200
             && entry_port == i64::from(ENTRY_PORT)
             && echoed.is_ok()
@@ -131,13 +163,17 @@ async fn scenarios(
     );
 
     // pod-proxier's /metrics after relaying that mapping, under the names dashboards use.
-    for (pod, ip) in check::wait_pods_ready(env.plane, &ns, SELECTOR, 1).await? {
+    for (_, ip) in check::wait_pods_ready(env.plane, &ns, SELECTOR, 1).await? {
         super::record_metric_names(
             report,
-            &format!("pod-proxier Pod {pod}'s /metrics has process_*, its build info, the mappings, the relay's and leader election's families"),
+            METRICS,
             format!("{ip}:{METRICS_PORT}").parse()?,
             "pod-proxier",
-            &["podproxier_mappings", "proxy_connections", "leader_election_master_status"],
+            &[
+                "podproxier_mappings",
+                "proxy_connections",
+                "leader_election_master_status",
+            ],
         )
         .await;
     }
@@ -146,7 +182,7 @@ async fn scenarios(
     let started = Instant::now();
     let echoed = tcp_echo(entry_node, 4096).await;
     report.record(
-        "chart Service as NodePort on this node carries a mapping",
+        NODE_PORT,
         echoed.is_ok(),
         started,
         format!(
@@ -165,7 +201,7 @@ async fn scenarios(
     let want: BTreeSet<String> = web_pods.iter().map(|(n, _)| n.clone()).collect();
     let seen = check::reach_all(v2, &want).await;
     report.record(
-        "V2: a Service over a 2-replica Deployment gets a stable port; connections reach both Pods",
+        V2_BOTH_PODS,
         seen.is_ok(),
         started,
         format!(
@@ -187,7 +223,7 @@ async fn scenarios(
     let want3: BTreeSet<String> = web_pods.iter().map(|(n, _)| n.clone()).collect();
     let seen = check::reach_all(v2, &want3).await;
     report.record(
-        "V2: scaled to 3, the new Pod receives traffic",
+        V2_SCALED,
         seen.is_ok(),
         started,
         format!(
@@ -200,7 +236,7 @@ async fn scenarios(
     let started = Instant::now();
     let outcome = deleted_pod_gets_nothing(env, api, &allowed, &work, v2, &web_pods[0]).await;
     report.record(
-        "V2: a deleted Pod that still serves while Terminating gets no connection once its endpoint left the slice",
+        V2_DELETED_POD,
         outcome.is_ok(),
         started,
         outcome.unwrap_or_else(|e| format!("{e:#}")),
@@ -249,7 +285,7 @@ async fn scenarios(
     let echoed = tcp_echo(entry, 4096).await;
     let restored = judge_restore(&expected, &before, &after, started.elapsed());
     report.record(
-        "pod-proxier Pod deleted: the replacement restores every mapping with the same ports and remaining TTL",
+        RESTORED,
         restored.is_ok() && v2_after == v2_entry && echoed.is_ok(),
         started,
         format!(
@@ -274,7 +310,7 @@ async fn scenarios(
     let started = Instant::now();
     let outcome = expiry(api, entry, &allowed, &format!("{work}/{}", profiled_pod.0)).await;
     report.record(
-        "expiry: the entry port answers until the deadline (no refusal before it), then refuses connections (refused, or closed before any byte) within 10 s of it",
+        EXPIRY,
         outcome.is_ok(),
         started,
         outcome.unwrap_or_else(|e| format!("{e:#}")),
@@ -289,7 +325,7 @@ async fn scenarios(
     let started = Instant::now();
     let outcome = cluster_ip_target(env, &ns, &work, &cluster_ip, &allowed).await;
     report.record(
-        "V2 with podProxier.v2Target=cluster-ip (helm upgrade): a new Service's debug port is published with the Service's ClusterIP as its upstream; bytes echo through kube-proxy's rules",
+        V2_CLUSTER_IP,
         outcome.is_ok(),
         started,
         outcome.unwrap_or_else(|e| format!("{e:#}")),
@@ -300,7 +336,7 @@ async fn scenarios(
     let started = Instant::now();
     let outcome = haproxy_backend(env, &ns, &work, &cluster_ip, &allowed).await;
     report.record(
-        "podProxier.backend=haproxy (helm upgrade, HAProxy from Debian's package as the sidecar, driven by its Runtime API): a V1 mapping and a V2 mapping relay bytes through HAProxy",
+        HAPROXY_BACKEND,
         outcome.is_ok(),
         started,
         outcome.unwrap_or_else(|e| format!("{e:#}")),

@@ -58,6 +58,38 @@ impl ChartReport {
         });
     }
 
+    /// Holds the run to the chart's list of scenarios: each expected scenario that did not run
+    /// (the chart stopped before it) counts as failed, and so does one the list does not name
+    /// (the list must say what the run checks). A run that executed fewer scenarios than the list
+    /// can therefore never pass.
+    pub(super) fn expect(&mut self, expected: &[String]) {
+        let unlisted: Vec<String> = (self.scenarios.iter())
+            .filter(|s| !expected.contains(&s.name))
+            .map(|s| s.name.clone())
+            .collect();
+        let missing: Vec<String> = (expected.iter())
+            .filter(|name| !self.scenarios.iter().any(|s| &s.name == *name))
+            .cloned()
+            .collect();
+        for name in missing {
+            self.scenarios.push(Scenario {
+                name,
+                ok: false,
+                took_ms: 0,
+                detail: "did not run".to_owned(),
+            });
+        }
+        for name in unlisted {
+            self.scenarios.push(Scenario {
+                name: format!("{name} (not in this chart's SCENARIOS list)"),
+                ok: false,
+                took_ms: 0,
+                detail: "a scenario the e2e does not expect: add it to the chart's SCENARIOS"
+                    .to_owned(),
+            });
+        }
+    }
+
     pub(super) fn passed(&self) -> bool {
         self.error.is_none()
             && self.scenarios.iter().all(|s| s.ok)
@@ -159,6 +191,40 @@ pub(super) fn markdown(report: &Report) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn names(list: &[&str]) -> Vec<String> {
+        list.iter().map(|n| (*n).to_owned()).collect()
+    }
+
+    #[test]
+    fn a_missing_or_unlisted_scenario_fails_the_chart() {
+        let started = Instant::now();
+        let mut chart = ChartReport::new("steward-tcp-proxy");
+        chart.record("a", true, started, String::new());
+        chart.record("b", true, started, String::new());
+        chart.expect(&names(&["a", "b"]));
+        assert!(chart.passed());
+        assert_eq!(chart.scenarios.len(), 2);
+
+        // Stopped after "a": "b" did not run and counts as failed.
+        let mut chart = ChartReport::new("steward-tcp-proxy");
+        chart.record("a", true, started, String::new());
+        chart.expect(&names(&["a", "b"]));
+        assert!(!chart.passed());
+        let failed: Vec<&str> = (chart.scenarios.iter())
+            .filter(|s| !s.ok)
+            .map(|s| s.name.as_str())
+            .collect();
+        assert_eq!(failed, ["b"]);
+
+        // A scenario the list does not name fails too, so the list stays the truth.
+        let mut chart = ChartReport::new("steward-tcp-proxy");
+        chart.record("a", true, started, String::new());
+        chart.record("c", true, started, String::new());
+        chart.expect(&names(&["a"]));
+        assert!(!chart.passed());
+        assert_eq!(chart.scenarios.iter().filter(|s| !s.ok).count(), 1);
+    }
 
     #[test]
     fn every_failure_is_one_line_and_passes_are_none() {

@@ -26,6 +26,42 @@ const LISTEN_PORT: u16 = 6443;
 /// The chart's default `healthPort` (`/healthz`, `/readyz`).
 const HEALTH_PORT: u16 = 8080;
 
+const PUBLISHES: &str = "chart defaults: default/kubernetes points at the ready steward Pods (pod-ip) once the leader can publish";
+const IN_CLUSTER_CLIENT: &str = "in-cluster client (KUBERNETES_SERVICE_HOST) lists namespaces and holds a 4 s watch through steward; steward's metrics count it";
+const CLUSTER_IP_MODE: &str = "endpointMode=cluster-ip: steward publishes its ClusterIP, and kube-proxy does not route a ClusterIP used as an endpoint (as steward's README says): no client through kubernetes.default reaches steward";
+const POD_IP_AGAIN: &str =
+    "endpointMode=pod-ip (chart default) again: a Pod's client through kubernetes.default";
+const LEADER_DELETED: &str =
+    "leader Pod deleted: the other replica takes over and repairs a manual EndpointSlice edit";
+const ROLLING_UPGRADE: &str = "helm upgrade rolls both Pods while a client GETs every 50 ms and holds a watch (through 10.96.0.1:443)";
+/// The chart's replicas (its default), each of whose `/metrics` is checked.
+const REPLICAS: usize = 2;
+
+fn metrics_scenario(replica: usize) -> String {
+    format!(
+        "steward replica {replica} of {REPLICAS}: /metrics has process_*, its build info and leader election's family"
+    )
+}
+
+/// Every scenario a whole run of this chart records, in order: `cargo xtask e2e` fails a run
+/// that misses one or records one not listed here.
+pub fn expected_scenarios() -> Vec<String> {
+    let mut names: Vec<String> = [PUBLISHES, IN_CLUSTER_CLIENT].map(str::to_owned).into();
+    names.extend((1..=REPLICAS).map(metrics_scenario));
+    names.extend(
+        [
+            CLUSTER_IP_MODE,
+            POD_IP_AGAIN,
+            LEADER_DELETED,
+            ROLLING_UPGRADE,
+            super::partition::STEWARD_CUT,
+            super::HELM_TEST_SCENARIO,
+        ]
+        .map(str::to_owned),
+    );
+    names
+}
+
 pub async fn run(env: &Env<'_>) -> ChartReport {
     let mut report = ChartReport::new("steward-tcp-proxy");
     let mut watch = None;
@@ -363,7 +399,7 @@ async fn scenarios(
     let published = cluster.published().await?;
     let want = cluster.expected("pod-ip").await?;
     report.record(
-        "chart defaults: default/kubernetes points at the ready steward Pods (pod-ip) once the leader can publish",
+        PUBLISHES,
         after.is_some_and(|after| after <= publish_limit),
         started,
         format!(
@@ -412,7 +448,7 @@ async fn scenarios(
         Err(err) => format!("{err:#}"),
     };
     report.record(
-        "in-cluster client (KUBERNETES_SERVICE_HOST) lists namespaces and holds a 4 s watch through steward; steward's metrics count it",
+        IN_CLUSTER_CLIENT,
         ok,
         started,
         format!(
@@ -424,10 +460,10 @@ async fn scenarios(
     // Every replica's /metrics, leader and follower, under the names dashboards use. The relay's
     // families show only on a replica that relayed (a labelled family has no series before its
     // first connection); the sums above already read them by name.
-    for (pod, ip) in cluster.ready_pods().await? {
+    for (replica, (_, ip)) in cluster.ready_pods().await?.into_iter().enumerate() {
         super::record_metric_names(
             report,
-            &format!("steward Pod {pod}'s /metrics has process_*, its build info and leader election's family"),
+            &metrics_scenario(replica + 1),
             format!("{ip}:9090").parse()?,
             "steward-tcp-proxy",
             &["leader_election_master_status"],
@@ -460,7 +496,7 @@ async fn scenarios(
         conns: (conns_before, conns_after),
     });
     report.record(
-        "endpointMode=cluster-ip: steward publishes its ClusterIP, and kube-proxy does not route a ClusterIP used as an endpoint (as steward's README says): no client through kubernetes.default reaches steward",
+        CLUSTER_IP_MODE,
         verdict.is_ok(),
         started,
         format!(
@@ -490,7 +526,7 @@ async fn scenarios(
         Err(err) => format!("{err:#}; kube-proxy's rules: {}", kubernetes_nat_rules()),
     };
     report.record(
-        "endpointMode=pod-ip (chart default) again: a Pod's client through kubernetes.default",
+        POD_IP_AGAIN,
         outcome.as_ref().is_ok_and(|l| l.contains("kube result=ok")),
         started,
         format!(
@@ -549,7 +585,7 @@ async fn scenarios(
         .is_some_and(|(_, holder, _)| holder.is_some() && *holder == new_leader);
     let ok = takeover.is_some() && by_new_leader && repaired.is_some();
     report.record(
-        "leader Pod deleted: the other replica takes over and repairs a manual EndpointSlice edit",
+        LEADER_DELETED,
         ok,
         started,
         format!(
@@ -578,7 +614,7 @@ async fn scenarios(
     let started = Instant::now();
     let outcome = rolling_upgrade(env, &cluster).await?;
     report.record(
-        "helm upgrade rolls both Pods while a client GETs every 50 ms and holds a watch (through 10.96.0.1:443)",
+        ROLLING_UPGRADE,
         outcome.failed == 0 && outcome.watch_saw_probe,
         started,
         outcome.describe(),
