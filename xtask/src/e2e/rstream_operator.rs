@@ -38,6 +38,59 @@ const CRDS: [&str; 2] = [
     "rstreamtunnels.tunnels.rstream.io",
 ];
 
+// The scenarios this chart records, by name (`expected_scenarios` lists them for the run).
+pub const INSTALLED: &str = "chart installed with its CRDs; the manager Ready by its own probe under Pod Security restricted";
+pub const MANAGER_METRICS: &str = "the manager's /metrics through the chart's metrics Service (what the optional ServiceMonitor scrapes) has process_*, the build info, controller-runtime's names and no retired ones";
+pub const HTTP_TUNNEL: &str = "HTTP tunnel (Quick Start): agent Available by its probe, tunnel Ready, a request through the engine reaches the workload Pod via the Service name";
+pub const TCP_TUNNEL: &str =
+    "TCP tunnel carries 64 MiB to the workload's echo port and back, intact";
+pub const AGENT_METRICS: &str = "the echo tunnel's agent Pod /metrics has process_*, its build info and the tunnel and stream metrics";
+pub const TOKEN_ROTATED: &str = "token rotated in the Secret, then the old one revoked in the engine: both agents log in again with the new token (the engine's record of each login), a login with the old token is refused, the agent Deployment rolled (config hash), both tunnels carry traffic";
+pub const AGENT_KILLED: &str = "the echo tunnel's agent Pod killed (grace 0) while Ready: a new agent Pod, the tunnel Ready again with a new tunnel id, 1 MiB through it";
+pub const ENGINE_KILLED: &str = "engine process SIGKILLed: web TunnelReady=False and Ready=False while it is down; started again on the same address: the agents open new control connections with the token in force, both tunnels Ready again and carry traffic (recovery time reported)";
+pub const TUNNEL_DELETED: &str =
+    "RstreamTunnel deleted: agent Pods, ServiceAccount, Role, RoleBinding and ConfigMap gone";
+pub const CRD_UPGRADE: &str = "helm upgrade to the next chart version, whose RstreamConnection CRD adds an optional spec field: the field is served after the upgrade (pruned before), the existing RstreamConnection survives";
+pub const UNINSTALLED: &str = "helm uninstall with crds.keep (the default): the manager Pod gone; the CRDs and the RstreamConnection stay";
+
+/// The live-stream outage scenario's name (it names [`LIVE_END_LIMIT`]).
+pub fn engine_killed_live() -> String {
+    format!(
+        "engine process SIGKILLed under a live stream through echo: the client sees the stream end (EOF or error) within {LIVE_END_LIMIT:?}; echo Ready=False with a reason while down; engine back: echo Ready, a new stream echoes bytes"
+    )
+}
+
+/// Every scenario a whole run of this chart records, in order.
+#[allow(
+    dead_code,
+    reason = "e2e/mod.rs holds the run to it (ChartReport::expect), as for the other charts"
+)]
+pub fn expected_scenarios() -> Vec<String> {
+    let mut names: Vec<String> = [
+        INSTALLED,
+        MANAGER_METRICS,
+        HTTP_TUNNEL,
+        TCP_TUNNEL,
+        AGENT_METRICS,
+        TOKEN_ROTATED,
+        AGENT_KILLED,
+        ENGINE_KILLED,
+    ]
+    .map(str::to_owned)
+    .into();
+    names.push(engine_killed_live());
+    names.extend(
+        [
+            TUNNEL_DELETED,
+            super::HELM_TEST_SCENARIO,
+            CRD_UPGRADE,
+            UNINSTALLED,
+        ]
+        .map(str::to_owned),
+    );
+    names
+}
+
 pub async fn run(env: &Env<'_>) -> ChartReport {
     let mut report = ChartReport::new("rstream-operator");
     // Its restart watch is finished inside the scenarios (the agents' namespace is made there).
@@ -76,10 +129,15 @@ async fn scenarios(env: &Env<'_>, report: &mut ChartReport) -> anyhow::Result<()
         ));
     }
     report.record(
-        "chart installed with its CRDs; the manager Ready by its own probe under Pod Security restricted",
+        INSTALLED,
         served.iter().all(|s| s.ends_with(" Established")),
         started,
-        format!("manager {} ({}); {}", pods[0].0, pods[0].1, served.join(", ")),
+        format!(
+            "manager {} ({}); {}",
+            pods[0].0,
+            pods[0].1,
+            served.join(", ")
+        ),
     );
 
     let svc: Service = Api::namespaced(client.clone(), &ns)
@@ -92,7 +150,7 @@ async fn scenarios(env: &Env<'_>, report: &mut ChartReport) -> anyhow::Result<()
     let addr: SocketAddr = format!("{ip}:8080").parse()?;
     super::record_metric_names(
         report,
-        "the manager's /metrics through the chart's metrics Service (what the optional ServiceMonitor scrapes) has process_*, the build info, controller-runtime's names and no retired ones",
+        MANAGER_METRICS,
         addr,
         "rstream-operator",
         &["leader_election_master_status"],
@@ -114,7 +172,7 @@ async fn scenarios(env: &Env<'_>, report: &mut ChartReport) -> anyhow::Result<()
     let started = Instant::now();
     let outcome = crd_upgrade(env, &ns).await;
     report.record(
-        "helm upgrade to the next chart version, whose RstreamConnection CRD adds an optional spec field: the field is served after the upgrade (pruned before), the existing RstreamConnection survives",
+        CRD_UPGRADE,
         outcome.is_ok(),
         started,
         outcome.unwrap_or_else(|e| format!("{e:#}")),
@@ -175,7 +233,7 @@ async fn scenarios(env: &Env<'_>, report: &mut ChartReport) -> anyhow::Result<()
         }
     };
     report.record(
-        "helm uninstall with crds.keep (the default): the manager Pod gone; the CRDs and the RstreamConnection stay",
+        UNINSTALLED,
         lost.is_empty(),
         started,
         if lost.is_empty() {
@@ -183,8 +241,7 @@ async fn scenarios(env: &Env<'_>, report: &mut ChartReport) -> anyhow::Result<()
         } else {
             format!("lost: {}", lost.join(", "))
         },
-    )
-    ;
+    );
     Ok(())
 }
 
@@ -790,12 +847,7 @@ async fn tunnel_scenarios(env: &Env<'_>, report: &mut ChartReport, ns: &str) -> 
         Ok(web) => (web.passed(), web.describe()),
         Err(err) => (false, format!("{err:#}")),
     };
-    report.record(
-        "HTTP tunnel (Quick Start): agent Available by its probe, tunnel Ready, a request through the engine reaches the workload Pod via the Service name",
-        outcome.0,
-        started,
-        outcome.1,
-    );
+    report.record(HTTP_TUNNEL, outcome.0, started, outcome.1);
 
     // 2. 64 MiB through a TCP tunnel, intact.
     let started = Instant::now();
@@ -811,7 +863,7 @@ async fn tunnel_scenarios(env: &Env<'_>, report: &mut ChartReport, ns: &str) -> 
             Err(err) => Err(err),
         };
     report.record(
-        "TCP tunnel carries 64 MiB to the workload's echo port and back, intact",
+        TCP_TUNNEL,
         outcome.is_ok(),
         started,
         match outcome {
@@ -830,7 +882,7 @@ async fn tunnel_scenarios(env: &Env<'_>, report: &mut ChartReport, ns: &str) -> 
             let addr = SocketAddr::new(ip, port);
             super::record_metric_names(
                 report,
-                "the echo tunnel's agent Pod /metrics has process_*, its build info and the tunnel and stream metrics",
+                AGENT_METRICS,
                 addr,
                 "rstream-agent",
                 &[
@@ -841,12 +893,7 @@ async fn tunnel_scenarios(env: &Env<'_>, report: &mut ChartReport, ns: &str) -> 
             )
             .await;
         }
-        Err(err) => report.record(
-            "the echo tunnel's agent Pod /metrics has process_*, its build info and the tunnel and stream metrics",
-            false,
-            Instant::now(),
-            format!("{err:#}"),
-        ),
+        Err(err) => report.record(AGENT_METRICS, false, Instant::now(), format!("{err:#}")),
     }
 
     // 3. Token rotation: the engine accepts both tokens, the Secret changes, the agents roll
@@ -865,7 +912,7 @@ async fn tunnel_scenarios(env: &Env<'_>, report: &mut ChartReport, ns: &str) -> 
         Err(err) => Err(err),
     };
     report.record(
-        "token rotated in the Secret, then the old one revoked in the engine: both agents log in again with the new token (the engine's record of each login), a login with the old token is refused, the agent Deployment rolled (config hash), both tunnels carry traffic",
+        TOKEN_ROTATED,
         outcome.is_ok(),
         started,
         outcome.unwrap_or_else(|e| format!("{e:#}")),
@@ -875,7 +922,7 @@ async fn tunnel_scenarios(env: &Env<'_>, report: &mut ChartReport, ns: &str) -> 
     let started = Instant::now();
     let outcome = kill_agent(&client, ns, &tunnels, &engine, "echo").await;
     report.record(
-        "the echo tunnel's agent Pod killed (grace 0) while Ready: a new agent Pod, the tunnel Ready again with a new tunnel id, 1 MiB through it",
+        AGENT_KILLED,
         outcome.is_ok(),
         started,
         outcome.unwrap_or_else(|e| format!("{e:#}")),
@@ -936,7 +983,7 @@ async fn tunnel_scenarios(env: &Env<'_>, report: &mut ChartReport, ns: &str) -> 
     };
     let web_was_down = web_unready.as_ref().is_some_and(|(s, _, _)| s == "False");
     report.record(
-        "engine process SIGKILLed: web TunnelReady=False and Ready=False while it is down; started again on the same address: the agents open new control connections with the token in force, both tunnels Ready again and carry traffic (recovery time reported)",
+        ENGINE_KILLED,
         web_down.is_ok() && web_was_down && relogin.is_ok() && back.is_ok() && sent.is_ok(),
         started,
         format!(
@@ -950,7 +997,8 @@ async fn tunnel_scenarios(env: &Env<'_>, report: &mut ChartReport, ns: &str) -> 
                 Err(e) => format!("{e:#}"),
             },
             match &relogin {
-                Ok((at, logins)) => format!("the agents logged in again {at:.1?} after it: {logins}"),
+                Ok((at, logins)) =>
+                    format!("the agents logged in again {at:.1?} after it: {logins}"),
                 Err(e) => format!("{e:#}"),
             },
             match &back {
@@ -976,9 +1024,7 @@ async fn tunnel_scenarios(env: &Env<'_>, report: &mut ChartReport, ns: &str) -> 
         .and_then(|(_, t)| condition(t, "Ready"));
     let reasoned = echo_reason.as_ref().is_some_and(|(_, r, _)| !r.is_empty());
     report.record(
-        &format!(
-            "engine process SIGKILLed under a live stream through echo: the client sees the stream end (EOF or error) within {LIVE_END_LIMIT:?}; echo Ready=False with a reason while down; engine back: echo Ready, a new stream echoes bytes"
-        ),
+        &engine_killed_live(),
         ended.is_ok() && reasoned && echo_back.is_ok() && fresh.is_ok(),
         started,
         format!(
@@ -1014,7 +1060,7 @@ async fn tunnel_scenarios(env: &Env<'_>, report: &mut ChartReport, ns: &str) -> 
     let started = Instant::now();
     let outcome = delete_tunnel(env, &tunnels, ns, "web").await;
     report.record(
-        "RstreamTunnel deleted: agent Pods, ServiceAccount, Role, RoleBinding and ConfigMap gone",
+        TUNNEL_DELETED,
         outcome.is_ok(),
         started,
         outcome.unwrap_or_else(|e| format!("{e:#}")),
@@ -1700,5 +1746,16 @@ async fn delete_tunnel(
             bail!("after 90 s still there: {}", left.join(", "));
         }
         tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_scenario_list_names_each_scenario_once() {
+        let names = super::expected_scenarios();
+        let unique: std::collections::BTreeSet<&String> = names.iter().collect();
+        assert_eq!(unique.len(), names.len(), "{names:#?}");
+        assert_eq!(names.len(), 13);
     }
 }
