@@ -202,9 +202,20 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
             ran && totals.unexpected_ignored().is_empty() && totals.unfinished() == 0
         } else if cmd_args.contains(&"e2e") {
             let run = run_e2e(&mut cmd)?;
-            e2e.add_e2e(run.status.success(), run.counts);
+            let expected = crate::e2e::expected_scenario_count();
+            let counted = run.counts.map_or(0, |(passed, failed)| passed + failed);
+            // The e2e already fails a chart that skipped a listed scenario; this also catches a
+            // run that counted fewer than the lists hold (a chart left out, a closing line lost).
+            let complete = counted >= expected;
+            if !complete {
+                e2e.failures.push(format!(
+                    "{}the run counted {counted} scenarios, fewer than the {expected} the charts list",
+                    crate::e2e::FAILURE_PREFIX
+                ));
+            }
+            e2e.add_e2e(run.status.success() && complete, run.counts);
             e2e.failures.extend(run.failures);
-            run.status.success()
+            run.status.success() && complete
         } else {
             let status = cmd.status()?;
             if cmd_args.contains(&"demo") {

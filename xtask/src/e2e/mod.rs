@@ -377,6 +377,14 @@ impl Env<'_> {
     }
 }
 
+/// How many scenarios a whole e2e run records: the charts' lists summed.
+pub fn expected_scenario_count() -> u64 {
+    let count = steward::expected_scenarios().len()
+        + pod_proxier::expected_scenarios().len()
+        + rstream_operator::expected_scenarios().len();
+    u64::try_from(count).unwrap_or(u64::MAX)
+}
+
 pub fn run(args: &Args) -> anyhow::Result<()> {
     let wall = Instant::now();
     let helm = ensure_tools()?;
@@ -429,7 +437,9 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
         }
         if wanted(rstream_operator::RELEASE) {
             println!("rstream-operator:");
-            charts.push(rstream_operator::run(&env).await);
+            let mut chart = rstream_operator::run(&env).await;
+            chart.expect(&rstream_operator::expected_scenarios());
+            charts.push(chart);
         }
         if charts.iter().any(|c| !c.passed()) {
             eprintln!("{}", node.log_tails(15));
