@@ -134,3 +134,15 @@ fn workspace_root() -> std::path::PathBuf {
     let manifest = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
     manifest.parent().unwrap_or(manifest).to_path_buf()
 }
+
+/// A `cargo` command for the workspace, as a shell would run it: without what `cargo run` set for
+/// this xtask process (ring's build script reruns when `CARGO_MANIFEST_DIR` differs, so a nested
+/// build would otherwise rebuild ring and everything above it, and the next build from a shell
+/// would rebuild them back).
+fn cargo() -> std::process::Command {
+    let mut cmd =
+        std::process::Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned()));
+    cmd.current_dir(workspace_root());
+    image::without_run_env(&mut cmd);
+    cmd
+}

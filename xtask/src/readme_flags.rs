@@ -30,7 +30,6 @@ const TABLES: &[(&str, &str, &str)] = &[
 
 pub fn run() -> anyhow::Result<()> {
     let root = crate::workspace_root();
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
     // The release binaries the images ship, built by the same command as the image step (a
     // no-op after it), so this check neither rebuilds them nor checks other builds than users run.
     let status = crate::image::release_build(&crate::image::selected("all")?)
@@ -64,7 +63,7 @@ pub fn run() -> anyhow::Result<()> {
             ));
         }
     }
-    problems.extend(check_example_commands(&root, &cargo)?);
+    problems.extend(check_example_commands(&root)?);
     problems.extend(crate::flag_conventions::check(&bin_dir)?);
     if !problems.is_empty() {
         bail!("READMEs out of date:\n  {}", problems.join("\n  "));
@@ -82,7 +81,7 @@ const EXAMPLE_READMES: &[&str] = &[
 ];
 
 /// Runs `--help` of every example a README's command names, and checks its flags.
-fn check_example_commands(root: &std::path::Path, cargo: &str) -> anyhow::Result<Vec<String>> {
+fn check_example_commands(root: &std::path::Path) -> anyhow::Result<Vec<String>> {
     let mut problems = Vec::new();
     for readme in EXAMPLE_READMES {
         let text = std::fs::read_to_string(root.join(readme))?;
@@ -101,8 +100,7 @@ fn check_example_commands(root: &std::path::Path, cargo: &str) -> anyhow::Result
                 ));
                 continue;
             }
-            let help = Command::new(cargo)
-                .current_dir(root)
+            let help = crate::cargo()
                 .args([
                     "run",
                     "--quiet",

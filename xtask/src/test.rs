@@ -62,7 +62,6 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
     });
     let helm = helm?;
 
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
     // Built and run by `test_binaries` (two binaries at a time); shown as cargo would run it.
     let test_cmd = vec!["test", "--workspace", "--all-features"];
     let plan: Vec<(&'static str, Vec<&str>, Env<'_>)> = vec![
@@ -178,9 +177,8 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
     for (name, cmd_args, envs) in plan {
         eprintln!("\n==> {name}");
         let started = Instant::now();
-        let mut cmd = Command::new(&cargo);
-        cmd.current_dir(&root)
-            .args(&cmd_args)
+        let mut cmd = crate::cargo();
+        cmd.args(&cmd_args)
             .envs(envs)
             .env("KUBEBUILDER_ASSETS", &assets)
             .env("NETKIT_RELEASE_IMAGES", &images)
@@ -191,7 +189,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
                 ("NETKIT_RELEASE_IMAGES", images.as_os_str()),
                 (crate::tools::HELM_ENV, helm.as_os_str()),
             ];
-            let ran = crate::test_binaries::run(&root, &cargo, &args.test_args, &env, &mut totals)?;
+            let ran = crate::test_binaries::run(&root, &args.test_args, &env, &mut totals)?;
             for name in totals.unexpected_ignored() {
                 eprintln!(
                     "ignored test not in the allowlist (ALLOWED_IGNORED, xtask/src/test.rs): {name}"

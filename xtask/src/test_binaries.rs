@@ -40,15 +40,13 @@ struct Run {
 /// whether every build and run succeeded.
 pub fn run(
     root: &Path,
-    cargo: &str,
     test_args: &[String],
     env: &[(&str, &std::ffi::OsStr)],
     totals: &mut TestTotals,
 ) -> anyhow::Result<bool> {
     let base = || {
-        let mut cmd = Command::new(cargo);
-        cmd.current_dir(root)
-            .args(["test", "--workspace", "--all-features"])
+        let mut cmd = crate::cargo();
+        cmd.args(["test", "--workspace", "--all-features"])
             .envs(env.iter().copied());
         cmd
     };
@@ -79,6 +77,7 @@ pub fn run(
             .current_dir(&binary.package_dir)
             .args(test_args)
             .envs(env.iter().copied())
+            // As `cargo test` runs it.
             .env("CARGO_MANIFEST_DIR", &binary.package_dir)
             .env("CARGO_PKG_NAME", &binary.package);
         runs.push(Run {
