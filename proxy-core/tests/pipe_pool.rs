@@ -98,13 +98,15 @@ async fn pipes_are_lent_only_to_streaming_copies_and_only_empty_ones_come_back()
         drop(conn);
     });
     let mut relay = relay_once(Route::new("stalled", stalled_addr), config()).await;
-    let writer = tokio::spawn(async move {
-        let chunk = vec![1u8; 64 * 1024];
-        // Fills the upstream's receive buffer, the relay's send buffer, then the pipe; stops
-        // once the client's own send buffer is full too.
-        loop {
-            if relay.client.write_all(&chunk).await.is_err() {
-                break;
+    let written = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let writer = tokio::spawn({
+        let written = Arc::clone(&written);
+        async move {
+            let chunk = vec![1u8; 64 * 1024];
+            // Fills the upstream's receive buffer, the relay's send buffer, then the pipe; stops
+            // once the client's own send buffer is full too.
+            while relay.client.write_all(&chunk).await.is_ok() {
+                written.fetch_add(chunk.len() as u64, std::sync::atomic::Ordering::Relaxed);
             }
         }
     });
@@ -114,8 +116,20 @@ async fn pipes_are_lent_only_to_streaming_copies_and_only_empty_ones_come_back()
         || pipe::stats().in_use == 1,
     )
     .await;
-    // Let the copy fill the pipe and block on the upstream.
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // The copy has filled the pipe and blocked on the upstream once the client cannot write
+    // any more: no progress for a whole second (a slow machine only takes longer to get there).
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    let (mut last, mut still) = (u64::MAX, 0);
+    while still < 4 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the client never stopped writing into the stalled relay"
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        let now = written.load(std::sync::atomic::Ordering::Relaxed);
+        still = if now == last && now > 0 { still + 1 } else { 0 };
+        last = now;
+    }
     let before_cancel = pipe::stats();
     assert_eq!(before_cancel.in_use, 1, "{before_cancel:?}");
     relay.cancel.cancel();
