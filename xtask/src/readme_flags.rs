@@ -188,10 +188,12 @@ fn help_flags(help: &str) -> BTreeSet<String> {
     help.lines()
         .filter_map(|line| {
             let line = line.trim_start();
-            let line = line
-                .strip_prefix("-")
-                .and_then(|l| l.split_once(", "))
-                .map_or(line, |(_, rest)| rest);
+            // `-h, --help`: a short flag before the long one (a ", " later in the description
+            // is no short flag).
+            let line = match line.as_bytes() {
+                [b'-', short, b',', b' ', ..] if short.is_ascii_alphanumeric() => &line[4..],
+                _ => line,
+            };
             let flag = line.strip_prefix("--")?;
             let name: String = flag
                 .chars()
@@ -231,9 +233,13 @@ mod tests {
 
     #[test]
     fn parses_clap_help_and_markdown_tables() {
-        let help = "Options:\n      --listen-addr <ADDR>\n          text\n  -h, --help\n  -V, --version\n      --leader-elect\n";
+        let help = "Options:\n      --listen-addr <ADDR>\n          text\n  -h, --help\n  -V, --version\n      --leader-elect\n      --identity <IDENTITY>  Identity file (JSON, private keys inside)\n  -t, --token <T>  A token\n";
         let flags: Vec<_> = help_flags(help).into_iter().collect();
-        assert_eq!(flags, ["--leader-elect", "--listen-addr"]);
+        // A ", " inside a flag's description does not hide the flag.
+        assert_eq!(
+            flags,
+            ["--identity", "--leader-elect", "--listen-addr", "--token"]
+        );
         let readme = "# x\n## Flags\n| Flag | Env |\n|---|---|\n| `--listen-addr` | X |\n| `--leader-elect` | Y |\n## Next\n| `--other` |\n";
         let table: Vec<_> = table_flags(readme, "## Flags")
             .into_iter()
