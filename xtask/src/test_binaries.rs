@@ -7,7 +7,7 @@
 //! after `--`), and its whole output is printed when it ends, so logs never interleave. The
 //! binaries that need the machine's one test node run one after another in a single job (they
 //! would only wait for each other's lock). The longest binaries of the last run start first
-//! (`target/test-durations.json`), so the two workers end close together.
+//! (`<target>/test-durations.json`), so the two workers end close together.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::path::{Path, PathBuf};
@@ -95,7 +95,7 @@ pub fn run(
         command: doc,
     });
 
-    let durations_file = root.join("target/test-durations.json");
+    let durations_file = crate::image::target_dir(root).join("test-durations.json");
     let last: BTreeMap<String, f64> = std::fs::read(&durations_file)
         .ok()
         .and_then(|bytes| serde_json::from_slice(&bytes).ok())

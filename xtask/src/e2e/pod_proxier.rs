@@ -648,18 +648,23 @@ pub async fn token(env: &Env<'_>, ns: &str, account: &str) -> anyhow::Result<Str
     answer.status.and_then(|s| s.token).context("no token")
 }
 
+/// `GET /api/v2/mapping` of `ns/web`: the status and the answer.
+async fn web_v2_mapping(api: SocketAddr, token: &str, ns: &str) -> anyhow::Result<(u16, Value)> {
+    http(
+        api,
+        "GET",
+        &format!("/api/v2/mapping?service={ns}/web"),
+        Some(token),
+        None,
+    )
+    .await
+}
+
 /// The V2 mapping of `ns/web`, (name, entry port), waited for (bounded).
 async fn v2_port(api: SocketAddr, token: &str, ns: &str) -> anyhow::Result<(String, i64)> {
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
-        let (status, answer) = http(
-            api,
-            "GET",
-            &format!("/api/v2/mapping?service={ns}/web"),
-            Some(token),
-            None,
-        )
-        .await?;
+        let (status, answer) = web_v2_mapping(api, token, ns).await?;
         if status == 200
             && let Some(port) = answer["data"]["entry_port"].as_i64()
         {
@@ -745,14 +750,7 @@ async fn deleted_pod_gets_nothing(
     let upstream = format!("{ip}:8080");
     let mut last = Value::Null;
     let dropped = loop {
-        let (status, answer) = http(
-            api,
-            "GET",
-            &format!("/api/v2/mapping?service={ns}/web"),
-            Some(token),
-            None,
-        )
-        .await?;
+        let (status, answer) = web_v2_mapping(api, token, ns).await?;
         let upstreams = answer["data"]["upstreams"].as_array().cloned();
         if status == 200
             && let Some(upstreams) = upstreams
