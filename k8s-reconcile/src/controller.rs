@@ -5,7 +5,8 @@
 //!
 //! * owned kinds ([`ControllerBuilder::owns`]) and related kinds with a mapper
 //!   ([`ControllerBuilder::watches`]) trigger reconciles of their owner; owned kinds are also
-//!   cached ([`Context::caches`]), and the context's applier reads them there;
+//!   cached ([`Context::caches`]), and the context's applier reads them there; any other stream
+//!   of object references can trigger reconciles too ([`ControllerBuilder::reconcile_on`]);
 //! * errors are retried with per-object exponential backoff (with jitter), reset by the next
 //!   success; successes are requeued at the resync period, or sooner if the reconciler asks;
 //! * at most [`ControllerBuilder::concurrency`] reconciles run at once, never two for one object;
@@ -299,6 +300,21 @@ impl<R: Reconciler> ControllerBuilder<R> {
                 mapper(obj)
             })
         }));
+        self
+    }
+
+    /// Also reconcile the objects that `triggers` names, for changes no watch of this builder
+    /// sees: objects read by name through narrow watches of their own, or an external system.
+    /// `triggers` is called at the start of every run (each leadership term builds fresh
+    /// watches), and the stream it returns is dropped when that run ends; a stream that ends
+    /// only stops this source of reconciles. Nothing is cached (unlike [`Self::watches`]).
+    pub fn reconcile_on<S, F>(mut self, triggers: F) -> Self
+    where
+        F: Fn() -> S + Send + Sync + 'static,
+        S: Stream<Item = ObjectRef<R::Resource>> + Send + 'static,
+    {
+        self.setup
+            .push(Arc::new(move |c, _caches| c.reconcile_on(triggers())));
         self
     }
 
@@ -770,5 +786,86 @@ mod stale_finalizer_tests {
 
     fn rand_suffix() -> u32 {
         std::process::id() ^ (Instant::now().elapsed().subsec_nanos())
+    }
+}
+
+#[cfg(all(test, feature = "testing"))]
+mod reconcile_on_tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+
+    use super::*;
+    use k8s_openapi::api::core::v1::ConfigMap;
+    use kube::api::{ObjectMeta, PostParams};
+
+    #[derive(Debug, thiserror::Error)]
+    #[error("never")]
+    struct Never;
+
+    /// Counts its reconciles.
+    struct Counting(Arc<Mutex<u32>>);
+
+    impl Reconciler for Counting {
+        type Resource = ConfigMap;
+        type Error = Never;
+        async fn reconcile(&self, _: Arc<ConfigMap>, _: &Context) -> Result<Action, Never> {
+            *self.0.lock().unwrap() += 1;
+            Ok(Action::Done)
+        }
+    }
+
+    /// An object reference sent on the trigger stream reconciles that object again, with no
+    /// change to it and long before the resync period.
+    #[tokio::test]
+    async fn a_trigger_stream_reconciles_the_objects_it_names() {
+        let plane = crate::testing::ControlPlane::shared().await.unwrap();
+        let client = plane.client().await.unwrap();
+        let ns = plane.create_namespace("reconcile-on").await.unwrap();
+        let api: Api<ConfigMap> = Api::namespaced(client.clone(), &ns);
+        api.create(
+            &PostParams::default(),
+            &ConfigMap {
+                metadata: ObjectMeta {
+                    name: Some("watched".to_owned()),
+                    ..ObjectMeta::default()
+                },
+                ..ConfigMap::default()
+            },
+        )
+        .await
+        .unwrap();
+        let count = Arc::new(Mutex::new(0));
+        let (tx, rx) = futures::channel::mpsc::unbounded();
+        // One run here (no leader election): the factory hands out the one receiver.
+        let rx = Mutex::new(Some(rx));
+        let stop = CancellationToken::new();
+        let run = ControllerBuilder::new(client, "reconcile-on", Counting(Arc::clone(&count)))
+            .namespaced(&ns)
+            .resync(Duration::from_secs(3600))
+            .reconcile_on(move || {
+                rx.lock()
+                    .unwrap()
+                    .take()
+                    .map(|rx| rx.boxed())
+                    .unwrap_or_else(|| futures::stream::empty().boxed())
+            })
+            .run(stop.clone());
+        let run = tokio::spawn(run);
+        let reconciles = || *count.lock().unwrap();
+        crate::testing::eventually("the first reconcile", Duration::from_secs(30), || async {
+            reconciles() >= 1
+        })
+        .await;
+        // Nothing else reconciles it (no change, resync an hour away) but the trigger.
+        let before = reconciles();
+        tx.unbounded_send(ObjectRef::<ConfigMap>::new("watched").within(&ns))
+            .unwrap();
+        crate::testing::eventually(
+            "a reconcile from the trigger stream",
+            Duration::from_secs(30),
+            || async { reconciles() > before },
+        )
+        .await;
+        stop.cancel();
+        run.await.unwrap().unwrap();
     }
 }
