@@ -81,10 +81,10 @@ pub struct Args {
     #[arg(long, env = "STEWARD_METRICS_ADDR", default_value = ":9090", value_parser = parse_optional_listen_addr)]
     pub metrics_addr: OptionalListenAddr,
 
-    /// What a taken --health-addr or --metrics-addr port does: `exit` (stop the start) or `log`
-    /// (log it and relay without that server; for hostNetwork Pods on nodes where another program
-    /// may hold the port).
-    #[arg(long, env = "STEWARD_OPS_BIND_FAILURE", value_enum, default_value_t = OpsBindFailure::Exit)]
+    /// What a taken --health-addr or --metrics-addr port does: `log` (warn, count it in
+    /// `steward_tcp_proxy_ops_listeners_unbound` and relay without that server: a hostNetwork Pod
+    /// must not crash-loop because another program holds 8080 or 9090) or `exit` (stop the start).
+    #[arg(long, env = "STEWARD_OPS_BIND_FAILURE", value_enum, default_value_t = OpsBindFailure::Log)]
     pub ops_bind_failure: OpsBindFailure,
 
     /// Only the holder of a Lease in the service namespace writes the endpoints; every replica relays.

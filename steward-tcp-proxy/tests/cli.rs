@@ -176,11 +176,14 @@ fn a_bad_boolean_is_a_usage_error_naming_the_value() {
 }
 
 #[tokio::test]
-async fn a_taken_ops_port_stops_the_start_unless_told_to_log_it_and_zero_turns_a_server_off() {
+async fn taken_ops_ports_are_logged_by_default_exit_stops_zero_turns_off() {
     let plane = plane().await;
     let ns = plane.create_namespace("steward-ops").await.unwrap();
-    let taken = std::net::TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).unwrap();
-    let taken_port = taken.local_addr().unwrap().port();
+    // Another program holds both operations ports, as Cockpit holds 9090 on some nodes.
+    let taken_health = std::net::TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).unwrap();
+    let taken_metrics = std::net::TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).unwrap();
+    let taken_port = taken_health.local_addr().unwrap().port();
+    let taken_metrics_port = taken_metrics.local_addr().unwrap().port();
     let common = [
         format!("--service-namespace={ns}"),
         "--service-name=absent".to_owned(),
@@ -201,9 +204,72 @@ async fn a_taken_ops_port_stops_the_start_unless_told_to_log_it_and_zero_turns_a
         ]
     };
 
-    // By default the taken health port stops the start, naming the address.
-    let t = texts(format!("127.0.0.1:{taken_port}"));
+    // By default both taken ports are logged and steward relays without its servers.
+    let both = [
+        format!("127.0.0.1:{listen}"),
+        format!("127.0.0.1:{taken_port}"),
+        format!("127.0.0.1:{taken_metrics_port}"),
+    ];
     let args = with(&[]);
+    let proxy = Proxy::start_with(
+        plane.kubeconfig_path(),
+        &apiserver_addr(plane),
+        &args.iter().map(String::as_str).collect::<Vec<_>>(),
+        &[],
+        Some([&both[0], &both[1], &both[2]]),
+    );
+    let listen_addr = SocketAddr::from((Ipv4Addr::LOCALHOST, listen));
+    eventually(
+        "relaying with both ops ports taken",
+        Duration::from_secs(30),
+        || async { tokio::net::TcpStream::connect(listen_addr).await.is_ok() },
+    )
+    .await;
+    let answer = plain_http_through(listen_addr).await;
+    assert!(
+        answer.contains("HTTP request to an HTTPS server"),
+        "relaying with both ops ports taken: {answer}\n{}",
+        proxy.logs()
+    );
+    let logs = proxy.logs();
+    assert_eq!(
+        logs.matches("running without them").count(),
+        2,
+        "one warning per taken port: {logs}"
+    );
+    assert!(
+        logs.contains(&format!("127.0.0.1:{taken_metrics_port}")),
+        "{logs}"
+    );
+    drop(proxy);
+
+    // With only the health port taken, /metrics counts the unbound server.
+    let t = texts(format!("127.0.0.1:{taken_port}"));
+    let proxy = Proxy::start_with(
+        plane.kubeconfig_path(),
+        &apiserver_addr(plane),
+        &args.iter().map(String::as_str).collect::<Vec<_>>(),
+        &[],
+        Some([&t[0], &t[1], &t[2]]),
+    );
+    let metrics_addr = SocketAddr::from((Ipv4Addr::LOCALHOST, metrics));
+    eventually(
+        "/metrics counts the taken health port",
+        Duration::from_secs(30),
+        || async {
+            proxy
+                .get(metrics_addr, "/metrics")
+                .await
+                .is_some_and(|(code, body)| {
+                    code == 200 && body.contains("steward_tcp_proxy_ops_listeners_unbound 1\n")
+                })
+        },
+    )
+    .await;
+    drop(proxy);
+
+    // --ops-bind-failure=exit: the taken health port stops the start, naming the address.
+    let args = with(&["--ops-bind-failure=exit"]);
     let mut proxy = Proxy::start_with(
         plane.kubeconfig_path(),
         &apiserver_addr(plane),
@@ -220,46 +286,15 @@ async fn a_taken_ops_port_stops_the_start_unless_told_to_log_it_and_zero_turns_a
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    let status = status.expect("steward still runs with its health port taken");
+    let status = status.expect("steward still runs with its health port taken and exit asked");
     assert_eq!(status.code(), Some(1), "{}", proxy.logs());
     assert!(
         proxy.logs().contains(&format!("127.0.0.1:{taken_port}")),
         "{}",
         proxy.logs()
     );
-
-    // With --ops-bind-failure=log it relays and serves /metrics on the other port.
-    let args = with(&["--ops-bind-failure=log"]);
-    let proxy = Proxy::start_with(
-        plane.kubeconfig_path(),
-        &apiserver_addr(plane),
-        &args.iter().map(String::as_str).collect::<Vec<_>>(),
-        &[],
-        Some([&t[0], &t[1], &t[2]]),
-    );
-    let metrics_addr = SocketAddr::from((Ipv4Addr::LOCALHOST, metrics));
-    eventually(
-        "/metrics served beside the taken port",
-        Duration::from_secs(30),
-        || async {
-            proxy
-                .get(metrics_addr, "/metrics")
-                .await
-                .is_some_and(|(code, _)| code == 200)
-        },
-    )
-    .await;
-    let answer = plain_http_through(SocketAddr::from((Ipv4Addr::LOCALHOST, listen))).await;
-    assert!(
-        answer.contains("HTTP request to an HTTPS server"),
-        "{answer}"
-    );
-    assert!(
-        proxy.logs().contains("running without them"),
-        "{}",
-        proxy.logs()
-    );
     drop(proxy);
+    drop(taken_metrics);
 
     // --health-addr=0 serves no health port at all, and the rest runs.
     let args = with(&[]);
@@ -282,5 +317,5 @@ async fn a_taken_ops_port_stops_the_start_unless_told_to_log_it_and_zero_turns_a
         .matches("serving /healthz, /readyz and /metrics")
         .count();
     assert_eq!(servers, 1, "{}", proxy.logs());
-    drop(taken);
+    drop(taken_health);
 }

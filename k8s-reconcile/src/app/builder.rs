@@ -24,6 +24,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -71,6 +72,7 @@ pub struct AppBuilder {
     health: Health,
     ops: Vec<SocketAddr>,
     bind_failure: OpsBindFailure,
+    unbound: Gauge,
     shutdown: CancellationToken,
 }
 
@@ -149,7 +151,8 @@ impl AppBuilder {
                     tracing::info!(%addr, "serving /healthz, /readyz and /metrics");
                 }
                 Err(error) if self.bind_failure == OpsBindFailure::Log => {
-                    tracing::error!(
+                    self.unbound.inc();
+                    tracing::warn!(
                         %addr,
                         error = %super::error_chain(&error),
                         "not serving /healthz, /readyz and /metrics here; running without them"
@@ -185,11 +188,19 @@ pub struct App {
 impl App {
     /// A builder for the binary `binary` at `version` (for `<binary>_build_info`).
     pub fn builder(binary: &str, version: &str) -> AppBuilder {
+        let mut registry = super::metrics_registry(binary, version);
+        let unbound = Gauge::default();
+        registry.register(
+            format!("{}_ops_listeners_unbound", binary.replace('-', "_")),
+            "Operations addresses not served because their port was taken (ops bind failure `log`)",
+            unbound.clone(),
+        );
         AppBuilder {
-            registry: super::metrics_registry(binary, version),
+            registry,
             health: Health::new(),
             ops: Vec::new(),
             bind_failure: OpsBindFailure::Exit,
+            unbound,
             shutdown: CancellationToken::new(),
         }
     }
@@ -266,6 +277,9 @@ mod tests {
             .await
             .unwrap();
         assert!(tokio::net::TcpStream::connect(free_addr).await.is_ok());
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, app.registry()).unwrap();
+        assert!(text.contains("t_ops_listeners_unbound 1\n"), "{text}");
         app.finish().await;
     }
 
