@@ -1,7 +1,8 @@
 //! TLS-termination mode: the original's optional mode, with its gaps closed.
 //!
 //! * The serving certificate is re-read when its files change (rotation without restart); a
-//!   broken new pair is refused with an error log and the old one stays in use.
+//!   broken new pair is refused with an error log and the old one stays in use
+//!   ([`ReloadingCert`], shared with pod-proxier through proxy-core).
 //! * The upstream is verified against `--upstream-ca-file` (or the system roots) unless
 //!   `--upstream-insecure` is given explicitly.
 //! * ALPN is mirrored: the upstream is offered exactly what the client offered, and the client gets
@@ -12,19 +13,16 @@
 
 use std::fs;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, RwLock};
-use std::time::{Duration, SystemTime};
+use std::sync::Arc;
 
 use futures::future::BoxFuture;
 use proxy_core::accept::{AcceptError, Accepted, StreamAcceptor};
 use proxy_core::relay::{RelayConfig, Route};
 use proxy_core::tls::AcceptAnyCert;
-use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
-use rustls::server::{ClientHello, ResolvesServerCert};
-use rustls::sign::CertifiedKey;
+pub use proxy_core::tls::ReloadingCert;
+use rustls::pki_types::ServerName;
 use tokio::net::TcpStream;
 use tokio_rustls::{LazyConfigAcceptor, TlsConnector};
-use tokio_util::sync::CancellationToken;
 
 /// Errors of the TLS set-up.
 #[derive(Debug, thiserror::Error)]
@@ -36,14 +34,6 @@ pub enum TlsError {
         path: PathBuf,
         /// The I/O error.
         cause: std::io::Error,
-    },
-    /// A file holds no usable certificate or key.
-    #[error("{path}: {problem}")]
-    Invalid {
-        /// The file.
-        path: PathBuf,
-        /// What is wrong.
-        problem: String,
     },
     /// A file's PEM text holds no usable certificate, key or trust root.
     #[error("{path}")]
@@ -59,110 +49,11 @@ pub enum TlsError {
     Rustls(#[from] rustls::Error),
 }
 
-/// The serving certificate, reloaded when its files change.
-#[derive(Debug)]
-pub struct ReloadingCert {
-    cert_path: PathBuf,
-    key_path: PathBuf,
-    current: RwLock<(Arc<CertifiedKey>, Option<SystemTime>)>,
-}
-
-impl ReloadingCert {
-    /// Loads the pair now (an error here stops start-up).
-    pub fn load(cert_path: &Path, key_path: &Path) -> Result<Self, TlsError> {
-        let key = load_certified_key(cert_path, key_path)?;
-        Ok(Self {
-            cert_path: cert_path.to_owned(),
-            key_path: key_path.to_owned(),
-            current: RwLock::new((Arc::new(key), modified(cert_path, key_path))),
-        })
-    }
-
-    /// Re-reads the files if they changed since the last load; keeps the old pair on error.
-    pub fn reload_if_changed(&self) {
-        let stamp = modified(&self.cert_path, &self.key_path);
-        let unchanged = self.current.read().map(|c| c.1 == stamp).unwrap_or(true);
-        if unchanged {
-            return;
-        }
-        match load_certified_key(&self.cert_path, &self.key_path) {
-            Ok(key) => {
-                if let Ok(mut current) = self.current.write() {
-                    *current = (Arc::new(key), stamp);
-                }
-                tracing::info!(cert = %self.cert_path.display(), "serving certificate reloaded");
-            }
-            Err(err) => {
-                // The whole chain: a PEM error's reason is its source, not its message.
-                let error = k8s_reconcile::app::error_chain(&err);
-                tracing::error!(%error, "new serving certificate refused; keeping the previous one")
-            }
-        }
-    }
-
-    /// Checks the files every `interval` until `stop`.
-    pub fn watch(self: Arc<Self>, interval: Duration, stop: CancellationToken) {
-        tokio::spawn(async move {
-            loop {
-                tokio::select! {
-                    () = stop.cancelled() => return,
-                    () = tokio::time::sleep(interval) => self.reload_if_changed(),
-                }
-            }
-        });
-    }
-}
-
-impl ResolvesServerCert for ReloadingCert {
-    fn resolve(&self, _hello: ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
-        self.current.read().ok().map(|c| Arc::clone(&c.0))
-    }
-}
-
-fn modified(cert: &Path, key: &Path) -> Option<SystemTime> {
-    let a = fs::metadata(cert).and_then(|m| m.modified()).ok()?;
-    let b = fs::metadata(key).and_then(|m| m.modified()).ok()?;
-    Some(a.max(b))
-}
-
 fn read(path: &Path) -> Result<Vec<u8>, TlsError> {
     fs::read(path).map_err(|cause| TlsError::Read {
         path: path.to_owned(),
         cause,
     })
-}
-
-fn load_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
-    proxy_core::tls::certificates_from_pem(&read(path)?).map_err(|cause| TlsError::Pem {
-        path: path.to_owned(),
-        cause,
-    })
-}
-
-fn load_certified_key(cert_path: &Path, key_path: &Path) -> Result<CertifiedKey, TlsError> {
-    let certs = load_certs(cert_path)?;
-    let pem = read(key_path)?;
-    let key: PrivateKeyDer<'static> =
-        proxy_core::tls::private_key_from_pem(&pem).map_err(|cause| TlsError::Pem {
-            path: key_path.to_owned(),
-            cause,
-        })?;
-    let provider = rustls::crypto::ring::default_provider();
-    let signing_key =
-        provider
-            .key_provider
-            .load_private_key(key)
-            .map_err(|e| TlsError::Invalid {
-                path: key_path.to_owned(),
-                problem: e.to_string(),
-            })?;
-    let certified = CertifiedKey::new(certs, signing_key);
-    // Refuse a key that does not belong to the certificate now, not at the first handshake.
-    certified.keys_match().map_err(|e| TlsError::Invalid {
-        path: key_path.to_owned(),
-        problem: format!("key does not match the certificate: {e}"),
-    })?;
-    Ok(certified)
 }
 
 /// The client configuration of the upstream leg (ALPN is set per connection).
@@ -196,11 +87,7 @@ pub fn server_config(
     cert: Arc<ReloadingCert>,
     alpn: Option<Vec<u8>>,
 ) -> Result<rustls::ServerConfig, TlsError> {
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let mut config = rustls::ServerConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()?
-        .with_no_client_auth()
-        .with_cert_resolver(cert);
+    let mut config = ReloadingCert::server_config(&cert)?;
     config.alpn_protocols = alpn.into_iter().collect();
     Ok(config)
 }
