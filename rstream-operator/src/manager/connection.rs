@@ -32,7 +32,7 @@ impl Reconciler for ConnectionReconciler {
         let namespace = connection.namespace().unwrap_or_default();
         let generation = connection.metadata.generation;
         let api: Api<RstreamConnection> = Api::namespaced(ctx.client().clone(), &namespace);
-        let outcome = resolve(ctx.client(), ctx.caches(), connection.as_ref().clone()).await;
+        let outcome = resolve(ctx.client(), connection.as_ref().clone()).await;
         let (action, result) = match outcome {
             Ok(resolved) => (Action::Done, Ok(resolved)),
             Err(ResolveError::Kube(e)) => return Err(e.into()),

@@ -1,15 +1,18 @@
 //! The manager: the RstreamConnection and RstreamTunnel controllers, with the watches that make a
-//! change of a Secret, Service or connection re-reconcile what depends on it.
+//! change of a Secret, Service or connection re-reconcile what depends on it. Secrets are read by
+//! name and watched one by one, only those the connections name ([`secrets`]).
 
 pub mod children;
 pub mod connection;
 pub mod resolve;
+pub mod secrets;
 pub mod tunnel;
 
 use std::time::Duration;
 
+use futures::StreamExt as _;
 use k8s_openapi::api::apps::v1::Deployment;
-use k8s_openapi::api::core::v1::{ConfigMap, Secret, Service, ServiceAccount};
+use k8s_openapi::api::core::v1::{ConfigMap, Service, ServiceAccount};
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
 use k8s_reconcile::ControllerBuilder;
 use k8s_reconcile::cache::Caches;
@@ -66,8 +69,9 @@ pub struct ManagerOptions {
     pub resync: Duration,
     /// Concurrent reconciles per controller.
     pub concurrency: u16,
-    /// Watch only this namespace (tunnels, connections, Secrets, Services, children); `None`
-    /// watches the whole cluster, which cross-namespace Service targets need.
+    /// Watch only this namespace (tunnels, connections, Services, children; the Secrets the
+    /// connections name are in their namespaces); `None` watches the whole cluster, which
+    /// cross-namespace Service targets need.
     pub namespace: Option<String>,
 }
 
@@ -114,39 +118,22 @@ fn tunnels_using(
         .collect()
 }
 
-/// Whether `connection` reads Secret `name`.
+/// Whether `connection` reads Secret `name` (in its namespace).
 pub fn references_secret(connection: &RstreamConnection, name: &str) -> bool {
-    let spec = &connection.spec;
-    let mut refs = Vec::new();
-    refs.extend(spec.token_secret_ref.iter());
-    refs.extend(spec.ca_secret_ref.iter());
-    if let Some(m) = &spec.mtls {
-        refs.push(&m.cert_secret_ref);
-        refs.push(&m.key_secret_ref);
-        refs.extend(m.ca_secret_ref.iter());
-    }
-    if let Some(p) = spec.transport.as_ref().and_then(|t| t.proxy.as_ref()) {
-        refs.extend(p.username_secret_ref.iter());
-        refs.extend(p.password_secret_ref.iter());
-    }
-    refs.extend(
-        spec.control_plane_headers
-            .iter()
-            .flatten()
-            .map(|h| &h.value_secret_ref),
-    );
-    refs.iter().any(|r| r.name == name)
+    secrets::secret_names(connection).contains(name)
 }
 
 fn connections_reading(
     store: &Store<RstreamConnection>,
-    secret: &Secret,
+    secret: &secrets::SecretKey,
 ) -> Vec<std::sync::Arc<RstreamConnection>> {
-    let (name, namespace) = (secret.name_any(), secret.namespace());
     store
         .state()
         .into_iter()
-        .filter(|c| c.namespace() == namespace && references_secret(c, &name))
+        .filter(|c| {
+            c.namespace().as_deref() == Some(secret.namespace.as_str())
+                && references_secret(c, &secret.name)
+        })
         .collect()
 }
 
@@ -161,9 +148,12 @@ pub async fn run(
     let ns = options.namespace.as_deref();
     let all = watcher::Config::default;
     let tunnels = spawn_store(api::<RstreamTunnel>(&client, ns), all(), shutdown.clone());
-    let connections = spawn_store(
+    // The connections' store also decides which Secrets are watched (each by its name).
+    let secret_changes = secrets::SecretChanges::default();
+    let connections = secrets::spawn(
+        client.clone(),
         api::<RstreamConnection>(&client, ns),
-        all(),
+        secret_changes.clone(),
         shutdown.clone(),
     );
     let owned = watcher::Config::default().labels(&tunnel::managed_selector());
@@ -205,16 +195,25 @@ pub async fn run(
             }
         },
     )
-    .watches(api::<Secret>(&client, ns), watcher::Config::default(), {
-        let tunnels = tunnels.clone();
-        let connections = connections.clone();
-        move |secret: Secret| {
-            connections_reading(&connections, &secret)
-                .iter()
-                .flat_map(|c| {
-                    tunnels_using(&tunnels, &c.namespace().unwrap_or_default(), &c.name_any())
-                })
-                .collect()
+    .reconcile_on({
+        let (changes, tunnels, connections) =
+            (secret_changes.clone(), tunnels.clone(), connections.clone());
+        move || {
+            let (tunnels, connections) = (tunnels.clone(), connections.clone());
+            changes.subscribe().flat_map(move |secret| {
+                futures::stream::iter(
+                    connections_reading(&connections, &secret)
+                        .iter()
+                        .flat_map(|c| {
+                            tunnels_using(
+                                &tunnels,
+                                &c.namespace().unwrap_or_default(),
+                                &c.name_any(),
+                            )
+                        })
+                        .collect::<Vec<_>>(),
+                )
+            })
         }
     });
 
@@ -225,13 +224,18 @@ pub async fn run(
             .concurrency(options.concurrency)
             .health(health.scoped("connections"))
             .metrics(metrics)
-            .watches(api::<Secret>(&client, ns), watcher::Config::default(), {
-                let connections = connections.clone();
-                move |secret: Secret| {
-                    connections_reading(&connections, &secret)
-                        .iter()
-                        .map(|c| ObjectRef::from_obj(c.as_ref()))
-                        .collect()
+            .reconcile_on({
+                let (changes, connections) = (secret_changes.clone(), connections.clone());
+                move || {
+                    let connections = connections.clone();
+                    changes.subscribe().flat_map(move |secret| {
+                        futures::stream::iter(
+                            connections_reading(&connections, &secret)
+                                .iter()
+                                .map(|c| ObjectRef::from_obj(c.as_ref()))
+                                .collect::<Vec<_>>(),
+                        )
+                    })
                 }
             });
 

@@ -52,25 +52,22 @@ pub struct Resolved {
     pub agent_secret_versions: Vec<String>,
 }
 
-/// The Secrets of a connection's namespace, read from the controller's watch cache once it has
-/// synced (so a resync costs the API server no read), else from the server.
-struct Secrets<'a> {
+/// The Secrets of a connection's namespace, each read from the API server by name when needed:
+/// the manager keeps no Secret cache (a cache means listing and watching every Secret in reach,
+/// far more than the few the connections name; see [`super::secrets`]).
+struct Secrets {
     api: Api<Secret>,
-    cached: &'a Caches,
-    namespace: String,
 }
 
-impl Secrets<'_> {
+impl Secrets {
     async fn get(&self, name: &str) -> Result<Option<Secret>, kube::Error> {
-        self.cached
-            .get_or_read(&self.api, &self.namespace, name)
-            .await
+        self.api.get_opt(name).await
     }
 }
 
 /// Reads one Secret key; its value trimmed.
 async fn read_key(
-    secrets: &Secrets<'_>,
+    secrets: &Secrets,
     r: &SecretKeyRef,
     what: &str,
     versions: Option<&mut BTreeSet<String>>,
@@ -107,12 +104,11 @@ async fn read_key(
     Ok(value)
 }
 
-/// Loads connection `name` in `namespace` (from `connections` once synced) and resolves it with
-/// its Secrets from `secrets` (see [`resolve`]).
+/// Loads connection `name` in `namespace` (from `connections` once synced) and resolves it (see
+/// [`resolve`]).
 pub async fn resolve_by_name(
     client: &Client,
     connections: &Caches,
-    secrets: &Caches,
     namespace: &str,
     name: &str,
 ) -> Result<Resolved, ResolveError> {
@@ -121,21 +117,18 @@ pub async fn resolve_by_name(
         .get_or_read(&api, namespace, name)
         .await?
         .ok_or_else(|| ResolveError::ConnectionNotFound(name.to_owned()))?;
-    resolve(client, secrets, connection).await
+    resolve(client, connection).await
 }
 
-/// Resolves `connection`: Secrets first (from the synced store of `cached`, else the API
-/// server), then the engine.
+/// Resolves `connection`: Secrets first (each read by name from the API server), then the
+/// engine.
 pub async fn resolve(
     client: &Client,
-    cached: &Caches,
     connection: RstreamConnection,
 ) -> Result<Resolved, ResolveError> {
     let namespace = connection.namespace().unwrap_or_default();
     let secrets = Secrets {
         api: Api::namespaced(client.clone(), &namespace),
-        cached,
-        namespace: namespace.clone(),
     };
     let spec = &connection.spec;
     let mut versions = BTreeSet::new();

@@ -378,7 +378,6 @@ impl Reconciler for TunnelReconciler {
         let resolved = match resolve_by_name(
             ctx.client(),
             &self.connections,
-            ctx.caches(),
             &namespace,
             tunnel.spec.connection_name(),
         )

@@ -87,6 +87,16 @@ pub async fn start_manager_observed(
     ns: &str,
     leader_election: Option<(String, String)>,
 ) -> (CancellationToken, Health) {
+    start_manager_scoped(client, Some(ns), leader_election).await
+}
+
+/// Like [`start_manager_observed`], watching `namespace` or, with `None`, the whole cluster (a
+/// test binary of its own then: it reconciles every namespace's objects).
+pub async fn start_manager_scoped(
+    client: Client,
+    namespace: Option<&str>,
+    leader_election: Option<(String, String)>,
+) -> (CancellationToken, Health) {
     let shutdown = CancellationToken::new();
     let options = ManagerOptions {
         agent_image: "example.test/rstream-operator:dev".into(),
@@ -94,7 +104,7 @@ pub async fn start_manager_observed(
         leader_election,
         resync: Duration::from_secs(300),
         concurrency: 4,
-        namespace: Some(ns.to_owned()),
+        namespace: namespace.map(str::to_owned),
     };
     let metrics = ControllerMetrics::register(&mut Registry::default());
     let health = Health::new();
