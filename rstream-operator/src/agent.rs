@@ -358,6 +358,19 @@ async fn follow_state(
 }
 
 fn client_for(config: &AgentConfig, options: &AgentOptions) -> Result<Client, AgentError> {
+    let token = std::env::var(names::TOKEN_ENV)
+        .ok()
+        .map(|t| t.trim().to_owned())
+        .filter(|t| !t.is_empty());
+    client_with_token(config, options, token)
+}
+
+/// The engine client of `config`, authenticated with `token` (or the config's mTLS files).
+fn client_with_token(
+    config: &AgentConfig,
+    options: &AgentOptions,
+    token: Option<String>,
+) -> Result<Client, AgentError> {
     let bad = |e: rstream_client::Error| AgentError::Credentials(e.to_string());
     let mut tls = TlsOptions::new();
     let mut proxy = None;
@@ -375,13 +388,8 @@ fn client_for(config: &AgentConfig, options: &AgentOptions) -> Result<Client, Ag
         if !refused.is_empty() {
             return Err(AgentError::Unsupported(refused.join("; ")));
         }
-        if let Some(name) = transport
-            .dns
-            .as_ref()
-            .and_then(|d| d.server_name.as_deref())
-        {
-            tls = tls.server_name(name);
-        }
+        // `dns.serverName` names a DNS-over-TLS resolver (`dns.tls`, refused above), never the
+        // engine: its certificate is always checked against the engine address's host.
         ip_family = match transport.ip_family {
             Some(crate::api::IpFamily::Ipv4) => Some(rstream_client::IpFamily::V4),
             Some(crate::api::IpFamily::Ipv6) => Some(rstream_client::IpFamily::V6),
@@ -428,10 +436,6 @@ fn client_for(config: &AgentConfig, options: &AgentOptions) -> Result<Client, Ag
     {
         tls = tls.ca_file(ca).map_err(bad)?;
     }
-    let token = std::env::var(names::TOKEN_ENV)
-        .ok()
-        .map(|t| t.trim().to_owned())
-        .filter(|t| !t.is_empty());
     let mut builder = Client::builder()
         .engine(config.connection.engine.trim())
         .agent("rstream-operator-agent", env!("CARGO_PKG_VERSION"));
@@ -587,6 +591,47 @@ pub async fn run(options: AgentOptions) -> Result<(), AgentError> {
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
+    use crate::agent_config::{ConnectionConfig, TransportConfig};
+    use crate::api::DnsSpec;
+
+    /// A connection setting only `transport.dns.serverName` (the DNS-over-TLS resolver's name in
+    /// the original) still checks the engine's certificate against the engine's host: the agent
+    /// connects to an engine whose certificate names `127.0.0.1`, not the resolver.
+    #[tokio::test]
+    async fn dns_server_name_does_not_change_the_engine_certificate_check() {
+        let engine = rstream_client::engine::LocalEngine::builder()
+            .token("t")
+            .start()
+            .await
+            .unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let ca = dir.path().join("engine-ca.pem");
+        std::fs::write(&ca, engine.ca_pem()).unwrap();
+        let config = AgentConfig {
+            connection: ConnectionConfig {
+                engine: engine.engine_address(),
+                ca_file: Some(ca.display().to_string()),
+                transport: Some(TransportConfig {
+                    dns: Some(DnsSpec {
+                        server_name: Some("dns-resolver.example.invalid".into()),
+                        ..DnsSpec::default()
+                    }),
+                    ..TransportConfig::default()
+                }),
+                ..ConnectionConfig::default()
+            },
+            ..AgentConfig::default()
+        };
+        let client =
+            client_with_token(&config, &AgentOptions::default(), Some("t".into())).unwrap();
+        let connected = tokio::time::timeout(Duration::from_secs(30), client.connect())
+            .await
+            .expect("no answer from the engine in 30 s");
+        match connected {
+            Ok(channel) => channel.close().await.unwrap(),
+            Err(e) => panic!("the engine's certificate was not accepted for its host: {e}"),
+        }
+    }
 
     #[test]
     fn the_agents_metrics_count_streams_and_what_they_carried() {

@@ -146,10 +146,11 @@ pub struct DnsSpec {
     /// DNS server override.
     #[serde(default, rename = "override", skip_serializing_if = "Option::is_none")]
     pub override_: Option<String>,
-    /// DNS over TLS.
+    /// DNS over TLS (not supported by this agent: a connection setting it is refused).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tls: Option<bool>,
-    /// TLS server name of the engine (SNI and certificate check).
+    /// TLS server name of the DNS-over-TLS resolver (used with `tls` only). Never the engine's:
+    /// the engine's certificate is checked against the host of its address.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub server_name: Option<String>,
     /// Require DNSSEC.

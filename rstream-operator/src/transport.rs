@@ -113,7 +113,7 @@ mod tests {
     #[test]
     fn honoured_transport_values_are_not_refused() {
         let dns = DnsSpec {
-            server_name: Some("engine.example.io".into()),
+            server_name: Some("dns.example.io".into()),
             tls: Some(false),
             dnssec: Some(false),
             ..DnsSpec::default()
