@@ -1,10 +1,13 @@
 //! What a binary's REST API needs besides its own handlers: a server that holds up against slow
-//! and abusive clients ([`serve_api`]), strict query and form fields ([`Fields`]) and a request
-//! body read under a size limit ([`read_body`]).
+//! and abusive clients ([`serve_api`], or [`serve_api_with`] over TLS or another
+//! [`ApiTransport`]), strict query and form fields ([`Fields`]) and a request body read under a
+//! size limit ([`read_body`]).
 //!
 //! The answers stay the binary's: these return errors it turns into its own response bodies.
 
 use std::collections::BTreeSet;
+use std::future::Future;
+use std::io;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -16,7 +19,8 @@ use http::StatusCode;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
-use tokio::net::TcpListener;
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 
@@ -27,10 +31,12 @@ use crate::Error;
 pub struct ApiLimits {
     /// A request's head (request line and headers) must arrive within this time, counted from
     /// the connection's start or, on a kept-alive connection, from the previous answer; else the
-    /// connection is closed. This also closes idle kept-alive connections.
+    /// connection is closed. This also closes idle kept-alive connections, and bounds a
+    /// transport's handshake (TLS) the same way.
     pub header_read_timeout: Duration,
-    /// Connections served at once. One more is answered `503` with `Retry-After` and closed at
-    /// once, so a flood fails fast instead of queuing behind slow clients.
+    /// Connections served at once, handshakes included. One more is answered `503` with
+    /// `Retry-After` and closed at once, so a flood fails fast instead of queuing behind slow
+    /// clients (over TLS it is closed without an answer: there is no session to answer in).
     pub max_connections: usize,
     /// The JSON body of that `503`, in the API's own error format.
     pub busy_body: &'static str,
@@ -56,8 +62,55 @@ pub async fn bind_api(addr: SocketAddr) -> Result<TcpListener, Error> {
         .map_err(|cause| Error::ApiBind { addr, cause })
 }
 
+/// How an accepted TCP connection becomes the stream HTTP is spoken over: [`PlainHttp`], or a
+/// TLS handshake (the caller brings its own, e.g. a `tokio_rustls::TlsAcceptor` whose
+/// configuration reloads its certificate).
+///
+/// With tokio-rustls (a dependency of the caller, not of this crate):
+///
+/// ```ignore
+/// use k8s_reconcile::app::rest::ApiTransport;
+/// use tokio::net::TcpStream;
+///
+/// /// TLS with tokio-rustls.
+/// struct Tls(tokio_rustls::TlsAcceptor);
+///
+/// impl ApiTransport for Tls {
+///     type Stream = tokio_rustls::server::TlsStream<TcpStream>;
+///     async fn handshake(&self, tcp: TcpStream) -> std::io::Result<Self::Stream> {
+///         self.0.accept(tcp).await
+///     }
+/// }
+/// ```
+pub trait ApiTransport: Send + Sync + 'static {
+    /// The stream HTTP runs over.
+    type Stream: AsyncRead + AsyncWrite + Unpin + Send + 'static;
+
+    /// Whether HTTP runs on the bare connection, so a connection over the limit can be sent the
+    /// plain `503` answer.
+    const PLAIN: bool = false;
+
+    /// Runs the transport's handshake on a new connection. It holds one of
+    /// [`ApiLimits::max_connections`] and is cut after [`ApiLimits::header_read_timeout`].
+    fn handshake(&self, tcp: TcpStream) -> impl Future<Output = io::Result<Self::Stream>> + Send;
+}
+
+/// HTTP on the bare TCP connection, no handshake.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct PlainHttp;
+
+impl ApiTransport for PlainHttp {
+    type Stream = TcpStream;
+    const PLAIN: bool = true;
+
+    async fn handshake(&self, tcp: TcpStream) -> io::Result<TcpStream> {
+        Ok(tcp)
+    }
+}
+
 /// Serves `router` over HTTP/1.1 on `listener` under `limits` until `shutdown`, then lets the
-/// requests in flight finish within [`ApiLimits::drain_timeout`].
+/// requests in flight finish within [`ApiLimits::drain_timeout`]. Plain HTTP: see
+/// [`serve_api_with`] for TLS.
 ///
 /// A request's own time limit is the router's business (it knows how to word the answer).
 ///
@@ -84,12 +137,27 @@ pub async fn serve_api(
     limits: ApiLimits,
     shutdown: CancellationToken,
 ) {
+    serve_api_with(listener, router, limits, shutdown, PlainHttp).await;
+}
+
+/// [`serve_api`] over `transport`: each accepted connection goes through its handshake (in its
+/// own task, under the connection limit and the header timeout) before HTTP/1.1 is served on
+/// the resulting stream. A failed or timed-out handshake closes the connection.
+pub async fn serve_api_with<T: ApiTransport>(
+    listener: TcpListener,
+    router: Router,
+    limits: ApiLimits,
+    shutdown: CancellationToken,
+    transport: T,
+) {
+    let transport = Arc::new(transport);
     let permits = Arc::new(Semaphore::new(limits.max_connections));
     let busy = busy_answer(limits.busy_body);
     let graceful = GracefulShutdown::new();
     let mut http = hyper::server::conn::http1::Builder::new();
     http.timer(TokioTimer::new())
         .header_read_timeout(limits.header_read_timeout);
+    let http = Arc::new(http);
     loop {
         let accepted = tokio::select! {
             () = shutdown.cancelled() => break,
@@ -105,17 +173,35 @@ pub async fn serve_api(
             }
         };
         let Ok(permit) = Arc::clone(&permits).try_acquire_owned() else {
-            // A fresh socket's send buffer takes the short answer whole; if not, it just closes.
-            let _ = stream.try_write(&busy);
+            if T::PLAIN {
+                // A fresh socket's send buffer takes the short answer whole; if not, it just
+                // closes.
+                let _ = stream.try_write(&busy);
+            }
             tracing::debug!(%peer, "API connection refused: too many connections");
             continue;
         };
-        let connection = http.serve_connection(
-            TokioIo::new(stream),
-            TowerToHyperService::new(router.clone()),
-        );
-        let connection = graceful.watch(connection);
+        // Taken now, before the handshake, so a shutdown waits for (and then closes) this
+        // connection too.
+        let watcher = graceful.watcher();
+        let (transport, http, router) = (Arc::clone(&transport), Arc::clone(&http), router.clone());
+        let handshake_timeout = limits.header_read_timeout;
         tokio::spawn(async move {
+            let stream =
+                match tokio::time::timeout(handshake_timeout, transport.handshake(stream)).await {
+                    Ok(Ok(stream)) => stream,
+                    Ok(Err(err)) => {
+                        tracing::debug!(%peer, error = %err, "API handshake failed");
+                        return;
+                    }
+                    Err(_) => {
+                        tracing::debug!(%peer, "API handshake timed out");
+                        return;
+                    }
+                };
+            let connection = watcher.watch(
+                http.serve_connection(TokioIo::new(stream), TowerToHyperService::new(router)),
+            );
             if let Err(err) = connection.await {
                 tracing::debug!(%peer, error = %err, "API connection closed");
             }
@@ -331,6 +417,70 @@ mod tests {
             .await
             .unwrap();
         let answer = read_all(&mut normal).await;
+        assert!(
+            answer.starts_with("HTTP/1.1 200") && answer.ends_with("hello"),
+            "{answer}"
+        );
+        shutdown.cancel();
+        server.await.unwrap();
+    }
+
+    /// A handshake of its own: the client first sends `hello\n`.
+    struct Hello;
+
+    impl ApiTransport for Hello {
+        type Stream = tokio::net::TcpStream;
+        async fn handshake(&self, mut tcp: TcpStream) -> io::Result<TcpStream> {
+            use tokio::io::AsyncReadExt as _;
+            let mut preface = [0u8; 6];
+            tcp.read_exact(&mut preface).await?;
+            if &preface != b"hello\n" {
+                return Err(io::Error::new(io::ErrorKind::InvalidData, "no hello"));
+            }
+            Ok(tcp)
+        }
+    }
+
+    #[tokio::test]
+    async fn a_transport_handshake_is_bounded_and_counted() {
+        use tokio::io::AsyncWriteExt as _;
+        let listener = bind_api("127.0.0.1:0".parse().unwrap()).await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let router = Router::new().route("/", axum::routing::get(|| async { "hello" }));
+        let limits = ApiLimits {
+            header_read_timeout: Duration::from_secs(2),
+            max_connections: 1,
+            busy_body: r#"{"error":"busy"}"#,
+            drain_timeout: Duration::from_secs(1),
+        };
+        let shutdown = CancellationToken::new();
+        let server = tokio::spawn(serve_api_with(
+            listener,
+            router,
+            limits,
+            shutdown.clone(),
+            Hello,
+        ));
+        // A client that never finishes its handshake holds the only slot, then is cut.
+        let started = std::time::Instant::now();
+        let mut stalled = TcpStream::connect(addr).await.unwrap();
+        stalled.write_all(b"hel").await.unwrap();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        // Over the limit, and not plain HTTP: closed without an answer.
+        let mut over = TcpStream::connect(addr).await.unwrap();
+        assert_eq!(read_all(&mut over).await, "");
+        assert_eq!(read_all(&mut stalled).await, "");
+        assert!(started.elapsed() >= Duration::from_secs(2));
+        // A wrong handshake is closed; a right one is served.
+        let mut wrong = TcpStream::connect(addr).await.unwrap();
+        wrong.write_all(b"GET / HTTP/1.1\r\n\r\n").await.unwrap();
+        assert_eq!(read_all(&mut wrong).await, "");
+        let mut right = TcpStream::connect(addr).await.unwrap();
+        right
+            .write_all(b"hello\nGET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            .await
+            .unwrap();
+        let answer = read_all(&mut right).await;
         assert!(
             answer.starts_with("HTTP/1.1 200") && answer.ends_with("hello"),
             "{answer}"
