@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use k8s_reconcile::app::App;
-use k8s_reconcile::app::rest::{self, ApiLimits};
+use k8s_reconcile::app::rest::{self, ApiLimits, ApiTransport};
 use k8s_reconcile::leader::LeaseConfig;
 use k8s_reconcile::leading::{Leadership, run_while_leading};
 use k8s_reconcile::metrics::ControllerMetrics;
@@ -33,6 +33,10 @@ use k8s_reconcile::auth::Authenticator;
 /// alongside and opens the socket a moment later) before the start fails.
 const RUNTIME_API_WAIT: Duration = Duration::from_secs(30);
 
+/// How often the API's certificate files are checked for a new pair (a Secret volume is
+/// updated within about a minute of the Secret; this adds little to that).
+const CERT_CHECK_INTERVAL: Duration = Duration::from_secs(5);
+
 /// How to try pod-proxier without a cluster, shown whenever none is reachable.
 pub const LOCAL_TRIAL_HINT: &str = "\
 pod-proxier needs a Kubernetes API server. In a cluster it uses its ServiceAccount; elsewhere \
@@ -41,7 +45,9 @@ To try it locally with the project's control plane:
   cargo xtask cluster        # starts etcd + kube-apiserver and prints a kubeconfig path
   export KUBECONFIG=<that path>
   cargo run -p pod-proxier -- crd | kubectl apply -f -
-  cargo run -p pod-proxier -- --enable-v1 --auth none --listen-addr 127.0.0.1 --api-listen-addr 127.0.0.1";
+  cargo run -p pod-proxier -- --enable-v1 --auth none --plain-http --listen-addr 127.0.0.1 --api-listen-addr 127.0.0.1
+(--plain-http and --auth none are for such a trial only; elsewhere serve the API over TLS with \
+--tls-cert-file and --tls-key-file.)";
 
 /// The answer over --max-api-connections, in the API's envelope.
 const BUSY_BODY: &str =
@@ -68,6 +74,9 @@ pub enum StartError {
          chart's RBAC rules (pod-proxier/chart/files/rbac-rules.yaml)"
     )]
     Forbidden(String),
+    /// The API's certificate or key cannot be used.
+    #[error("the API's TLS certificate")]
+    Tls(#[source] ApiTlsError),
     /// A Kubernetes call failed at start.
     #[error("Kubernetes API call failed at start: {0}")]
     Kube(kube::Error),
@@ -97,6 +106,42 @@ pub enum DataPlaneError {
         /// What the data plane reported.
         message: String,
     },
+}
+
+/// Why the API's TLS set-up failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ApiTlsError {
+    /// The certificate or key files.
+    #[error(transparent)]
+    Cert(#[from] proxy_core::tls::CertError),
+    /// rustls refused the configuration.
+    #[error("TLS configuration")]
+    Config(#[source] rustls::Error),
+}
+
+/// The API over TLS: a tokio-rustls handshake with the reloading certificate.
+struct Tls(tokio_rustls::TlsAcceptor);
+
+impl ApiTransport for Tls {
+    type Stream = tokio_rustls::server::TlsStream<tokio::net::TcpStream>;
+
+    async fn handshake(&self, tcp: tokio::net::TcpStream) -> std::io::Result<Self::Stream> {
+        self.0.accept(tcp).await
+    }
+}
+
+/// The TLS acceptor of `--tls-cert-file`/`--tls-key-file`, its files watched until `stop`.
+fn tls_acceptor(
+    files: &crate::settings::ApiTls,
+    stop: tokio_util::sync::CancellationToken,
+) -> Result<tokio_rustls::TlsAcceptor, ApiTlsError> {
+    use proxy_core::tls::ReloadingCert;
+    let cert = Arc::new(ReloadingCert::load(&files.cert_file, &files.key_file)?);
+    Arc::clone(&cert).watch(CERT_CHECK_INTERVAL, stop);
+    let mut config = ReloadingCert::server_config(&cert).map_err(ApiTlsError::Config)?;
+    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    Ok(tokio_rustls::TlsAcceptor::from(Arc::new(config)))
 }
 
 /// Why no API server could be reached.
@@ -137,6 +182,13 @@ pub async fn run(settings: Settings) -> Result<(), StartError> {
     if settings.api.auth == AuthMode::None {
         tracing::warn!(
             "--auth=none: the API is open to anyone who can reach {}; use only for local trials",
+            settings.api.addr
+        );
+    }
+    if settings.api.tls.is_none() {
+        tracing::warn!(
+            "--plain-http: the API at {} is served without TLS, so bearer tokens cross the \
+             network in the clear; use only for local trials or behind a TLS-terminating proxy",
             settings.api.addr
         );
     }
@@ -243,16 +295,29 @@ pub async fn run(settings: Settings) -> Result<(), StartError> {
         busy_body: BUSY_BODY,
         drain_timeout: settings.api.request_timeout,
     };
-    let api_task = tokio::spawn(rest::serve_api(
-        listener,
-        router(state),
-        limits,
-        shutdown.clone(),
-    ));
+    let api_task = match &settings.api.tls {
+        Some(files) => {
+            let acceptor = tls_acceptor(files, shutdown.clone()).map_err(StartError::Tls)?;
+            tokio::spawn(rest::serve_api_with(
+                listener,
+                router(state),
+                limits,
+                shutdown.clone(),
+                Tls(acceptor),
+            ))
+        }
+        None => tokio::spawn(rest::serve_api(
+            listener,
+            router(state),
+            limits,
+            shutdown.clone(),
+        )),
+    };
     let app = builder.serve_ops([settings.metrics_addr]).start().await?;
     let policy = &settings.policy;
     tracing::info!(
         api = %settings.api.addr,
+        tls = settings.api.tls.is_some(),
         metrics = %settings.metrics_addr,
         v1 = policy.v1.is_some(),
         v2 = policy.v2.is_some(),

@@ -16,7 +16,8 @@ use proxy_core::upstream::HealthCheck;
 
 use crate::names;
 use crate::settings::{
-    ApiSettings, ClusterSettings, MappingPolicy, PlaneSettings, Settings, V1Policy, V2Policy,
+    ApiSettings, ApiTls, ClusterSettings, MappingPolicy, PlaneSettings, Settings, V1Policy,
+    V2Policy,
 };
 pub use crate::settings::{RuntimeApiAddr, parse_runtime_api_addr};
 
@@ -85,6 +86,20 @@ pub struct Cli {
         global = true
     )]
     pub api_listen_addr: IpAddr,
+
+    /// PEM certificate (chain) the API serves over TLS; re-read when it changes, so a rotated
+    /// Secret is picked up without a restart. Needs --tls-key-file.
+    #[arg(long, env = "POD_PROXIER_TLS_CERT_FILE", global = true)]
+    pub tls_cert_file: Option<PathBuf>,
+
+    /// PEM private key of --tls-cert-file.
+    #[arg(long, env = "POD_PROXIER_TLS_KEY_FILE", global = true)]
+    pub tls_key_file: Option<PathBuf>,
+
+    /// Serve the API over plain HTTP, without TLS: bearer tokens cross the network in the
+    /// clear. Only for local trials or behind a TLS-terminating proxy; logged as a warning.
+    #[arg(long, env = "POD_PROXIER_PLAIN_HTTP", global = true)]
+    pub plain_http: bool,
 
     /// Address the data ports (V1 entry port, V2 range) bind to.
     #[arg(
@@ -343,6 +358,39 @@ pub enum Command {
 }
 
 impl Cli {
+    /// The API's certificate files, or none with --plain-http; running with neither is refused,
+    /// so tokens never go over plain HTTP by accident. Subcommands that do not serve (`crd`,
+    /// `haproxy-config`, ...) need neither.
+    fn api_tls(&self, serving: bool) -> Result<Option<ApiTls>, String> {
+        match (&self.tls_cert_file, &self.tls_key_file, self.plain_http) {
+            (Some(_), _, true) | (_, Some(_), true) => Err(
+                "--plain-http and --tls-cert-file/--tls-key-file exclude each other: choose TLS \
+                 or plain HTTP"
+                    .to_owned(),
+            ),
+            (Some(cert), Some(key), false) => Ok(Some(ApiTls {
+                cert_file: cert.clone(),
+                key_file: key.clone(),
+            })),
+            (Some(_), None, false) => {
+                Err("--tls-cert-file needs --tls-key-file (the certificate's key)".to_owned())
+            }
+            (None, Some(_), false) => {
+                Err("--tls-key-file needs --tls-cert-file (the key's certificate)".to_owned())
+            }
+            (None, None, true) => Ok(None),
+            (None, None, false) if !serving => Ok(None),
+            (None, None, false) => Err(
+                "the API needs TLS: give --tls-cert-file and --tls-key-file (a PEM certificate \
+                 and its key, e.g. a mounted kubernetes.io/tls Secret), or --plain-http to serve \
+                 without TLS (tokens in the clear; local trials only)"
+                    .to_owned(),
+            ),
+        }
+    }
+}
+
+impl Cli {
     /// Checks every flag and their combinations; the message says what to change.
     pub fn validate(&self, need_a_version: bool) -> Result<Settings, String> {
         if need_a_version && !self.enable_v1 && !self.enable_v2 {
@@ -511,6 +559,7 @@ impl Cli {
                 resync: self.resync_time.duration,
             }),
         };
+        let tls = self.api_tls(need_a_version)?;
         let identity = k8s_reconcile::app::leader_identity(self.identity.as_deref(), "pod-proxier");
         Ok(Settings {
             api: ApiSettings {
@@ -520,6 +569,7 @@ impl Cli {
                 request_timeout: self.request_timeout.duration,
                 header_read_timeout: self.header_read_timeout.duration,
                 max_connections: self.max_api_connections as usize,
+                tls,
             },
             plane: PlaneSettings {
                 backend: self.backend,
@@ -555,7 +605,8 @@ mod tests {
     use super::*;
 
     fn cli(args: &[&str]) -> Cli {
-        let mut all = vec!["pod-proxier"];
+        // The API's transport is tested on its own below.
+        let mut all = vec!["pod-proxier", "--plain-http"];
         all.extend_from_slice(args);
         k8s_reconcile::app::try_parse_args_from(all).unwrap()
     }
@@ -667,6 +718,51 @@ mod tests {
         ];
         for (args, expected) in cases {
             let err = cli(args).validate(true).unwrap_err();
+            assert!(err.contains(expected), "{args:?}: {err}");
+        }
+    }
+
+    #[test]
+    fn the_api_needs_tls_or_an_explicit_plain_http() {
+        let parse = |args: &[&str]| {
+            let mut all = vec!["pod-proxier", "--enable-v1"];
+            all.extend_from_slice(args);
+            k8s_reconcile::app::try_parse_args_from::<Cli, _, _>(all).unwrap()
+        };
+        let err = parse(&[]).validate(true).unwrap_err();
+        assert!(
+            err.contains("--tls-cert-file and --tls-key-file") && err.contains("--plain-http"),
+            "{err}"
+        );
+        // Subcommands that serve nothing need neither.
+        assert!(parse(&[]).validate(false).unwrap().api.tls.is_none());
+        let settings = parse(&["--tls-cert-file=c.pem", "--tls-key-file=k.pem"])
+            .validate(true)
+            .unwrap();
+        assert_eq!(
+            settings.api.tls,
+            Some(ApiTls {
+                cert_file: "c.pem".into(),
+                key_file: "k.pem".into()
+            })
+        );
+        assert!(
+            parse(&["--plain-http"])
+                .validate(true)
+                .unwrap()
+                .api
+                .tls
+                .is_none()
+        );
+        for (args, expected) in [
+            (&["--tls-cert-file=c.pem"][..], "needs --tls-key-file"),
+            (&["--tls-key-file=k.pem"][..], "needs --tls-cert-file"),
+            (
+                &["--plain-http", "--tls-cert-file=c", "--tls-key-file=k"][..],
+                "exclude each other",
+            ),
+        ] {
+            let err = parse(args).validate(true).unwrap_err();
             assert!(err.contains(expected), "{args:?}: {err}");
         }
     }

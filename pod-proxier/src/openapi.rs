@@ -55,6 +55,7 @@ mod tests {
     fn flags_and_defaults_reach_the_document() {
         let settings = crate::config::Cli::try_parse_from([
             "pod-proxier",
+            "--plain-http",
             "--enable-v1",
             "--max-mapping-time",
             "777",
@@ -76,10 +77,11 @@ mod tests {
 
     #[test]
     fn every_route_is_described() {
-        let settings = crate::config::Cli::try_parse_from(["pod-proxier", "--enable-v1"])
-            .unwrap()
-            .validate(true)
-            .unwrap();
+        let settings =
+            crate::config::Cli::try_parse_from(["pod-proxier", "--plain-http", "--enable-v1"])
+                .unwrap()
+                .validate(true)
+                .unwrap();
         let doc = document(&settings);
         for (method, path) in ROUTES {
             assert!(

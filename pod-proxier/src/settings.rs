@@ -43,6 +43,17 @@ pub struct ApiSettings {
     pub header_read_timeout: Duration,
     /// Concurrent API connections.
     pub max_connections: usize,
+    /// The serving certificate; `None` with --plain-http.
+    pub tls: Option<ApiTls>,
+}
+
+/// The API's serving certificate files (re-read when they change).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ApiTls {
+    /// PEM certificate chain.
+    pub cert_file: PathBuf,
+    /// PEM private key.
+    pub key_file: PathBuf,
 }
 
 /// What the data plane reads.

@@ -382,6 +382,7 @@ mod tests {
     fn v1_haproxy_settings(socket: &std::path::Path) -> Settings {
         crate::config::Cli::try_parse_from([
             "pod-proxier",
+            "--plain-http",
             "--enable-v1",
             "--backend",
             "haproxy",
@@ -455,6 +456,7 @@ mod tests {
     fn config_declares_every_entry_port_and_the_socket() {
         let settings = crate::config::Cli::try_parse_from([
             "pod-proxier",
+            "--plain-http",
             "--enable-v1",
             "--enable-v2",
             "--backend",

@@ -448,6 +448,10 @@ impl Proxier {
             "1s".into(),
         ];
         args.extend(extra.iter().map(|s| s.as_ref().to_owned()));
+        // The tests speak plain HTTP to the API unless they bring a certificate (tests/tls.rs).
+        if !args.iter().any(|a| a.starts_with("--tls-")) {
+            args.push("--plain-http".into());
+        }
         let log = env
             .plane
             .dir()
