@@ -58,6 +58,25 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 - --request-timeout={{ $p.requestTimeout }}
 - --max-api-connections={{ $p.maxApiConnections }}
 - --max-body-bytes={{ $p.maxBodyBytes }}
+{{- if .Values.tls.enabled }}
+- --tls-cert-file=/etc/pod-proxier/tls/tls.crt
+- --tls-key-file=/etc/pod-proxier/tls/tls.key
+{{- else }}
+- --plain-http
+{{- end }}
+{{- end -}}
+
+{{/* The Secret the API's certificate is read from: the user's, or the chart's own. */}}
+{{- define "pod-proxier.tlsSecret" -}}
+{{- .Values.tls.secretName | default (printf "%s-tls" (include "pod-proxier.fullname" .)) -}}
+{{- end -}}
+
+{{/* The Service's DNS names, and the extra ones of tls.altNames.dns. */}}
+{{- define "pod-proxier.tlsDnsNames" -}}
+{{- $name := include "pod-proxier.fullname" . -}}
+{{- $ns := .Release.Namespace -}}
+{{- $names := list $name (printf "%s.%s" $name $ns) (printf "%s.%s.svc" $name $ns) (printf "%s.%s.svc.cluster.local" $name $ns) -}}
+{{- concat $names .Values.tls.altNames.dns | toJson -}}
 {{- end -}}
 
 {{/* An image reference from {repository, tag, digest}: by digest when one is set, else by tag
