@@ -1,17 +1,18 @@
-//! pod-proxier on the node: the chart (embedded backend, auth on, V1 and V2, its Service as a
-//! NodePort), a V1 mapping posted with a ServiceAccount token that may only port-forward, V2
+//! pod-proxier on the node: the chart (embedded backend, auth on, TLS on by default with the CA
+//! it generates, V1 and V2, its Service as a NodePort), a V1 mapping posted with a ServiceAccount token that may only port-forward, V2
 //! Service ports reaching every Pod, a restart that restores the mappings, and expiry; then, by
 //! `helm upgrade`, V2 to the Services' ClusterIPs through kube-proxy, and the HAProxy backend
 //! (Debian's HAProxy as the sidecar) relaying V1 and V2 mappings.
 
 use std::collections::BTreeSet;
 use std::net::SocketAddr;
+use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::authentication::v1::TokenRequest;
-use k8s_openapi::api::core::v1::{Pod, Service, ServiceAccount};
+use k8s_openapi::api::core::v1::{Pod, Secret, Service, ServiceAccount};
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
@@ -28,6 +29,8 @@ const METRICS_PORT: u16 = 8081;
 const V2_START: u16 = 9000;
 const V2_END: u16 = 9004;
 
+const TLS_DEFAULT: &str =
+    "TLS on by default: a client with the chart's CA is answered, one without it is refused";
 const V1_MAPS: &str = "V1: a ServiceAccount bound only to create pods/portforward maps a Pod's jprofiler-port; bytes through the Service's entry port reach the Pod and come back; a caller without the binding gets 403";
 const METRICS: &str = "the pod-proxier Pod's /metrics has process_*, its build info, the mappings, the relay's and leader election's families";
 const NODE_PORT: &str = "chart Service as NodePort on this node carries a mapping";
@@ -43,6 +46,7 @@ const HAPROXY_BACKEND: &str = "podProxier.backend=haproxy (helm upgrade, HAProxy
 /// that misses one or records one not listed here.
 pub fn expected_scenarios() -> Vec<String> {
     [
+        TLS_DEFAULT,
         V1_MAPS,
         METRICS,
         NODE_PORT,
@@ -131,6 +135,18 @@ async fn scenarios(
         node_port("entry").context("the entry port has no nodePort")?,
     );
     wait_routed(api).await?;
+
+    // TLS by default: the chart's generated CA verifies the API; a client trusting another CA
+    // fails the handshake, and plain HTTP gets no answer.
+    let started = Instant::now();
+    let outcome = tls_default(api, &ns).await;
+    report.record(
+        TLS_DEFAULT,
+        outcome.is_ok(),
+        started,
+        outcome.unwrap_or_else(|e| format!("{e:#}")),
+    );
+
     let allowed = token(env, &work, "debugger").await?;
     let denied = token(env, &work, "bystander").await?;
     let profiled_pod = check::wait_pods_ready(env.plane, &work, "app=profiled", 1)
@@ -576,8 +592,123 @@ pub async fn install(env: &Env<'_>, ns: &str, work: &str) -> anyhow::Result<Stri
         "podProxier.enableV1=true,podProxier.enableV2=true".to_owned(),
         format!("podProxier.portRangeStart={V2_START},podProxier.portRangeEnd={V2_END}"),
         format!("podProxier.allowedNamespaces={{{work}}}"),
+        // `helm test` over HTTPS with the chart's CA (mounted at /etc/pod-proxier/ca).
+        "tests.caArgs={--ca-file,/etc/pod-proxier/ca/ca.crt}".to_owned(),
     ];
-    env.install_chart(RELEASE, ns, &values).await
+    let output = env.install_chart(RELEASE, ns, &values).await?;
+    let ca = chart_ca(env, ns).await?;
+    let name = format!("{RELEASE}.{ns}.svc");
+    let client = api_tls(&ca, &name)?;
+    *API_TLS.write().unwrap_or_else(|p| p.into_inner()) = Some(client);
+    Ok(output)
+}
+
+/// How [`http()`] reaches the chart's API: TLS verified with the chart's CA, the Service's DNS
+/// name as the server name (the address dialled is the ClusterIP). Set by [`install`].
+static API_TLS: RwLock<Option<ApiTls>> = RwLock::new(None);
+
+/// A TLS client of the API.
+#[derive(Clone)]
+pub struct ApiTls {
+    config: Arc<rustls::ClientConfig>,
+    name: rustls::pki_types::ServerName<'static>,
+}
+
+/// The `ca.crt` of the chart's generated TLS Secret (`<release>-tls`), waited for briefly.
+pub async fn chart_ca(env: &Env<'_>, ns: &str) -> anyhow::Result<Vec<u8>> {
+    let secrets: Api<Secret> = Api::namespaced(env.plane.client().await?, ns);
+    let name = format!("{RELEASE}-tls");
+    let secret = secrets
+        .get(&name)
+        .await
+        .with_context(|| format!("the chart's TLS Secret {ns}/{name}"))?;
+    let ca = (secret.data.as_ref())
+        .and_then(|d| d.get("ca.crt"))
+        .with_context(|| format!("{ns}/{name} has no ca.crt"))?;
+    Ok(ca.0.clone())
+}
+
+/// A client trusting only `ca_pem`, verifying the server as `name`.
+pub fn api_tls(ca_pem: &[u8], name: &str) -> anyhow::Result<ApiTls> {
+    use rustls::pki_types::CertificateDer;
+    use rustls::pki_types::pem::PemObject as _;
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in CertificateDer::pem_slice_iter(ca_pem) {
+        roots.add(cert.context("the CA is not PEM")?)?;
+    }
+    if roots.is_empty() {
+        bail!("no certificate in the CA bundle");
+    }
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    Ok(ApiTls {
+        config: Arc::new(config),
+        name: rustls::pki_types::ServerName::try_from(name.to_owned())?,
+    })
+}
+
+/// The [`TLS_DEFAULT`] scenario: GET /health with the chart's CA is 200; with a CA of our own
+/// the handshake fails (certificate unknown); plain HTTP gets no HTTP answer. Ok is the detail.
+async fn tls_default(api: SocketAddr, ns: &str) -> anyhow::Result<String> {
+    let with_ca = API_TLS
+        .read()
+        .unwrap_or_else(|p| p.into_inner())
+        .clone()
+        .context("install() read no CA")?;
+    let (status, _) = exchange(
+        api,
+        "GET",
+        "/health",
+        None,
+        None,
+        Duration::from_secs(10),
+        Some(with_ca),
+    )
+    .await
+    .context("GET /health with the chart's CA")?;
+    if status != 200 {
+        bail!("GET /health with the chart's CA: status {status}");
+    }
+    let mut other = rcgen::CertificateParams::default();
+    other.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    let other_ca = other.self_signed(&rcgen::KeyPair::generate()?)?.pem();
+    let without = api_tls(other_ca.as_bytes(), &format!("{RELEASE}.{ns}.svc"))?;
+    let refused = exchange(
+        api,
+        "GET",
+        "/health",
+        None,
+        None,
+        Duration::from_secs(10),
+        Some(without),
+    )
+    .await;
+    let refusal = match refused {
+        Ok((status, _)) => bail!("a client without the chart's CA got status {status}"),
+        Err(e) => format!("{e:#}"),
+    };
+    if !refusal.contains("certificate") {
+        bail!("a client without the chart's CA failed, but not on the certificate: {refusal}");
+    }
+    let plain = exchange(
+        api,
+        "GET",
+        "/health",
+        None,
+        None,
+        Duration::from_secs(10),
+        None,
+    )
+    .await;
+    if let Ok((status, _)) = plain {
+        bail!("plain HTTP to the TLS API got status {status}");
+    }
+    Ok(format!(
+        "GET https://{RELEASE}.{ns}.svc:{API_PORT}/health (dialled {api}) with the chart's CA: 200; with another CA: {refusal}; plain HTTP: no answer"
+    ))
 }
 
 /// Waits until `addr` (a new Service's port) accepts connections: kube-proxy applies a new
@@ -1137,8 +1268,9 @@ fn judge_expiry(window: (Duration, Duration), probes: &[Probed]) -> Result<Strin
     ))
 }
 
-/// One HTTP/1.0 request; returns the status and the JSON body. Retries connection errors for a
-/// few seconds (a Service whose only Pod is being replaced).
+/// One HTTP/1.0 request to the chart's API (over TLS with the chart's CA once [`install`] read
+/// it); returns the status and the JSON body. Retries connection errors for a few seconds (a
+/// Service whose only Pod is being replaced).
 pub async fn http(
     addr: SocketAddr,
     method: &str,
@@ -1158,6 +1290,20 @@ pub async fn http_within(
     body: Option<&str>,
     limit: Duration,
 ) -> anyhow::Result<(u16, Value)> {
+    let tls = API_TLS.read().unwrap_or_else(|p| p.into_inner()).clone();
+    exchange(addr, method, path, token, body, limit, tls).await
+}
+
+/// One HTTP/1.0 request, over TLS with `tls`, else plain.
+async fn exchange(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    token: Option<&str>,
+    body: Option<&str>,
+    limit: Duration,
+    tls: Option<ApiTls>,
+) -> anyhow::Result<(u16, Value)> {
     let mut request = format!("{method} {path} HTTP/1.0\r\nHost: {addr}\r\n");
     if let Some(token) = token {
         request.push_str(&format!("Authorization: Bearer {token}\r\n"));
@@ -1170,16 +1316,24 @@ pub async fn http_within(
     } else {
         request.push_str("\r\n");
     }
-    let exchange = async {
-        let mut stream = tokio::net::TcpStream::connect(addr).await?;
-        stream.write_all(request.as_bytes()).await?;
-        let mut response = Vec::new();
-        stream.read_to_end(&mut response).await?;
-        anyhow::Ok(String::from_utf8_lossy(&response).into_owned())
+    let text = match tls {
+        None => {
+            let exchange = async {
+                let mut stream = tokio::net::TcpStream::connect(addr).await?;
+                stream.write_all(request.as_bytes()).await?;
+                let mut response = Vec::new();
+                stream.read_to_end(&mut response).await?;
+                anyhow::Ok(String::from_utf8_lossy(&response).into_owned())
+            };
+            tokio::time::timeout(limit, exchange)
+                .await
+                .context("timed out")??
+        }
+        // rustls on a blocking socket (xtask has no tokio-rustls): a few small requests.
+        Some(tls) => tokio::task::spawn_blocking(move || tls_exchange(addr, &request, limit, tls))
+            .await
+            .context("the TLS request's thread")??,
     };
-    let text = tokio::time::timeout(limit, exchange)
-        .await
-        .context("timed out")??;
     let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
     let status = head
         .split_whitespace()
@@ -1187,6 +1341,32 @@ pub async fn http_within(
         .and_then(|s| s.parse().ok())
         .with_context(|| format!("no status in {head:?}"))?;
     Ok((status, serde_json::from_str(body).unwrap_or(Value::Null)))
+}
+
+/// `request` over TLS on a blocking socket whose reads and writes each time out after `limit`.
+fn tls_exchange(
+    addr: SocketAddr,
+    request: &str,
+    limit: Duration,
+    tls: ApiTls,
+) -> anyhow::Result<String> {
+    use std::io::{Read as _, Write as _};
+    let tcp = std::net::TcpStream::connect_timeout(&addr, limit)?;
+    tcp.set_read_timeout(Some(limit))?;
+    tcp.set_write_timeout(Some(limit))?;
+    let connection = rustls::ClientConnection::new(tls.config, tls.name)?;
+    let mut stream = rustls::StreamOwned::new(connection, tcp);
+    stream
+        .write_all(request.as_bytes())
+        .context("TLS handshake or request")?;
+    let mut response = Vec::new();
+    match stream.read_to_end(&mut response) {
+        Ok(_) => {}
+        // HTTP/1.0: the server may close without close_notify once it answered.
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof && !response.is_empty() => {}
+        Err(e) => return Err(e).context("reading the TLS answer"),
+    }
+    Ok(String::from_utf8_lossy(&response).into_owned())
 }
 
 /// Sends `len` bytes to a TCP echo server at `addr` and checks they come back intact.
@@ -1228,6 +1408,74 @@ async fn echo_on(stream: tokio::net::TcpStream, len: usize) -> anyhow::Result<()
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A TLS server for `name` on loopback answering each connection `HTTP/1.0 200`, on a thread
+    /// (rustls on blocking sockets, as the client); returns its address and its CA.
+    #[allow(clippy::unwrap_used)]
+    fn tls_server(name: &str) -> (SocketAddr, String) {
+        let mut ca = rcgen::CertificateParams::default();
+        ca.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        let ca_key = rcgen::KeyPair::generate().unwrap();
+        let ca_pem = ca.self_signed(&ca_key).unwrap().pem();
+        let issuer = rcgen::Issuer::new(ca, ca_key);
+        let key = rcgen::KeyPair::generate().unwrap();
+        let cert = rcgen::CertificateParams::new(vec![name.to_owned()])
+            .unwrap()
+            .signed_by(&key, &issuer)
+            .unwrap();
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let config = rustls::ServerConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_no_client_auth()
+            .with_single_cert(
+                vec![cert.der().clone()],
+                rustls::pki_types::PrivateKeyDer::Pkcs8(key.serialize_der().into()),
+            )
+            .unwrap();
+        let config = Arc::new(config);
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        std::thread::spawn(move || {
+            use std::io::{Read as _, Write as _};
+            for tcp in listener.incoming().flatten() {
+                let _ = tcp.set_read_timeout(Some(Duration::from_secs(10)));
+                let connection = rustls::ServerConnection::new(Arc::clone(&config)).unwrap();
+                let mut stream = rustls::StreamOwned::new(connection, tcp);
+                let mut head = [0u8; 16];
+                if stream.read(&mut head).is_ok() {
+                    let _ = stream.write_all(b"HTTP/1.0 200 OK\r\n\r\n{}");
+                    stream.conn.send_close_notify();
+                    let _ = stream.flush();
+                }
+            }
+        });
+        (addr, ca_pem)
+    }
+
+    #[tokio::test]
+    #[allow(clippy::unwrap_used)]
+    async fn the_api_client_trusts_only_the_given_ca() {
+        let name = "pod-proxier.ns.svc";
+        let (addr, ca) = tls_server(name);
+        let trusted = api_tls(ca.as_bytes(), name).unwrap();
+        let limit = Duration::from_secs(10);
+        let (status, _) = exchange(addr, "GET", "/health", None, None, limit, Some(trusted))
+            .await
+            .unwrap();
+        assert_eq!(status, 200);
+        let (_, other_ca) = tls_server(name);
+        let other = api_tls(other_ca.as_bytes(), name).unwrap();
+        let err = exchange(addr, "GET", "/health", None, None, limit, Some(other))
+            .await
+            .unwrap_err();
+        assert!(format!("{err:#}").contains("certificate"), "{err:#}");
+        assert!(
+            exchange(addr, "GET", "/health", None, None, limit, None)
+                .await
+                .is_err()
+        );
+    }
 
     fn ms(n: u64) -> Duration {
         Duration::from_millis(n)
