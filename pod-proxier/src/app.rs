@@ -131,7 +131,8 @@ impl ApiTransport for Tls {
     }
 }
 
-/// The TLS acceptor of `--tls-cert-file`/`--tls-key-file`, its files watched until `stop`.
+/// The TLS acceptor of `--tls-cert-file`/`--tls-key-file`, its files checked for a new pair
+/// every [`CERT_CHECK_INTERVAL`] until `stop`.
 fn tls_acceptor(
     files: &crate::settings::ApiTls,
     stop: tokio_util::sync::CancellationToken,
@@ -192,6 +193,14 @@ pub async fn run(settings: Settings) -> Result<(), StartError> {
             settings.api.addr
         );
     }
+    // The certificate first: a bad file stops the start before anything else happens. Its
+    // watch ends when `run` returns, whichever way.
+    let cert_watch = tokio_util::sync::CancellationToken::new();
+    let _stop_cert_watch = cert_watch.clone().drop_guard();
+    let tls = match &settings.api.tls {
+        Some(files) => Some(tls_acceptor(files, cert_watch).map_err(StartError::Tls)?),
+        None => None,
+    };
     let settings = Arc::new(settings);
     let client = client(settings.cluster.kubeconfig.as_deref()).await?;
     let api: Api<PortMapping> = Api::namespaced(client.clone(), &settings.cluster.state_namespace);
@@ -295,17 +304,14 @@ pub async fn run(settings: Settings) -> Result<(), StartError> {
         busy_body: BUSY_BODY,
         drain_timeout: settings.api.request_timeout,
     };
-    let api_task = match &settings.api.tls {
-        Some(files) => {
-            let acceptor = tls_acceptor(files, shutdown.clone()).map_err(StartError::Tls)?;
-            tokio::spawn(rest::serve_api_with(
-                listener,
-                router(state),
-                limits,
-                shutdown.clone(),
-                Tls(acceptor),
-            ))
-        }
+    let api_task = match tls {
+        Some(acceptor) => tokio::spawn(rest::serve_api_with(
+            listener,
+            router(state),
+            limits,
+            shutdown.clone(),
+            Tls(acceptor),
+        )),
         None => tokio::spawn(rest::serve_api(
             listener,
             router(state),

@@ -137,3 +137,34 @@ fn without_tls_files_or_plain_http_the_binary_refuses_to_start() {
         assert!(stderr.contains(says), "{says} missing: {stderr}");
     }
 }
+
+#[test]
+fn an_unusable_certificate_stops_the_start_naming_the_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_, cert, _) = ca_and_pair("one");
+    let (_, _, other_key) = ca_and_pair("two");
+    let cert_path = dir.path().join("tls.crt");
+    let key_path = dir.path().join("tls.key");
+    std::fs::write(&cert_path, cert).unwrap();
+    std::fs::write(&key_path, other_key).unwrap();
+    for (cert, key, says) in [
+        (&cert_path, &key_path, "does not match the certificate"),
+        (&dir.path().join("absent.crt"), &key_path, "absent.crt"),
+    ] {
+        // No cluster is given: the certificate is checked before the cluster is looked for.
+        let output = std::process::Command::new(env!("CARGO_BIN_EXE_pod-proxier"))
+            .arg("--enable-v1")
+            .arg(format!("--tls-cert-file={}", cert.display()))
+            .arg(format!("--tls-key-file={}", key.display()))
+            .arg("--kubeconfig=/nonexistent/kubeconfig")
+            .env_clear()
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(output.status.code(), Some(1), "{stderr}");
+        assert!(
+            stderr.contains(says) && !stderr.contains("Kubernetes API server"),
+            "{says}: {stderr}"
+        );
+    }
+}
