@@ -464,6 +464,8 @@ impl Proxier {
             },
             "--listen-addr=127.0.0.1",
             "--api-listen-addr=127.0.0.1",
+            // Loopback only, and the same for every round: TLS would only add the handshake.
+            "--plain-http",
             "--log-level=warn",
         ]
         .map(str::to_owned)

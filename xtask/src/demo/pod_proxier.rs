@@ -109,7 +109,15 @@ pub async fn start(env: &Env<'_>) -> anyhow::Result<Shown> {
             format!("curl http://{entry}/   # the mapped Pod answers"),
             format!("curl http://{entry_on_node}/   # the same, through the NodePort"),
             format!("TOKEN=$(kubectl -n {work} create token {DEBUGGER})"),
-            format!("curl -H \"Authorization: Bearer $TOKEN\" http://{api}/api/v1/mappings"),
+            format!(
+                "kubectl -n {ns} get secret {release}-tls -o jsonpath='{{.data.ca\\.crt}}' | base64 -d > ca.crt   # the chart's CA",
+                release = pod_proxier::RELEASE
+            ),
+            format!(
+                "curl --cacert ca.crt --connect-to ::{api} -H \"Authorization: Bearer $TOKEN\" https://{release}.{ns}.svc:{port}/api/v1/mappings",
+                release = pod_proxier::RELEASE,
+                port = api.port()
+            ),
             "kubectl get portmappings -A   # the mappings, as pod-proxier stores them".to_owned(),
         ],
     })

@@ -11,10 +11,47 @@ use hyper_util::rt::TokioIo;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::{TcpStream, UdpSocket};
 
+/// A connection, plain or TLS.
+trait Io: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin {}
+impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin> Io for T {}
+
+/// TLS over `stream`, the server's certificate verified for `host` against `ca_file` only.
+async fn tls_connect(
+    stream: TcpStream,
+    host: &str,
+    ca_file: &std::path::Path,
+) -> anyhow::Result<tokio_rustls::client::TlsStream<TcpStream>> {
+    use rustls::pki_types::pem::PemObject as _;
+    let pem = std::fs::read(ca_file).with_context(|| format!("reading {}", ca_file.display()))?;
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in rustls::pki_types::CertificateDer::pem_slice_iter(&pem) {
+        roots
+            .add(cert.with_context(|| format!("{} is not PEM", ca_file.display()))?)
+            .with_context(|| format!("{}: not a usable CA", ca_file.display()))?;
+    }
+    if roots.is_empty() {
+        bail!("{} holds no certificate", ca_file.display());
+    }
+    let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
+    let config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    let name = rustls::pki_types::ServerName::try_from(host.to_owned())
+        .with_context(|| format!("{host:?} is not a server name"))?;
+    tokio_rustls::TlsConnector::from(std::sync::Arc::new(config))
+        .connect(name, stream)
+        .await
+        .with_context(|| format!("TLS handshake with {host}"))
+}
+
 #[derive(clap::Args, Debug)]
 pub struct GetArgs {
-    /// An http:// URL.
+    /// An http:// or https:// URL.
     pub url: String,
+    /// For https://: the CA (PEM) the server's certificate must chain to [required for https].
+    #[arg(long)]
+    pub ca_file: Option<std::path::PathBuf>,
     /// Succeed only on this status [default: any 2xx].
     #[arg(long)]
     pub expect_status: Option<u16>,
@@ -25,7 +62,7 @@ pub struct GetArgs {
 
 pub async fn get(args: GetArgs) -> anyhow::Result<()> {
     let timeout = seconds(args.timeout_seconds)?;
-    let (status, body) = tokio::time::timeout(timeout, fetch(&args.url))
+    let (status, body) = tokio::time::timeout(timeout, fetch(&args.url, args.ca_file.as_deref()))
         .await
         .with_context(|| format!("GET {} timed out after {timeout:?}", args.url))??;
     std::io::stdout().write_all(&body)?;
@@ -39,13 +76,18 @@ pub async fn get(args: GetArgs) -> anyhow::Result<()> {
     }
 }
 
-async fn fetch(url: &str) -> anyhow::Result<(hyper::StatusCode, Bytes)> {
+async fn fetch(
+    url: &str,
+    ca_file: Option<&std::path::Path>,
+) -> anyhow::Result<(hyper::StatusCode, Bytes)> {
     let uri: hyper::Uri = url
         .parse()
         .with_context(|| format!("{url:?} is not a URL"))?;
-    if uri.scheme_str() != Some("http") {
-        bail!("{url}: only http:// URLs are supported");
-    }
+    let tls = match uri.scheme_str() {
+        Some("http") => false,
+        Some("https") => true,
+        _ => bail!("{url}: only http:// and https:// URLs are supported"),
+    };
     let authority = uri
         .authority()
         .with_context(|| format!("{url} has no host"))?
@@ -55,10 +97,16 @@ async fn fetch(url: &str) -> anyhow::Result<(hyper::StatusCode, Bytes)> {
         .host()
         .trim_start_matches('[')
         .trim_end_matches(']');
-    let port = authority.port_u16().unwrap_or(80);
+    let port = authority.port_u16().unwrap_or(if tls { 443 } else { 80 });
     let stream = TcpStream::connect((host, port))
         .await
         .with_context(|| format!("connecting to {authority}"))?;
+    let stream: Box<dyn Io> = if tls {
+        let ca_file = ca_file.context("an https:// URL needs --ca-file")?;
+        Box::new(tls_connect(stream, host, ca_file).await?)
+    } else {
+        Box::new(stream)
+    };
     let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
         .await
         .context("HTTP handshake")?;
