@@ -66,19 +66,22 @@ pub async fn bind_api(addr: SocketAddr) -> Result<TcpListener, Error> {
 /// TLS handshake (the caller brings its own, e.g. a `tokio_rustls::TlsAcceptor` whose
 /// configuration reloads its certificate).
 ///
-/// With tokio-rustls (a dependency of the caller, not of this crate):
+/// A transport is its handshake; this one logs each connection and speaks plain HTTP, where a
+/// TLS transport would return `tokio_rustls::TlsAcceptor::accept(tcp)` (tokio-rustls being a
+/// dependency of the caller, not of this crate):
 ///
-/// ```ignore
+/// ```
 /// use k8s_reconcile::app::rest::ApiTransport;
 /// use tokio::net::TcpStream;
 ///
-/// /// TLS with tokio-rustls.
-/// struct Tls(tokio_rustls::TlsAcceptor);
+/// struct Logged;
 ///
-/// impl ApiTransport for Tls {
-///     type Stream = tokio_rustls::server::TlsStream<TcpStream>;
+/// impl ApiTransport for Logged {
+///     type Stream = TcpStream;
+///     const PLAIN: bool = true;
 ///     async fn handshake(&self, tcp: TcpStream) -> std::io::Result<Self::Stream> {
-///         self.0.accept(tcp).await
+///         eprintln!("API connection from {:?}", tcp.peer_addr());
+///         Ok(tcp)
 ///     }
 /// }
 /// ```
