@@ -1,6 +1,16 @@
 //! [`ClientBuilder`]: a client's configuration, checked once at `build`.
 
-use super::*;
+use super::{
+    AGENT, Client, ClientInner, DEFAULT_ACCEPT_QUEUE, DEFAULT_CONNECT_TIMEOUT,
+    DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_MAX_CONCURRENT_DIALS, DEFAULT_MAX_QUEUED_STREAMS,
+    DEFAULT_OPERATION_TIMEOUT, IpFamily, Target, check_token_expiry,
+};
+use crate::error::{Error, Result};
+use crate::resolve::{self, ControlPlaneOptions, EngineAddress};
+use crate::tls::{self, TlsOptions};
+use proxy_core::http_connect::HttpProxy;
+use std::sync::Arc;
+use std::time::Duration;
 
 /// Builder of a [`Client`].
 #[derive(Clone, Debug)]
@@ -316,6 +326,8 @@ impl ClientBuilder {
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
+    use std::collections::HashMap;
+
     use super::*;
 
     fn vars(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {

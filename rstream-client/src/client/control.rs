@@ -1,124 +1,25 @@
-//! The control channel: the state shared by its handles and tasks, and [`ControlChannel`], on
-//! which tunnels are created and closed.
+//! The handles users hold: [`ControlChannel`], on which tunnels are created and closed, and
+//! [`Tunnel`], whose inbound streams are accepted. Each can reach the other, so they live together.
 
-use super::*;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
-/// Closes the control channel when the last user handle (channel or tunnel) is dropped.
-#[derive(Debug)]
-pub(super) struct Lifetime(pub(super) CancellationToken);
+use tokio::sync::{Semaphore, mpsc, oneshot, watch};
+use tokio::time::timeout;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 
-impl Drop for Lifetime {
-    fn drop(&mut self) {
-        self.0.cancel();
-    }
-}
+use crate::error::{Error, Result};
+use crate::frame::FrameReader;
+use crate::proto;
+use crate::proto::message::Payload;
+use crate::resolve::EngineAddress;
+use crate::stream::{ClientTls, PrefixedIo, RstreamStream};
+use crate::tunnel::{TunnelOptions, forwarding_address};
 
-pub(super) type CreateResult = Result<(
-    proto::TunnelProperties,
-    mpsc::Receiver<RstreamStream>,
-    CancellationToken,
-)>;
-
-pub(super) struct TunnelSlot {
-    pub(super) tx: mpsc::Sender<RstreamStream>,
-    pub(super) closed: CancellationToken,
-}
-
-#[derive(Default)]
-pub(super) struct State {
-    pub(super) pending_creates: HashMap<String, oneshot::Sender<CreateResult>>,
-    pub(super) pending_closes: HashMap<String, Vec<oneshot::Sender<Result<()>>>>,
-    pub(super) tunnels: HashMap<String, TunnelSlot>,
-    pub(super) last_sent: u64,
-    pub(super) last_ack: u64,
-    pub(super) closing: bool,
-    pub(super) finished: bool,
-    pub(super) error: Option<Error>,
-}
-
-pub(super) struct Shared {
-    pub(super) client: Client,
-    pub(super) engine: EngineAddress,
-    pub(super) out: mpsc::Sender<Message>,
-    pub(super) state: Mutex<State>,
-    /// The control channel is finished (all background tasks stop).
-    pub(super) closed: CancellationToken,
-    /// Streams already handed to forwarders must close too (explicit close, protocol error).
-    pub(super) hard_close: CancellationToken,
-    pub(super) done: watch::Sender<bool>,
-    pub(super) client_id: String,
-    pub(super) server_details: Option<proto::ServerDetails>,
-    pub(super) liveness: Option<Duration>,
-    pub(super) tracker: TaskTracker,
-}
-
-impl Shared {
-    pub(super) fn lock(&self) -> MutexGuard<'_, State> {
-        // A poisoned lock only means a panic elsewhere; the state itself stays consistent.
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    pub(super) fn finish(&self, error: Option<Error>) {
-        let preserve = matches!(
-            &error,
-            Some(Error::Io(_) | Error::ControlLiveness(_) | Error::Timeout(_))
-                | Some(Error::Frame(
-                    FrameError::Closed | FrameError::Truncated { .. }
-                ))
-        );
-        let (creates, closes, tunnels) = {
-            let mut st = self.lock();
-            if st.finished {
-                return;
-            }
-            st.finished = true;
-            st.error = error.clone();
-            (
-                std::mem::take(&mut st.pending_creates),
-                std::mem::take(&mut st.pending_closes),
-                std::mem::take(&mut st.tunnels),
-            )
-        };
-        match &error {
-            Some(e) => warn!(error = %e, "control channel failed"),
-            None => debug!("control channel closed"),
-        }
-        let reason = error.unwrap_or(Error::ControlClosed);
-        for (_, tx) in creates {
-            let _ = tx.send(Err(reason.clone()));
-        }
-        for tx in closes.into_values().flatten() {
-            let _ = tx.send(Err(reason.clone()));
-        }
-        for slot in tunnels.into_values() {
-            slot.closed.cancel();
-        }
-        if !preserve {
-            self.hard_close.cancel();
-        }
-        self.closed.cancel();
-        // `send_replace`, not `send`: with no receiver subscribed yet, `send` would drop the value
-        // and a later `close()` would wait for a reply that has already come.
-        self.done.send_replace(true);
-    }
-
-    pub(super) fn close_error(&self) -> Error {
-        self.lock().error.clone().unwrap_or(Error::ControlClosed)
-    }
-
-    pub(super) async fn send(&self, message: Message) -> Result<()> {
-        if self.closed.is_cancelled() {
-            return Err(self.close_error());
-        }
-        self.out.send(message).await.map_err(|_| self.close_error())
-    }
-
-    pub(super) async fn proxy_conn_rsp(&self, stream_id: String, error: Option<proto::Error>) {
-        let _ = self
-            .send(Payload::ProxyConnRsp(proto::ProxyConnRsp { stream_id, error }).into())
-            .await;
-    }
-}
+use super::Client;
+use super::shared::{Lifetime, Shared, State, close_tunnel, uuid_v4};
+use super::tasks::{dispatcher_task, heartbeat_task, reader_task, writer_task};
 
 /// An open control channel. Cloning is cheap; the channel closes when [`ControlChannel::close`] is called
 /// or when the last clone and the last [`Tunnel`] are dropped.
@@ -320,35 +221,79 @@ impl ControlChannel {
     }
 }
 
-pub(super) async fn close_tunnel(shared: &Shared, tunnel_id: &str) -> Result<()> {
-    let (tx, rx) = oneshot::channel();
-    let first = {
-        let mut st = shared.lock();
-        if !st.tunnels.contains_key(tunnel_id) {
-            return Ok(());
-        }
-        let waiters = st.pending_closes.entry(tunnel_id.to_owned()).or_default();
-        waiters.push(tx);
-        waiters.len() == 1
-    };
-    if first {
-        shared
-            .send(
-                Payload::CloseTunnelReq(proto::CloseTunnelReq {
-                    tunnel_id: tunnel_id.to_owned(),
-                })
-                .into(),
-            )
-            .await?;
+/// A tunnel created on a [`ControlChannel`]: accept its inbound streams with [`Tunnel::accept`].
+pub struct Tunnel {
+    pub(super) shared: Arc<Shared>,
+    pub(super) _life: Arc<Lifetime>,
+    pub(super) id: String,
+    pub(super) props: proto::TunnelProperties,
+    pub(super) rx: mpsc::Receiver<RstreamStream>,
+    pub(super) closed: CancellationToken,
+}
+
+impl std::fmt::Debug for Tunnel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tunnel")
+            .field("id", &self.id)
+            .field("properties", &self.props)
+            .finish_non_exhaustive()
     }
-    match timeout(shared.client.inner.cfg.operation_timeout, rx).await {
-        Ok(Ok(result)) => result,
-        Ok(Err(_)) => Err(shared.close_error()),
-        Err(_) => {
-            shared.lock().pending_closes.remove(tunnel_id);
-            Err(Error::Timeout(
-                "waiting for the tunnel close response".into(),
-            ))
+}
+
+impl Tunnel {
+    /// The engine-assigned tunnel ID.
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    /// The properties returned by the engine.
+    pub fn properties(&self) -> &proto::TunnelProperties {
+        &self.props
+    }
+
+    /// The display address (`https://host`, `host:port (tcp)`, `rstrm://name (unpublished)`, ...).
+    pub fn forwarding_address(&self) -> Result<String> {
+        forwarding_address(&self.props)
+    }
+
+    /// Whether the tunnel is closed (closed by us or the engine, or its control channel ended).
+    pub fn is_closed(&self) -> bool {
+        self.closed.is_cancelled()
+    }
+
+    /// Waits for the next inbound stream. Fails with [`Error::TunnelClosed`] once the tunnel is closed, or
+    /// with the control channel's failure.
+    pub async fn accept(&mut self) -> Result<RstreamStream> {
+        tokio::select! {
+            biased;
+            _ = self.closed.cancelled() => Err(self.close_reason()),
+            stream = self.rx.recv() => stream.ok_or_else(|| self.close_reason()),
+        }
+    }
+
+    pub(super) fn close_reason(&self) -> Error {
+        match self.shared.lock().error.clone() {
+            Some(e) if self.shared.closed.is_cancelled() => e,
+            _ => Error::TunnelClosed,
+        }
+    }
+
+    /// Closes the tunnel on the engine.
+    pub async fn close(&self) -> Result<()> {
+        close_tunnel(&self.shared, &self.id).await
+    }
+
+    /// A token cancelled when streams handed to forwarders must be closed (explicit control close or
+    /// protocol error; not on a transport loss, when accepted streams survive).
+    pub fn hard_close_token(&self) -> CancellationToken {
+        self.shared.hard_close.clone()
+    }
+
+    /// The control channel this tunnel belongs to.
+    pub fn control(&self) -> ControlChannel {
+        ControlChannel {
+            shared: self.shared.clone(),
+            life: self._life.clone(),
         }
     }
 }

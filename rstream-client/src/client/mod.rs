@@ -6,38 +6,28 @@
 //! private dial ([`Client::dial`]) is a separate TLS connection. The control channel never reconnects
 //! by itself: see [`crate::supervisor`] for that.
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 use std::time::Duration;
 
 use base64::Engine as _;
-use proxy_core::http_connect::HttpProxy;
-use tokio::io::{AsyncWriteExt, ReadHalf, WriteHalf};
 use tokio::net::TcpStream;
-use tokio::sync::{Semaphore, mpsc, oneshot, watch};
-use tokio::time::{Instant, sleep_until, timeout};
-use tokio_util::sync::CancellationToken;
-use tokio_util::task::TaskTracker;
-use tracing::{debug, info, warn};
+use tokio::time::timeout;
+use tracing::debug;
 
 use crate::error::{Error, Result};
-use crate::frame::{FrameError, FrameReader, write_frame};
+use crate::frame::{FrameReader, write_frame};
 use crate::proto::{self, Message, message::Payload};
-use crate::resolve::{self, ControlPlaneOptions, EngineAddress};
+use crate::resolve::{self, EngineAddress};
 use crate::stream::{ClientTls, PrefixedIo, RstreamStream};
-use crate::tls::{self, TlsOptions};
-use crate::tunnel::{TunnelOptions, forwarding_address};
+use crate::tls;
 
 mod builder;
 mod control;
-mod open_tunnel;
+mod shared;
 mod tasks;
 
 pub use builder::{ClientBuilder, ENV_VARS};
-pub use control::ControlChannel;
-use control::*;
-pub use open_tunnel::Tunnel;
-use tasks::*;
+pub use control::{ControlChannel, Tunnel};
 
 /// The IP family engine connections may use ([`ClientBuilder::ip_family`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -435,7 +425,9 @@ impl Client {
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)]
+    use super::shared::uuid_v4;
     use super::*;
+    use crate::tls::TlsOptions;
 
     fn jwt(payload: &str) -> String {
         let b = |s: &str| base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(s);

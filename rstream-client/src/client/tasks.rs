@@ -1,22 +1,24 @@
 //! The control channel's background tasks: writer, reader and message handling, heartbeats, and
 //! the dispatcher that opens inbound streams.
 
-use super::*;
+use std::sync::Arc;
+use std::time::Duration;
 
-pub(super) fn uuid_v4() -> String {
-    let mut b: [u8; 16] = rand::random();
-    b[6] = (b[6] & 0x0f) | 0x40;
-    b[8] = (b[8] & 0x3f) | 0x80;
-    let h: String = b.iter().map(|x| format!("{x:02x}")).collect();
-    format!(
-        "{}-{}-{}-{}-{}",
-        &h[0..8],
-        &h[8..12],
-        &h[12..16],
-        &h[16..20],
-        &h[20..32]
-    )
-}
+use tokio::io::{AsyncWriteExt, ReadHalf, WriteHalf};
+use tokio::sync::{Semaphore, mpsc};
+use tokio::time::{Instant, sleep_until, timeout};
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info, warn};
+
+use crate::error::{Error, Result};
+use crate::frame::{FrameError, FrameReader, write_frame};
+use crate::proto::message::Payload;
+use crate::proto::{self, Message};
+use crate::resolve::EngineAddress;
+use crate::stream::{ClientTls, PrefixedIo, RstreamStream};
+
+use super::DELIVERY_TIMEOUT;
+use super::shared::{CreateResult, Shared, TunnelSlot};
 
 pub(super) type ControlIo = PrefixedIo<ClientTls>;
 

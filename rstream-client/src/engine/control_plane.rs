@@ -1,6 +1,19 @@
 //! [`LocalControlPlane`]: a small HTTP server answering the control-plane resolve endpoint.
 
-use super::*;
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+
+use bytes::Bytes;
+use http_body_util::Full;
+use hyper_util::rt::TokioIo;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::error::Result;
+
+use super::lock;
 
 /// A recorded control-plane request: path and `Authorization` header.
 pub type RecordedRequest = (String, Option<String>);

@@ -1,6 +1,12 @@
 //! Fault injection: what a test can make the engine do wrong.
 
-use super::*;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicUsize};
+use std::time::Duration;
+
+use bytes::Bytes;
+
+use crate::proto::ErrorCode;
 
 /// Runtime fault-injection switches. Change them at any time through [`LocalEngine::faults`].
 #[derive(Debug, Default)]

@@ -56,28 +56,22 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use bytes::{Bytes, BytesMut};
-use http_body_util::Full;
-use hyper_util::rt::TokioIo;
-use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
-use tokio::io::{AsyncWriteExt, WriteHalf};
+use bytes::Bytes;
 use tokio::net::{TcpListener, TcpSocket, TcpStream};
 use tokio::sync::{broadcast, mpsc, oneshot};
 use tokio::time::timeout;
 use tokio_rustls::server::TlsStream;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
-use tracing::debug;
 
-use crate::error::{Error, HOSTNAME_IN_USE, Result};
-use crate::frame::{self, FrameReader};
+use crate::error::{Error, Result};
 use crate::proto::{self, ErrorCode, Message, message::Payload};
 use crate::stream::PrefixedIo;
-use crate::tls::{self, ClientIdentity, TlsOptions};
+use crate::tls::{self, TlsOptions};
 
 mod control_plane;
 mod faults;
@@ -88,7 +82,7 @@ mod udp;
 pub use control_plane::{LocalControlPlane, LocalControlPlaneBuilder, RecordedRequest};
 pub use faults::Faults;
 pub use pki::EngineIdentity;
-use server::*;
+use server::accept_loop;
 pub use udp::UDP_PEER_IDLE_TIMEOUT;
 
 const FIRST_FRAME_TIMEOUT: Duration = Duration::from_secs(10);

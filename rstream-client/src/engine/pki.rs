@@ -1,7 +1,15 @@
 //! The engine's PKI: a fresh CA and a server certificate for the loopback names, kept across
 //! restarts when a test wants the same identity.
 
-use super::*;
+use std::sync::Arc;
+
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
+
+use crate::error::Result;
+use crate::tls;
+use crate::tls::{ClientIdentity, TlsOptions};
+
+use super::other;
 
 pub(super) fn ca_params() -> rcgen::CertificateParams {
     let mut params = rcgen::CertificateParams::default();

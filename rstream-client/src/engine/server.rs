@@ -1,7 +1,31 @@
 //! The engine side of the protocol: control channels, tunnels, published ingress, private dials
 //! and the data legs that join them.
 
-use super::*;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use tokio::io::{AsyncWriteExt, WriteHalf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{broadcast, mpsc};
+use tokio::time::timeout;
+use tokio_rustls::server::TlsStream;
+use tokio_util::sync::CancellationToken;
+use tracing::debug;
+
+use crate::error::{Error, HOSTNAME_IN_USE, Result};
+use crate::frame::FrameReader;
+use crate::proto::message::Payload;
+use crate::proto::{ErrorCode, Message};
+use crate::stream::PrefixedIo;
+use crate::{frame, proto, tls};
+
+use super::{
+    Command, ConnGuard, ControlHandle, ControlLogin, EngineShared, EngineTunnel,
+    FIRST_FRAME_TIMEOUT, Out, ProxyLeg, bind_reuse, lock, random_hex, request_leg,
+};
 
 pub(super) async fn accept_loop(
     shared: Arc<EngineShared>,
