@@ -556,6 +556,15 @@ async fn scenarios(
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+    // The edit waits until the Deployment has replaced the deleted Pod and the new leader has
+    // published the ready Pods: a repair seen below then answers the edit, not a reconcile the
+    // Pod change caused anyway.
+    if takeover.is_some() {
+        cluster.wait_rolled_out(Duration::from_secs(120)).await?;
+        cluster
+            .wait_published("pod-ip", Duration::from_secs(30))
+            .await?;
+    }
     let bogus = "10.244.0.250";
     let slices: Api<EndpointSlice> = Api::namespaced(client.clone(), "default");
     slices
