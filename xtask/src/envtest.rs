@@ -9,6 +9,9 @@ use anyhow::{Context as _, bail};
 use k8s_reconcile::testing::{ASSETS_DIR_ENV, KUBERNETES_VERSION, default_assets_dir};
 use sha2::{Digest as _, Sha256};
 
+// Until the benchmarks call `crate::debian` themselves (they are being reworked).
+pub use crate::debian::install_packages;
+
 #[derive(clap::Args, Default)]
 pub struct Args {
     /// Rebuild the Kubernetes binaries even if the cached ones match.
@@ -34,7 +37,7 @@ pub fn ensure(args: &Args) -> anyhow::Result<PathBuf> {
     install_etcd(&dir)?;
     install_kube_apiserver(&dir, args.force)?;
     if args.node {
-        install_packages(&NODE_PACKAGES, "the test node")?;
+        crate::debian::install_packages(&NODE_PACKAGES, "the test node")?;
         build_kubernetes(&dir, &NODE_BINARIES, args.force)?;
         crate::node_images::ensure(&dir)?;
     }
@@ -178,47 +181,6 @@ fn build_kubernetes(dir: &Path, programs: &[&str], force: bool) -> anyhow::Resul
     }
     std::fs::remove_dir_all(&partial)?;
     eprintln!("built {} in {:.0?}", stale.join(", "), started.elapsed());
-    Ok(())
-}
-
-/// Installs the Debian packages of `purpose` that are missing, as `.ci/run` did before; where
-/// that is impossible (not root, not Debian), one line names them and nothing runs.
-pub fn install_packages(packages: &[&str], purpose: &str) -> anyhow::Result<()> {
-    let missing: Vec<&str> = packages
-        .iter()
-        .copied()
-        .filter(|pkg| {
-            !Command::new("dpkg")
-                .args(["-s", pkg])
-                .output()
-                .is_ok_and(|o| o.status.success())
-        })
-        .collect();
-    if missing.is_empty() {
-        return Ok(());
-    }
-    let list = missing.join(" ");
-    let root = std::fs::read_to_string("/proc/self/status").is_ok_and(|s| {
-        s.lines()
-            .find_map(|l| l.strip_prefix("Uid:"))
-            .and_then(|ids| ids.split_whitespace().nth(1))
-            == Some("0")
-    });
-    if !root || Command::new("apt-get").arg("--version").output().is_err() {
-        bail!(
-            "{purpose} needs the Debian packages {list}: install them as root (apt-get install {list})"
-        );
-    }
-    eprintln!("installing {list} ({purpose})...");
-    let update = Command::new("apt-get").args(["update", "-q"]).status()?;
-    let install = Command::new("apt-get")
-        .env("DEBIAN_FRONTEND", "noninteractive")
-        .args(["install", "-y", "-q"])
-        .args(&missing)
-        .status()?;
-    if !update.success() || !install.success() {
-        bail!("apt-get install {list} failed");
-    }
     Ok(())
 }
 

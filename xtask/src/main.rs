@@ -20,6 +20,7 @@ mod charts;
 mod cluster;
 mod consumers;
 mod crds;
+mod debian;
 mod demo;
 mod e2e;
 mod envtest;

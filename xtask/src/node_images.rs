@@ -208,7 +208,7 @@ const HAPROXY_BINARY: &str = "/usr/sbin/haproxy";
 /// version (`+`/`~` made `-`), also in the image's labels, so the image names the exact build
 /// it holds.
 pub fn haproxy_image() -> anyhow::Result<crate::image::Built> {
-    crate::envtest::install_packages(&[HAPROXY_PACKAGE], "the e2e's HAProxy sidecar image")?;
+    crate::debian::install_packages(&[HAPROXY_PACKAGE], "the e2e's HAProxy sidecar image")?;
     let output = Command::new("dpkg-query")
         .args(["-W", "-f", "${Version}", HAPROXY_PACKAGE])
         .output()

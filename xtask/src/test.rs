@@ -5,6 +5,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::bail;
 
+use crate::test_binaries::TestTotals;
+
 #[derive(clap::Args)]
 pub struct Args {
     /// Extra arguments passed to `cargo test` (e.g. a test name filter).
@@ -32,7 +34,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
 
     let started = Instant::now();
     // Before anything slow: a machine that cannot get these stops here, naming them.
-    let packages = crate::envtest::install_packages(&TEST_PACKAGES, "cargo xtask test");
+    let packages = crate::debian::install_packages(&TEST_PACKAGES, "cargo xtask test");
     steps.push(Step {
         name: "Debian packages",
         duration: started.elapsed(),
@@ -190,14 +192,15 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
                 (crate::tools::HELM_ENV, helm.as_os_str()),
             ];
             let ran = crate::test_binaries::run(&root, &args.test_args, &env, &mut totals)?;
-            for name in totals.unexpected_ignored() {
+            for name in totals.unexpected_ignored(&ALLOWED_IGNORED) {
                 eprintln!(
                     "ignored test not in the allowlist (ALLOWED_IGNORED, xtask/src/test.rs): {name}"
                 );
             }
             // A binary that printed no result (killed by a signal, or exited mid-run) and an
             // ignored test nobody allowed each fail the step, whatever cargo's status says.
-            ran && totals.unexpected_ignored().is_empty() && totals.unfinished() == 0
+            ran && totals.unexpected_ignored(&ALLOWED_IGNORED).is_empty()
+                && totals.unfinished() == 0
         } else if cmd_args.contains(&"e2e") {
             let run = run_e2e(&mut cmd)?;
             let expected = crate::e2e::expected_scenario_count();
@@ -244,7 +247,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
         totals.passed,
         totals.failed,
         totals.ignored,
-        totals.ignored_names.len() - totals.unexpected_ignored().len(),
+        totals.ignored_names.len() - totals.unexpected_ignored(&ALLOWED_IGNORED).len(),
         ALLOWED_IGNORED
             .iter()
             .map(|(name, _)| *name)
@@ -290,91 +293,6 @@ const ALLOWED_IGNORED: [(&str, &str); 1] = [(
     "client_from_env_child",
     "rstream-client/tests/engine_client.rs: run in a child process by client_from_env_reads_the_process_environment",
 )];
-
-/// What the `cargo test` output said, summed over its test binaries.
-#[derive(Default, Debug)]
-pub(crate) struct TestTotals {
-    /// Test binaries (and doc-test runs) cargo started.
-    pub(crate) started: u64,
-    /// `test result:` lines seen: test binaries that finished.
-    pub(crate) binaries: u64,
-    pub(crate) passed: u64,
-    pub(crate) failed: u64,
-    pub(crate) ignored: u64,
-    /// The names of the ignored tests.
-    pub(crate) ignored_names: Vec<String>,
-    /// The names of the failed tests.
-    pub(crate) failed_names: Vec<String>,
-    /// cargo's lines about a test binary killed by a signal.
-    pub(crate) killed: Vec<String>,
-}
-
-impl TestTotals {
-    /// One line of `cargo test`'s standard output (the test binaries' own).
-    pub(crate) fn stdout_line(&mut self, line: &str) {
-        if let Some(result) = line.strip_prefix("test result: ") {
-            self.binaries += 1;
-            for part in result.split(';') {
-                let mut words = part.split_whitespace().rev();
-                let (Some(label), Some(count)) = (words.next(), words.next()) else {
-                    continue;
-                };
-                let Ok(count) = count.parse::<u64>() else {
-                    continue;
-                };
-                match label {
-                    "passed" => self.passed += count,
-                    "failed" => self.failed += count,
-                    "ignored" => self.ignored += count,
-                    _ => {}
-                }
-            }
-        } else if let Some(rest) = line.strip_prefix("test ")
-            && let Some((name, outcome)) = rest.split_once(" ... ")
-            && (outcome == "ignored" || outcome.starts_with("ignored,"))
-        {
-            self.ignored_names.push(name.to_owned());
-        } else if let Some(rest) = line.strip_prefix("test ")
-            && let Some(name) = rest.strip_suffix(" ... FAILED")
-        {
-            self.failed_names.push(name.to_owned());
-        }
-    }
-
-    /// One line of `cargo test`'s standard error (cargo's own).
-    pub(crate) fn stderr_line(&mut self, line: &str) {
-        let trimmed = line.trim_start();
-        if trimmed.starts_with("Running ") || trimmed.starts_with("Doc-tests ") {
-            self.started += 1;
-        } else if trimmed.starts_with("process didn't exit successfully")
-            && trimmed.contains("(signal: ")
-        {
-            self.killed.push(trimmed.to_owned());
-        }
-    }
-
-    /// Ignored tests whose names are not in [`ALLOWED_IGNORED`].
-    fn unexpected_ignored(&self) -> Vec<&str> {
-        self.ignored_names
-            .iter()
-            .map(String::as_str)
-            .filter(|name| !ALLOWED_IGNORED.iter().any(|(allowed, _)| name == allowed))
-            .collect()
-    }
-
-    /// Test binaries that ended without a `test result:` line (a signal, an exit mid-run); at
-    /// least one per kill cargo reported.
-    pub(crate) fn unfinished(&self) -> u64 {
-        self.started
-            .saturating_sub(self.binaries)
-            .max(self.killed.len() as u64)
-    }
-
-    /// Failed tests, each unfinished binary counted as one more.
-    fn failed_with_unfinished(&self) -> u64 {
-        self.failed + self.unfinished()
-    }
-}
 
 /// Passed and failed checks of a step that is not `cargo test`.
 #[derive(Default, Debug)]
@@ -480,7 +398,7 @@ mod tests {
         assert_eq!(t.ignored_names, ["client_from_env_child", "forgotten"]);
         assert_eq!(t.failed_names, ["broken"]);
         // The allowed child-process test passes; any other ignored test is named.
-        assert_eq!(t.unexpected_ignored(), ["forgotten"]);
+        assert_eq!(t.unexpected_ignored(&ALLOWED_IGNORED), ["forgotten"]);
         assert_eq!(t.unfinished(), 0);
         assert_eq!(t.failed_with_unfinished(), 1);
     }

@@ -17,8 +17,6 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 
-use crate::test::TestTotals;
-
 /// How many test binaries run at once.
 const WORKERS: usize = 2;
 
@@ -291,6 +289,91 @@ fn describe(status: ExitStatus) -> String {
 fn signal(status: ExitStatus) -> Option<i32> {
     use std::os::unix::process::ExitStatusExt as _;
     status.signal()
+}
+
+/// What the `cargo test` output said, summed over its test binaries.
+#[derive(Default, Debug)]
+pub(crate) struct TestTotals {
+    /// Test binaries (and doc-test runs) cargo started.
+    pub(crate) started: u64,
+    /// `test result:` lines seen: test binaries that finished.
+    pub(crate) binaries: u64,
+    pub(crate) passed: u64,
+    pub(crate) failed: u64,
+    pub(crate) ignored: u64,
+    /// The names of the ignored tests.
+    pub(crate) ignored_names: Vec<String>,
+    /// The names of the failed tests.
+    pub(crate) failed_names: Vec<String>,
+    /// cargo's lines about a test binary killed by a signal.
+    pub(crate) killed: Vec<String>,
+}
+
+impl TestTotals {
+    /// One line of `cargo test`'s standard output (the test binaries' own).
+    pub(crate) fn stdout_line(&mut self, line: &str) {
+        if let Some(result) = line.strip_prefix("test result: ") {
+            self.binaries += 1;
+            for part in result.split(';') {
+                let mut words = part.split_whitespace().rev();
+                let (Some(label), Some(count)) = (words.next(), words.next()) else {
+                    continue;
+                };
+                let Ok(count) = count.parse::<u64>() else {
+                    continue;
+                };
+                match label {
+                    "passed" => self.passed += count,
+                    "failed" => self.failed += count,
+                    "ignored" => self.ignored += count,
+                    _ => {}
+                }
+            }
+        } else if let Some(rest) = line.strip_prefix("test ")
+            && let Some((name, outcome)) = rest.split_once(" ... ")
+            && (outcome == "ignored" || outcome.starts_with("ignored,"))
+        {
+            self.ignored_names.push(name.to_owned());
+        } else if let Some(rest) = line.strip_prefix("test ")
+            && let Some(name) = rest.strip_suffix(" ... FAILED")
+        {
+            self.failed_names.push(name.to_owned());
+        }
+    }
+
+    /// One line of `cargo test`'s standard error (cargo's own).
+    pub(crate) fn stderr_line(&mut self, line: &str) {
+        let trimmed = line.trim_start();
+        if trimmed.starts_with("Running ") || trimmed.starts_with("Doc-tests ") {
+            self.started += 1;
+        } else if trimmed.starts_with("process didn't exit successfully")
+            && trimmed.contains("(signal: ")
+        {
+            self.killed.push(trimmed.to_owned());
+        }
+    }
+
+    /// Ignored tests whose names are not in `allowed` (name, why).
+    pub(crate) fn unexpected_ignored(&self, allowed: &[(&str, &str)]) -> Vec<&str> {
+        self.ignored_names
+            .iter()
+            .map(String::as_str)
+            .filter(|name| !allowed.iter().any(|(allowed, _)| name == allowed))
+            .collect()
+    }
+
+    /// Test binaries that ended without a `test result:` line (a signal, an exit mid-run); at
+    /// least one per kill cargo reported.
+    pub(crate) fn unfinished(&self) -> u64 {
+        self.started
+            .saturating_sub(self.binaries)
+            .max(self.killed.len() as u64)
+    }
+
+    /// Failed tests, each unfinished binary counted as one more.
+    pub(crate) fn failed_with_unfinished(&self) -> u64 {
+        self.failed + self.unfinished()
+    }
 }
 
 #[cfg(test)]
