@@ -6,6 +6,7 @@
 //! Relays run on CPU 1; `bench proxy`'s load generator and sink are processes of their own
 //! ([`procs`]) on CPU 0, the other benches' generators run in-process ([`load`]) on CPU 0.
 
+mod cgroup;
 mod heaptrack;
 mod load;
 mod operator;

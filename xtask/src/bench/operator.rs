@@ -357,14 +357,14 @@ fn outcome(sizes: &Sizes, rounds: usize, runs: &[Run]) -> Outcome {
                     sizes.steady, sizes.resync
                 ),
                 measured: format!("{} write calls", all_writes.len()),
-                met: Some(measured && all_writes.is_empty()),
+                met: Some(measured && all_writes.is_empty()).into(),
             },
             Goal {
                 goal: format!(
                     "<= {READS_GOAL} API read per tunnel and resync in the steady state (audit log, the manager's get and list)"
                 ),
                 measured: format!("{max_reads:.3} at most over {rounds} round(s)"),
-                met: Some(measured && max_reads <= READS_GOAL),
+                met: Some(measured && max_reads <= READS_GOAL).into(),
             },
             Goal {
                 goal: format!(
@@ -372,7 +372,7 @@ fn outcome(sizes: &Sizes, rounds: usize, runs: &[Run]) -> Outcome {
                     sizes.tunnels
                 ),
                 measured: format!("{max_rss:.1} MiB at most over {rounds} round(s)"),
-                met: Some(measured && max_rss < RSS_GOAL_MIB),
+                met: Some(measured && max_rss < RSS_GOAL_MIB).into(),
             },
         ],
         notes: [

@@ -20,8 +20,9 @@ use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::{TcpSocket, TcpStream};
 
+use super::cgroup::{CpuClock, CpuMeter};
 use super::load::{self, Sink};
-use super::system::{self, Service};
+use super::system::{self, Service, TcpCounters};
 
 /// Which role this process plays, and the job of a generator (JSON).
 pub const ROLE_ENV: &str = "NETKIT_BENCH_ROLE";
@@ -78,12 +79,25 @@ pub struct Measured {
     pub p999_us: f64,
 }
 
-/// CPU seconds each party used in a window.
+/// CPU seconds each party used in a window, and what the kernel counted meanwhile.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct WindowCpu {
     pub relay: Option<f64>,
     pub generator: f64,
     pub sink: f64,
+    /// TCP counters of the network namespace over the window (every party's segments).
+    pub tcp: TcpCounters,
+    /// The relay's voluntary and involuntary context switches over the window.
+    pub relay_switches: Option<(u64, u64)>,
+}
+
+/// The processes a generator's window measures besides the generator itself.
+pub struct Watched<'a> {
+    /// Where the generator's own clock comes from (a leaf of its own for each run).
+    pub meter: &'a CpuMeter,
+    /// The relay's pid and clock (none for direct).
+    pub relay: Option<(u32, &'a CpuClock)>,
+    pub sink: &'a CpuClock,
 }
 
 /// Runs this process's role if it has one; `Ok(false)` when it is the orchestrator.
@@ -148,20 +162,22 @@ impl SinkProcess {
     pub fn pid(&self) -> u32 {
         self.service.pid()
     }
+
+    /// A clock of this sink's CPU time (see [`CpuMeter::clock`]).
+    pub fn clock(&self, meter: &CpuMeter, name: &str) -> anyhow::Result<CpuClock> {
+        meter.clock(name, self.pid())
+    }
 }
 
-/// Runs one generator job against `target` on `cpu`; reads the CPU time of `relay` (if any),
-/// the sink and the generator when the window opens and closes, then calls `hook` (`true` at
-/// the opening: a profiler attaches there).
-#[allow(clippy::too_many_arguments)] // One job, and the processes whose CPU its window reads.
+/// Runs one generator job against `target` on `cpu`; reads the CPU time of the relay (if any),
+/// the sink and the generator, the TCP counters and the relay's context switches when the window
+/// opens and closes, then calls `hook` (`true` at the opening: a profiler attaches there).
 pub fn run_generator(
     target: SocketAddr,
     cpu: Option<usize>,
     work: Work,
-    warmup: Duration,
-    measure: Duration,
-    relay: Option<u32>,
-    sink: u32,
+    (warmup, measure): (Duration, Duration),
+    watched: &Watched<'_>,
     hook: &mut dyn FnMut(bool) -> anyhow::Result<()>,
 ) -> anyhow::Result<(Measured, WindowCpu)> {
     let job = Job {
@@ -177,13 +193,23 @@ pub fn run_generator(
         .stderr(Stdio::inherit());
     let mut child = KillOnDrop(cmd.spawn().context("starting the generator")?);
     let pid = child.0.id();
+    // Joined long before its window opens (after the warm-up); the leaf goes with this run.
+    let generator = watched.meter.clock("generator", pid)?;
     let stdout = child.0.stdout.take().context("generator stdout")?;
-    let read_all = |relay: Option<u32>| -> anyhow::Result<(Option<f64>, f64, f64)> {
-        Ok((
-            relay.map(system::cpu_seconds).transpose()?,
-            system::cpu_seconds(pid)?,
-            system::cpu_seconds(sink)?,
-        ))
+    let read_all = || -> anyhow::Result<Snapshot> {
+        Ok(Snapshot {
+            relay: watched
+                .relay
+                .map(|(_, clock)| clock.seconds())
+                .transpose()?,
+            generator: generator.seconds()?,
+            sink: watched.sink.seconds()?,
+            tcp: system::tcp_counters()?,
+            relay_switches: watched
+                .relay
+                .map(|(pid, _)| system::context_switches(pid))
+                .transpose()?,
+        })
     };
     let mut at_start = None;
     let mut at_end = None;
@@ -192,11 +218,11 @@ pub fn run_generator(
         let line = line?;
         match line.as_str() {
             "start" => {
-                at_start = Some(read_all(relay)?);
+                at_start = Some(read_all()?);
                 hook(true)?;
             }
             "end" => {
-                at_end = Some(read_all(relay)?);
+                at_end = Some(read_all()?);
                 hook(false)?;
             }
             other => {
@@ -212,11 +238,25 @@ pub fn run_generator(
         bail!("generator {work:?} did not report its window");
     };
     let cpu = WindowCpu {
-        relay: start.0.zip(end.0).map(|(a, b)| b - a),
-        generator: end.1 - start.1,
-        sink: end.2 - start.2,
+        relay: start.relay.zip(end.relay).map(|(a, b)| b - a),
+        generator: end.generator - start.generator,
+        sink: end.sink - start.sink,
+        tcp: end.tcp.since(start.tcp),
+        relay_switches: start
+            .relay_switches
+            .zip(end.relay_switches)
+            .map(|(a, b)| (b.0.saturating_sub(a.0), b.1.saturating_sub(a.1))),
     };
     Ok((measured, cpu))
+}
+
+/// What is read at each end of a window.
+struct Snapshot {
+    relay: Option<f64>,
+    generator: f64,
+    sink: f64,
+    tcp: TcpCounters,
+    relay_switches: Option<(u64, u64)>,
 }
 
 struct KillOnDrop(Child);

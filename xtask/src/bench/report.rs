@@ -39,6 +39,9 @@ impl Metric {
 pub struct Series {
     pub contender: String,
     pub samples: Vec<f64>,
+    /// The round of each sample, when the bench says (pairs rounds across contenders).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub rounds: Vec<usize>,
     pub median: Option<f64>,
     pub min: Option<f64>,
     pub max: Option<f64>,
@@ -54,6 +57,7 @@ impl Series {
         Self {
             contender: contender.to_owned(),
             samples: Vec::new(),
+            rounds: Vec::new(),
             median: None,
             min: None,
             max: None,
@@ -81,14 +85,118 @@ impl Figure {
             .find(|s| s.contender == contender)
             .and_then(|s| s.median)
     }
+
+    /// `ours / theirs` round by round: samples of the same round, which ran back to back and
+    /// shared that moment's load. Rounds are paired by their recorded number, or by position
+    /// when neither series records rounds and both have as many samples; otherwise empty.
+    pub fn paired_ratios(&self, ours: &str, theirs: &str) -> Vec<f64> {
+        let series = |name: &str| self.series.iter().find(|s| s.contender == name);
+        let (Some(ours), Some(theirs)) = (series(ours), series(theirs)) else {
+            return Vec::new();
+        };
+        let numbered = |s: &Series| -> Vec<(usize, f64)> {
+            if s.rounds.len() == s.samples.len() && !s.rounds.is_empty() {
+                s.rounds
+                    .iter()
+                    .copied()
+                    .zip(s.samples.iter().copied())
+                    .collect()
+            } else {
+                s.samples.iter().copied().enumerate().collect()
+            }
+        };
+        let by_round = !ours.rounds.is_empty() || !theirs.rounds.is_empty();
+        if !by_round && ours.samples.len() != theirs.samples.len() {
+            return Vec::new();
+        }
+        let theirs = numbered(theirs);
+        numbered(ours)
+            .into_iter()
+            .filter_map(|(round, value)| {
+                let (_, base) = theirs.iter().find(|(r, _)| *r == round)?;
+                (*base != 0.0).then(|| value / base)
+            })
+            .collect()
+    }
 }
 
-/// A goal and whether this run met it (`None`: could not be judged).
+/// How a goal came out.
+#[derive(Serialize, Clone, Copy, Debug, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum Verdict {
+    /// Holds in every round (or, for a goal on one figure, on its median).
+    Met,
+    /// Fails in every round.
+    Missed,
+    /// Holds in some rounds and fails in others: the difference is within the run's spread.
+    WithinNoise,
+    /// Nothing to judge (a figure was not measured).
+    NotJudged,
+}
+
+impl From<Option<bool>> for Verdict {
+    fn from(met: Option<bool>) -> Self {
+        match met {
+            Some(true) => Self::Met,
+            Some(false) => Self::Missed,
+            None => Self::NotJudged,
+        }
+    }
+}
+
+/// A bound on a ratio of one contender's figure to another's.
+#[derive(Clone, Copy, Debug)]
+pub enum Bound {
+    AtLeast(f64),
+    AtMost(f64),
+    Below(f64),
+}
+
+impl Bound {
+    pub fn holds(self, ratio: f64) -> bool {
+        match self {
+            Self::AtLeast(x) => ratio >= x,
+            Self::AtMost(x) => ratio <= x,
+            Self::Below(x) => ratio < x,
+        }
+    }
+
+    /// `>= 0.50x` and the like.
+    pub fn relation(self) -> String {
+        match self {
+            Self::AtLeast(x) => format!(">= {x:.2}x"),
+            Self::AtMost(x) => format!("<= {x:.2}x"),
+            Self::Below(x) => format!("< {x:.2}x"),
+        }
+    }
+}
+
+/// The verdict on per-round paired ratios: met when `bound` holds for every round's ratio (so
+/// even at the unfavourable end of the spread), missed when it holds for none (not even at the
+/// favourable end), within noise otherwise; not judged without a ratio.
+pub fn verdict_of_rounds(ratios: &[f64], bound: Bound) -> Verdict {
+    if ratios.is_empty() {
+        return Verdict::NotJudged;
+    }
+    let holding = ratios.iter().filter(|ratio| bound.holds(**ratio)).count();
+    if holding == ratios.len() {
+        Verdict::Met
+    } else if holding == 0 {
+        Verdict::Missed
+    } else {
+        Verdict::WithinNoise
+    }
+}
+
+/// How verdicts are reached, for the head of every report.
+pub const VERDICT_RULE: &str = "Verdicts: a goal that compares two contenders is judged on the per-round paired ratios (round i of one over round i of the other; a round runs every contender back to back in a random order): met when the bound holds in every round, i.e. even at the unfavourable end of the spread; missed when it fails in every round, even at the favourable end; within noise when some rounds hold and others fail. The measured column gives the median paired ratio with its min–max over rounds. A goal on one contender's own figure is met or missed on its median.";
+
+/// A goal and how this run came out against it.
 #[derive(Serialize, Clone)]
 pub struct Goal {
     pub goal: String,
     pub measured: String,
-    pub met: Option<bool>,
+    pub met: Verdict,
 }
 
 /// The machine as it was during a bench.
@@ -131,6 +239,14 @@ impl Recorder {
     /// Adds one round's value of `metric` for `contender`.
     pub fn record(&mut self, metric: Metric, contender: &str, value: f64) {
         self.series(metric, contender).samples.push(value);
+    }
+
+    /// [`Self::record`] with the round the value belongs to, so goals can pair rounds even
+    /// when a contender has no value in some round.
+    pub fn record_round(&mut self, metric: Metric, contender: &str, round: usize, value: f64) {
+        let series = self.series(metric, contender);
+        series.samples.push(value);
+        series.rounds.push(round);
     }
 
     /// Says why `contender` has no value for `metric` (or how a non-measured value came about).
@@ -342,7 +458,10 @@ pub fn markdown(report: &Report) -> String {
 /// The goals table (met or not) and the notes: method, machine, and what bounds a missed goal.
 fn goals_and_notes(report: &Report, out: &mut String) {
     if !report.goals.is_empty() {
-        let _ = writeln!(out, "\n| goal | measured | met |\n|---|---|---|");
+        let _ = writeln!(
+            out,
+            "\n{VERDICT_RULE}\n\n| goal | measured | verdict |\n|---|---|---|"
+        );
         for goal in &report.goals {
             let met = met_text(goal.met);
             let _ = writeln!(out, "| {} | {} | {met} |", goal.goal, goal.measured);
@@ -378,7 +497,7 @@ pub fn summary_markdown(reports: &[Report], failures: &[(String, String)]) -> St
     );
     let _ = writeln!(
         out,
-        "## Goals\n\n| bench | goal | measured | met |\n|---|---|---|---|"
+        "## Goals\n\n{VERDICT_RULE}\n\n| bench | goal | measured | verdict |\n|---|---|---|---|"
     );
     for report in reports {
         for goal in &report.goals {
@@ -470,11 +589,12 @@ pub fn summary_markdown(reports: &[Report], failures: &[(String, String)]) -> St
     out
 }
 
-fn met_text(met: Option<bool>) -> &'static str {
+fn met_text(met: Verdict) -> &'static str {
     match met {
-        Some(true) => "yes",
-        Some(false) => "NO",
-        None => "not judged",
+        Verdict::Met => "met",
+        Verdict::Missed => "missed",
+        Verdict::WithinNoise => "within noise",
+        Verdict::NotJudged => "not judged",
     }
 }
 
@@ -633,13 +753,13 @@ mod tests {
             goals: vec![Goal {
                 goal: "relay >= 1.00x direct".to_owned(),
                 measured: "0.50x".to_owned(),
-                met: Some(false),
+                met: Verdict::Missed,
             }],
             notes: vec!["Bound: the loopback path.".to_owned()],
         };
         let text = summary_markdown(&[report], &[]);
         assert!(
-            text.contains("| demo | relay >= 1.00x direct | 0.50x | NO |"),
+            text.contains("| demo | relay >= 1.00x direct | 0.50x | missed |"),
             "{text}"
         );
         assert!(text.contains("\n- Bound: the loopback path.\n"), "{text}");

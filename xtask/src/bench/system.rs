@@ -117,6 +117,86 @@ pub fn cpu_seconds(pid: u32) -> anyhow::Result<f64> {
     Ok((ticks(11)? + ticks(12)?) as f64 / per_second)
 }
 
+/// TCP counters of this network namespace (`Tcp:` of `/proc/net/snmp`), which the relays, the
+/// generator and the sink share on loopback.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TcpCounters {
+    /// Connections this namespace opened (`connect`s that sent a SYN).
+    pub active_opens: u64,
+    /// Segments received and sent: on loopback every segment is counted once each way.
+    pub in_segs: u64,
+    pub out_segs: u64,
+    pub retrans_segs: u64,
+}
+
+impl TcpCounters {
+    /// `self - earlier`, counter by counter.
+    pub fn since(self, earlier: Self) -> Self {
+        Self {
+            active_opens: self.active_opens.saturating_sub(earlier.active_opens),
+            in_segs: self.in_segs.saturating_sub(earlier.in_segs),
+            out_segs: self.out_segs.saturating_sub(earlier.out_segs),
+            retrans_segs: self.retrans_segs.saturating_sub(earlier.retrans_segs),
+        }
+    }
+}
+
+/// Reads [`TcpCounters`] of this process's network namespace.
+pub fn tcp_counters() -> anyhow::Result<TcpCounters> {
+    let text = std::fs::read_to_string("/proc/net/snmp").context("reading /proc/net/snmp")?;
+    parse_tcp_counters(&text).context("no Tcp counters in /proc/net/snmp")
+}
+
+/// The `Tcp:` header line and value line of `/proc/net/snmp`, by name.
+fn parse_tcp_counters(snmp: &str) -> Option<TcpCounters> {
+    let mut lines = snmp.lines().filter(|line| line.starts_with("Tcp:"));
+    let names: Vec<&str> = lines.next()?.split_whitespace().skip(1).collect();
+    let values: Vec<&str> = lines.next()?.split_whitespace().skip(1).collect();
+    let get = |name: &str| -> Option<u64> {
+        let index = names.iter().position(|n| *n == name)?;
+        values.get(index)?.parse().ok()
+    };
+    Some(TcpCounters {
+        active_opens: get("ActiveOpens")?,
+        in_segs: get("InSegs")?,
+        out_segs: get("OutSegs")?,
+        retrans_segs: get("RetransSegs")?,
+    })
+}
+
+/// Voluntary and involuntary context switches of all of a process's threads (summed over
+/// `/proc/<pid>/task/*/status`; `/proc/<pid>/status` has the main thread's only). A voluntary
+/// switch is a thread going to sleep, mostly in `epoll_wait` for an event loop: each is a
+/// wake-up later. Threads that have exited are not counted.
+pub fn context_switches(pid: u32) -> anyhow::Result<(u64, u64)> {
+    let dir = format!("/proc/{pid}/task");
+    let mut total = (0, 0);
+    for entry in std::fs::read_dir(&dir).with_context(|| format!("reading {dir}"))? {
+        let status = entry?.path().join("status");
+        // A thread may exit between the listing and the read.
+        if let Ok(text) = std::fs::read_to_string(&status) {
+            let (voluntary, involuntary) = parse_context_switches(&text);
+            total.0 += voluntary;
+            total.1 += involuntary;
+        }
+    }
+    Ok(total)
+}
+
+fn parse_context_switches(status: &str) -> (u64, u64) {
+    let field = |name: &str| {
+        status
+            .lines()
+            .find_map(|line| line.strip_prefix(name))
+            .and_then(|rest| rest.trim().parse().ok())
+            .unwrap_or(0)
+    };
+    (
+        field("voluntary_ctxt_switches:"),
+        field("nonvoluntary_ctxt_switches:"),
+    )
+}
+
 /// CPU time below this is a handful of `/proc` clock ticks: too coarse to report.
 pub const MIN_CPU_SECONDS: f64 = 0.05;
 
@@ -286,4 +366,39 @@ pub fn cargo_build_release(target_args: &[&str]) -> anyhow::Result<PathBuf> {
                 target_args.join(" ")
             )
         })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tcp_counters_are_read_by_name() {
+        let snmp = "Ip: Forwarding DefaultTTL\nIp: 1 64\nTcp: RtoAlgorithm RtoMin RtoMax MaxConn ActiveOpens PassiveOpens AttemptFails EstabResets CurrEstab InSegs OutSegs RetransSegs InErrs OutRsts InCsumErrors\nTcp: 1 200 120000 -1 452159 440704 7028 38270 0 16596127 17209698 107927 0 43272 0\nUdp: InDatagrams\nUdp: 5\n";
+        let counters = parse_tcp_counters(snmp);
+        assert_eq!(
+            counters,
+            Some(TcpCounters {
+                active_opens: 452_159,
+                in_segs: 16_596_127,
+                out_segs: 17_209_698,
+                retrans_segs: 107_927,
+            })
+        );
+        let later = TcpCounters {
+            out_segs: 17_209_708,
+            ..counters.unwrap_or_default()
+        };
+        assert_eq!(later.since(counters.unwrap_or_default()).out_segs, 10);
+        assert_eq!(parse_tcp_counters("Udp: InDatagrams\nUdp: 5\n"), None);
+    }
+
+    #[test]
+    fn context_switches_are_read_from_status() {
+        let status =
+            "Name:\ttcp_relay\nvoluntary_ctxt_switches:\t120\nnonvoluntary_ctxt_switches:\t7\n";
+        assert_eq!(parse_context_switches(status), (120, 7));
+        let own = context_switches(std::process::id());
+        assert!(own.is_ok(), "{own:?}");
+    }
 }

@@ -18,19 +18,22 @@ mod goals;
 mod phases;
 mod profile;
 mod relays;
+mod syscalls;
 
 use std::path::PathBuf;
 use std::time::Duration;
 
-use super::procs::{SinkProcess, Work};
+use super::cgroup::CpuMeter;
+use super::procs::Work;
 use super::report::{Metric, Recorder};
-use super::system::{self, GENERATOR_CPU, RELAY_CPU};
+use super::system::{self, GENERATOR_CPU};
 use super::{Outcome, Settings};
 
 use goals::{configuration, goals, notes};
 use phases::{Busy, bulk, connections, idle_memory, latency, scaling};
 use profile::profile;
 use relays::{Relays, Sinks, ensure_haproxy, idle_maxconn};
+use syscalls::EpollCounter;
 
 pub use relays::contenders;
 
@@ -39,6 +42,11 @@ const PROXY_CORE: &str = "proxy-core";
 const HAPROXY_AUTO: &str = "haproxy splice-auto";
 const HAPROXY_FORCED: &str = "haproxy forced splice";
 const PROXY_CORE_2T: &str = "proxy-core 2 threads";
+/// The third one-thread contender: proxy-core's connection state machines on its own event loop
+/// (`tcp_relay --data-path event-loop`), measured whenever the `tcp_relay` built here has that
+/// flag (see [`relays::Relays::data_path`]); the goals judge it as they judge [`PROXY_CORE`],
+/// which then runs with `--data-path tokio`. An io_uring path would be a fourth entry alike.
+const PROXY_CORE_EVENT_LOOP: &str = "proxy-core event loop";
 /// Two event loops with a listening socket each (`SO_REUSEPORT`), against [`PROXY_CORE_2T`]'s
 /// one runtime whose two workers share a listener.
 const PROXY_CORE_2L: &str = "proxy-core 2 threads, listener per thread";
@@ -125,20 +133,21 @@ pub fn run(settings: &Settings) -> anyhow::Result<Outcome> {
         .prefix("netkit-bench-proxy-")
         .tempdir()?;
     let baseline = std::env::var_os(BASELINE_ENV).map(PathBuf::from);
+    let data_path = relays::has_data_path_flag(&tcp_relay);
     let relays = Relays {
+        data_path,
         tcp_relay,
         baseline,
         haproxy,
         dir: dir.path().to_path_buf(),
         fd_limit: settings.fd_limit,
+        meter: std::sync::Arc::new(CpuMeter::new()),
     };
     let workload = Workload::new(settings);
     let mut recorder = Recorder::default();
     let mut busy = Busy::default();
-    let sinks = Sinks {
-        relayed: SinkProcess::start(Some(GENERATOR_CPU), &relays.dir, "sink-relayed")?,
-        direct: SinkProcess::start(Some(RELAY_CPU), &relays.dir, "sink-direct")?,
-    };
+    let epoll = EpollCounter::probe();
+    let sinks = Sinks::start(&relays.meter, &relays.dir)?;
     {
         let mut contenders = relays
             .names()
@@ -150,7 +159,7 @@ pub fn run(settings: &Settings) -> anyhow::Result<Outcome> {
             &workload,
             &mut contenders,
             &mut recorder,
-            &mut busy,
+            (&mut busy, epoll.as_ref()),
         )?;
         let mut phases = vec![(
             CLOSED_PHASE.to_owned(),
@@ -167,7 +176,7 @@ pub fn run(settings: &Settings) -> anyhow::Result<Outcome> {
             &phases,
             &mut contenders,
             &mut recorder,
-            &mut busy,
+            (&mut busy, epoll.as_ref()),
         )?;
         latency(
             settings,
@@ -202,7 +211,7 @@ pub fn run(settings: &Settings) -> anyhow::Result<Outcome> {
             &[(CLOSED_2T_PHASE.to_owned(), closed)],
             &mut contenders,
             &mut recorder,
-            &mut busy,
+            (&mut busy, None),
         )?;
     }
     drop(sinks);
@@ -221,6 +230,7 @@ pub fn run(settings: &Settings) -> anyhow::Result<Outcome> {
     };
     let figures = recorder.finish(references);
     let goals = goals(&figures);
+    notes.push(format!("{}.", relays.meter.describe()));
     notes.push(busy.note());
     notes.extend(self::notes(settings, &workload, &figures));
     notes.extend(configuration(&relays));

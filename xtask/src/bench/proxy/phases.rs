@@ -7,6 +7,7 @@ use std::time::Duration;
 use anyhow::Context as _;
 
 use super::relays::{Contender, Relays};
+use super::syscalls::EpollCounter;
 use super::{
     BULK, CPU_PER_GIB, DIRECT, GIB, IDLE_FDS, IDLE_RSS, LATENCY_P50, LATENCY_P99, LATENCY_P999,
     SCALING, Workload, shuffled,
@@ -77,18 +78,32 @@ impl Busy {
     }
 }
 
+/// One window of one contender in one round, as the recording helpers take it.
+#[derive(Clone, Copy)]
+struct Run<'a> {
+    phase: &'a str,
+    contender: &'static str,
+    round: usize,
+    cpu: WindowCpu,
+    /// CPU time below this is not resolved by the clock in use.
+    min_cpu: f64,
+}
+
 /// Records the cost of every party for one run: CPU per `amount` of work (`per` of it).
-#[allow(clippy::too_many_arguments)] // One figure per party, named alike.
 fn record_costs(
     recorder: &mut Recorder,
-    phase: &str,
-    contender: &'static str,
-    cpu: WindowCpu,
+    run: Run<'_>,
     amount: f64,
     scale: f64,
-    per: &str,
-    unit: &'static str,
+    (per, unit): (&str, &'static str),
 ) {
+    let Run {
+        phase,
+        contender,
+        round,
+        cpu,
+        min_cpu,
+    } = run;
     if amount <= 0.0 {
         return;
     }
@@ -100,12 +115,62 @@ fn record_costs(
     for (party, seconds) in parties {
         let figure = metric(format!("{phase}: {party} CPU per {per}"), unit, false);
         match seconds {
-            Some(seconds) if seconds >= system::MIN_CPU_SECONDS => {
-                recorder.record(figure, contender, seconds * scale / amount);
+            Some(seconds) if seconds >= min_cpu => {
+                recorder.record_round(figure, contender, round, seconds * scale / amount);
             }
             Some(_) => recorder.note(figure, contender, "too little CPU time to resolve"),
             None => recorder.note(figure, contender, "no relay process"),
         }
+    }
+}
+
+/// Records what the kernel counted in one run per `amount` of work (`per`: "connection" or
+/// "MiB"): TCP segments on loopback (every hop: generator, relay and sink; OutSegs, each segment
+/// once), the relay's voluntary context switches (its wake-ups: each is a sleep in
+/// `epoll_wait` that an event ended), and for connections the connects per connection, which
+/// shows whether anything else used TCP in this network namespace during the window.
+fn record_counts(recorder: &mut Recorder, run: Run<'_>, amount: f64, per: &str) {
+    if amount <= 0.0 {
+        return;
+    }
+    let Run {
+        phase,
+        contender,
+        round,
+        cpu,
+        ..
+    } = run;
+    let segments = metric(
+        format!("{phase}: TCP segments per {per}"),
+        "segments",
+        false,
+    );
+    recorder.record_round(segments, contender, round, cpu.tcp.out_segs as f64 / amount);
+    let wakeups = metric(
+        format!("{phase}: relay wake-ups per {per} (voluntary context switches)"),
+        "switches",
+        false,
+    );
+    match cpu.relay_switches {
+        Some((voluntary, _)) => {
+            recorder.record_round(wakeups, contender, round, voluntary as f64 / amount);
+        }
+        None => recorder.note(wakeups, contender, "no relay process"),
+    }
+    if per == "connection" {
+        let connects = metric(
+            format!(
+                "{phase}: connects per connection (ActiveOpens; 2 through a relay, 1 direct: more means other TCP traffic in the window)"
+            ),
+            "connects",
+            false,
+        );
+        recorder.record_round(
+            connects,
+            contender,
+            round,
+            cpu.tcp.active_opens as f64 / amount,
+        );
     }
 }
 
@@ -114,26 +179,56 @@ fn record_costs(
 fn record_bulk_run(
     recorder: &mut Recorder,
     busy: &mut Busy,
-    phase: &str,
+    run: Run<'_>,
     throughput: Metric,
-    contender: &'static str,
     measured: &Measured,
-    cpu: WindowCpu,
 ) -> f64 {
     let bytes = measured.bytes as f64;
-    recorder.record(throughput, contender, bytes * 8.0 / measured.seconds / 1e9);
-    record_costs(
-        recorder,
-        phase,
-        contender,
-        cpu,
-        bytes / GIB,
-        1.0,
-        "GiB",
-        "CPU s/GiB",
+    recorder.record_round(
+        throughput,
+        run.contender,
+        run.round,
+        bytes * 8.0 / measured.seconds / 1e9,
     );
-    busy.add(phase, contender, cpu, measured.seconds);
+    record_costs(recorder, run, bytes / GIB, 1.0, ("GiB", "CPU s/GiB"));
+    record_counts(recorder, run, bytes / f64::from(1u32 << 20), "MiB");
+    busy.add(run.phase, run.contender, run.cpu, measured.seconds);
     bytes
+}
+
+/// After the rounds of a phase: each relay's `epoll_wait` calls per `per` ("connection" or
+/// "MiB") in one extra window with `perf stat` attached, outside the CPU figures.
+fn count_epoll_waits(
+    epoll: Option<&EpollCounter>,
+    (phase, work, per): (&str, Work, &str),
+    workload: &Workload,
+    contenders: &mut [Contender],
+    recorder: &mut Recorder,
+) -> anyhow::Result<()> {
+    let Some(counter) = epoll else {
+        return Ok(());
+    };
+    let figure = metric(
+        format!("{phase}: relay epoll_wait calls per {per} (perf stat, one extra window)"),
+        "calls",
+        false,
+    );
+    for contender in contenders.iter_mut() {
+        match counter.count(contender, work, workload)? {
+            Some((calls, measured)) => {
+                let amount = if per == "MiB" {
+                    measured.bytes as f64 / f64::from(1u32 << 20)
+                } else {
+                    measured.completed as f64
+                };
+                if amount > 0.0 {
+                    recorder.record(figure, contender.name, calls as f64 / amount);
+                }
+            }
+            None => recorder.note(figure, contender.name, "no relay process"),
+        }
+    }
+    Ok(())
 }
 
 /// Bulk transfers: throughput and every party's CPU per GiB, per run and over a round's runs.
@@ -142,7 +237,7 @@ pub(super) fn bulk(
     workload: &Workload,
     contenders: &mut [Contender],
     recorder: &mut Recorder,
-    busy: &mut Busy,
+    (busy, epoll): (&mut Busy, Option<&EpollCounter>),
 ) -> anyhow::Result<()> {
     // (contender, round) -> (relay CPU seconds, bytes) over that round's bulk runs.
     let mut per_round: BTreeMap<(&'static str, usize), (f64, f64)> = BTreeMap::new();
@@ -153,15 +248,14 @@ pub(super) fn bulk(
             for index in shuffled(contenders.len()) {
                 let contender = &mut contenders[index];
                 let (measured, cpu) = contender.run(Work::Bulk { download, streams }, workload)?;
-                let bytes = record_bulk_run(
-                    recorder,
-                    busy,
+                let run = Run {
                     phase,
-                    throughput,
-                    contender.name,
-                    &measured,
+                    contender: contender.name,
+                    round,
                     cpu,
-                );
+                    min_cpu: contender.min_cpu_seconds(),
+                };
+                let bytes = record_bulk_run(recorder, busy, run, throughput, &measured);
                 if let Some(relay) = cpu.relay {
                     let entry = per_round.entry((contender.name, round)).or_default();
                     entry.0 += relay;
@@ -169,10 +263,12 @@ pub(super) fn bulk(
                 }
             }
         }
+        let work = Work::Bulk { download, streams };
+        count_epoll_waits(epoll, (phase, work, "MiB"), workload, contenders, recorder)?;
     }
     recorder.note(CPU_PER_GIB, DIRECT, "no relay process");
-    for ((name, _), (seconds, bytes)) in per_round {
-        recorder.record(CPU_PER_GIB, name, seconds / (bytes / GIB));
+    for ((name, round), (seconds, bytes)) in per_round {
+        recorder.record_round(CPU_PER_GIB, name, round, seconds / (bytes / GIB));
     }
     Ok(())
 }
@@ -188,7 +284,7 @@ pub(super) fn scaling(
     for (download, phase) in SCALING {
         eprintln!("proxy: {phase}");
         let throughput = metric(phase.to_owned(), "Gbit/s", true);
-        for _ in 0..settings.rounds {
+        for round in 0..settings.rounds {
             for index in shuffled(contenders.len()) {
                 let contender = &mut contenders[index];
                 let work = Work::Bulk {
@@ -196,15 +292,14 @@ pub(super) fn scaling(
                     streams: 8,
                 };
                 let (measured, cpu) = contender.run(work, workload)?;
-                record_bulk_run(
-                    recorder,
-                    busy,
+                let run = Run {
                     phase,
-                    throughput,
-                    contender.name,
-                    &measured,
+                    contender: contender.name,
+                    round,
                     cpu,
-                );
+                    min_cpu: contender.min_cpu_seconds(),
+                };
+                record_bulk_run(recorder, busy, run, throughput, &measured);
             }
         }
     }
@@ -219,7 +314,7 @@ pub(super) fn connections(
     phases: &[(String, Work)],
     contenders: &mut [Contender],
     recorder: &mut Recorder,
-    busy: &mut Busy,
+    (busy, epoll): (&mut Busy, Option<&EpollCounter>),
 ) -> anyhow::Result<()> {
     let mut failures: BTreeMap<(String, &str), (u64, u64, u64)> = BTreeMap::new();
     for (phase, work) in phases {
@@ -228,35 +323,43 @@ pub(super) fn connections(
         let rate = metric(format!("{phase}: completed connections"), "conn/s", true);
         let p50 = metric(format!("{phase}: connect to first byte, p50"), "µs", false);
         let p99 = metric(format!("{phase}: connect to first byte, p99"), "µs", false);
-        for _ in 0..settings.rounds {
+        for round in 0..settings.rounds {
             for index in shuffled(contenders.len()) {
                 let contender = &mut contenders[index];
                 let (measured, cpu) = contender.run(work, workload)?;
-                recorder.record(
+                let name = contender.name;
+                recorder.record_round(
                     rate,
-                    contender.name,
+                    name,
+                    round,
                     measured.completed as f64 / measured.seconds,
                 );
-                recorder.record(p50, contender.name, measured.p50_us);
-                recorder.record(p99, contender.name, measured.p99_us);
-                let thousands = measured.completed as f64 / 1e3;
+                recorder.record_round(p50, name, round, measured.p50_us);
+                recorder.record_round(p99, name, round, measured.p99_us);
+                let run = Run {
+                    phase: &phase,
+                    contender: name,
+                    round,
+                    cpu,
+                    min_cpu: contender.min_cpu_seconds(),
+                };
+                let completed = measured.completed as f64;
                 record_costs(
                     recorder,
-                    &phase,
-                    contender.name,
-                    cpu,
-                    thousands,
+                    run,
+                    completed / 1e3,
                     1e3,
-                    "1000 connections",
-                    "CPU ms",
+                    ("1000 connections", "CPU ms"),
                 );
+                record_counts(recorder, run, completed, "connection");
                 if let Work::Open { .. } = work {
                     let relay_busy =
                         metric(format!("{phase}: relay CPU busy"), "% of a core", false);
                     match cpu.relay {
-                        Some(relay) => recorder.record(
+                        Some(relay) => recorder.record_round(
                             relay_busy,
                             contender.name,
+                            round,
                             relay * 100.0 / measured.seconds,
                         ),
                         None => recorder.note(relay_busy, contender.name, "no relay process"),
@@ -269,6 +372,8 @@ pub(super) fn connections(
                 entry.2 += measured.late_starts;
             }
         }
+        let counting = (phase.as_str(), work, "connection");
+        count_epoll_waits(epoll, counting, workload, contenders, recorder)?;
     }
     for ((phase, name), (completed, failed, late)) in failures {
         if failed > 0 || late > 0 {
@@ -297,13 +402,14 @@ pub(super) fn latency(
         measure: workload.latency_duration,
         ..Workload::new(settings)
     };
-    for _ in 0..settings.rounds {
+    for round in 0..settings.rounds {
         for index in shuffled(contenders.len()) {
             let contender = &mut contenders[index];
             let (measured, cpu) = contender.run(work, &timing)?;
-            recorder.record(LATENCY_P50, contender.name, measured.p50_us);
-            recorder.record(LATENCY_P99, contender.name, measured.p99_us);
-            recorder.record(LATENCY_P999, contender.name, measured.p999_us);
+            let name = contender.name;
+            recorder.record_round(LATENCY_P50, name, round, measured.p50_us);
+            recorder.record_round(LATENCY_P99, name, round, measured.p99_us);
+            recorder.record_round(LATENCY_P999, name, round, measured.p999_us);
             busy.add(
                 "1 KiB echo at 5k msg/s",
                 contender.name,
@@ -337,7 +443,7 @@ pub(super) async fn idle_memory(
         .into_iter()
         .filter(|n| *n != DIRECT)
         .collect();
-    for _ in 0..settings.rounds {
+    for round in 0..settings.rounds {
         for index in shuffled(names.len()) {
             let name = names[index];
             let sink = Sink::start().await?;
@@ -357,10 +463,10 @@ pub(super) async fn idle_memory(
             drop(held);
             let per_connection =
                 after.saturating_sub(before) as f64 / workload.idle_connections as f64;
-            recorder.record(IDLE_RSS, name, per_connection);
+            recorder.record_round(IDLE_RSS, name, round, per_connection);
             let fds =
                 fds_after.saturating_sub(fds_before) as f64 / workload.idle_connections as f64;
-            recorder.record(IDLE_FDS, name, fds);
+            recorder.record_round(IDLE_FDS, name, round, fds);
         }
     }
     Ok(())

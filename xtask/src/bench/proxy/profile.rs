@@ -10,9 +10,8 @@ use super::{
     CLOSED_PHASE, CPU_PER_GIB, GIB, HAPROXY_AUTO, HAPROXY_FORCED, PROFILE_DIR, PROXY_CORE,
     PROXY_CORE_BASELINE, Workload,
 };
-use crate::bench::procs::{self, Work};
+use crate::bench::procs::Work;
 use crate::bench::report::{self, Figure};
-use crate::bench::system::GENERATOR_CPU;
 
 /// The relays whose profile files the bound notes read, in the order they list them.
 const PROFILED: [&str; 4] = [
@@ -226,17 +225,7 @@ pub(super) fn profile(
                 }
                 Ok(())
             };
-            let (measured, cpu) = procs::run_generator(
-                contender.addr,
-                Some(GENERATOR_CPU),
-                work,
-                workload.warmup,
-                workload.measure,
-                Some(pid),
-                contender.sink_pid,
-                &mut hook,
-            )?;
-            contender.check_running()?;
+            let (measured, cpu) = contender.run_with(work, workload, &mut hook)?;
             let amount = match work {
                 Work::Bulk { .. } => format!(
                     "{:.2} GiB moved in the window ({:.2} Gbit/s)",

@@ -4,16 +4,19 @@
 use std::net::{Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context as _;
 
 use super::{
     BASELINE_ENV, DIRECT, HAPROXY_AUTO, HAPROXY_AUTO_2T, HAPROXY_FORCED, HAPROXY_FORCED_2T,
-    PIPE_SIZE, PROXY_CORE, PROXY_CORE_2L, PROXY_CORE_2T, PROXY_CORE_BASELINE, Workload,
+    PIPE_SIZE, PROXY_CORE, PROXY_CORE_2L, PROXY_CORE_2T, PROXY_CORE_BASELINE,
+    PROXY_CORE_EVENT_LOOP, Workload,
 };
 use crate::bench::Settings;
-use crate::bench::procs::{self, Measured, SinkProcess, WindowCpu, Work};
+use crate::bench::cgroup::{CpuClock, CpuMeter};
+use crate::bench::procs::{self, Measured, SinkProcess, Watched, WindowCpu, Work};
 use crate::bench::system::{self, GENERATOR_CPU, RELAY_CPU, Service};
 
 /// Descriptors a relay may need per relayed connection: two sockets, and for HAProxy the
@@ -29,12 +32,30 @@ pub(super) struct Contender {
     pub(super) name: &'static str,
     pub(super) addr: SocketAddr,
     process: Option<Service>,
-    pub(super) sink_pid: u32,
+    /// The relay's CPU clock; declared after `process`, so the process is stopped before its
+    /// cgroup is removed.
+    clock: Option<CpuClock>,
+    sink_clock: Arc<CpuClock>,
+    meter: Arc<CpuMeter>,
 }
 
 impl Contender {
+    /// What a generator's window measures through this contender.
+    pub(super) fn watched(&self) -> Watched<'_> {
+        Watched {
+            meter: &self.meter,
+            relay: self.pid().zip(self.clock.as_ref()),
+            sink: &self.sink_clock,
+        }
+    }
+
     pub(super) fn pid(&self) -> Option<u32> {
         self.process.as_ref().map(Service::pid)
+    }
+
+    /// CPU time below which a window's figure is too coarse to report.
+    pub(super) fn min_cpu_seconds(&self) -> f64 {
+        self.meter.min_cpu_seconds()
     }
 
     pub(super) fn check_running(&mut self) -> anyhow::Result<()> {
@@ -47,15 +68,23 @@ impl Contender {
         work: Work,
         workload: &Workload,
     ) -> anyhow::Result<(Measured, WindowCpu)> {
+        self.run_with(work, workload, &mut |_| Ok(()))
+    }
+
+    /// [`Self::run`] with `hook` called as the window opens (`true`) and closes.
+    pub(super) fn run_with(
+        &mut self,
+        work: Work,
+        workload: &Workload,
+        hook: &mut dyn FnMut(bool) -> anyhow::Result<()>,
+    ) -> anyhow::Result<(Measured, WindowCpu)> {
         let result = procs::run_generator(
             self.addr,
             Some(GENERATOR_CPU),
             work,
-            workload.warmup,
-            workload.measure,
-            self.pid(),
-            self.sink_pid,
-            &mut |_| Ok(()),
+            (workload.warmup, workload.measure),
+            &self.watched(),
+            hook,
         )
         .with_context(|| format!("{work:?} through {}", self.name))?;
         self.check_running()?;
@@ -68,15 +97,34 @@ impl Contender {
 pub(super) struct Sinks {
     pub(super) relayed: SinkProcess,
     pub(super) direct: SinkProcess,
+    relayed_clock: Arc<CpuClock>,
+    direct_clock: Arc<CpuClock>,
+}
+
+impl Sinks {
+    pub(super) fn start(meter: &CpuMeter, log_dir: &Path) -> anyhow::Result<Self> {
+        let relayed = SinkProcess::start(Some(GENERATOR_CPU), log_dir, "sink-relayed")?;
+        let direct = SinkProcess::start(Some(RELAY_CPU), log_dir, "sink-direct")?;
+        Ok(Self {
+            relayed_clock: Arc::new(relayed.clock(meter, "sink-relayed")?),
+            direct_clock: Arc::new(direct.clock(meter, "sink-direct")?),
+            relayed,
+            direct,
+        })
+    }
 }
 
 /// How to start each relay.
 pub(super) struct Relays {
+    /// Whether `tcp_relay` has `--data-path` (tokio tasks or proxy-core's event loop): then
+    /// [`PROXY_CORE`] names the tokio path and [`PROXY_CORE_EVENT_LOOP`] is measured too.
+    pub(super) data_path: bool,
     pub(super) tcp_relay: PathBuf,
     pub(super) baseline: Option<PathBuf>,
     pub(super) haproxy: Option<PathBuf>,
     pub(super) dir: PathBuf,
     pub(super) fd_limit: u64,
+    pub(super) meter: Arc<CpuMeter>,
 }
 
 /// How a contender relays.
@@ -87,6 +135,7 @@ enum Kind {
         threads: usize,
         baseline: bool,
         listener_per_thread: bool,
+        event_loop: bool,
     },
     Haproxy {
         threads: usize,
@@ -96,25 +145,35 @@ enum Kind {
 
 fn kind(name: &str) -> Kind {
     match name {
+        PROXY_CORE_EVENT_LOOP => Kind::ProxyCore {
+            threads: 1,
+            baseline: false,
+            listener_per_thread: false,
+            event_loop: true,
+        },
         PROXY_CORE => Kind::ProxyCore {
             threads: 1,
             baseline: false,
             listener_per_thread: false,
+            event_loop: false,
         },
         PROXY_CORE_BASELINE => Kind::ProxyCore {
             threads: 1,
             baseline: true,
             listener_per_thread: false,
+            event_loop: false,
         },
         PROXY_CORE_2T => Kind::ProxyCore {
             threads: 2,
             baseline: false,
             listener_per_thread: false,
+            event_loop: false,
         },
         PROXY_CORE_2L => Kind::ProxyCore {
             threads: 2,
             baseline: false,
             listener_per_thread: true,
+            event_loop: false,
         },
         HAPROXY_AUTO => Kind::Haproxy {
             threads: 1,
@@ -140,6 +199,9 @@ impl Relays {
     /// The contenders of the one-thread phases.
     pub(super) fn names(&self) -> Vec<&'static str> {
         let mut names = vec![DIRECT, PROXY_CORE];
+        if self.data_path {
+            names.push(PROXY_CORE_EVENT_LOOP);
+        }
         if self.baseline.is_some() {
             names.push(PROXY_CORE_BASELINE);
         }
@@ -165,15 +227,23 @@ impl Relays {
                 name,
                 addr: sinks.direct.addr,
                 process: None,
-                sink_pid: sinks.direct.pid(),
+                clock: None,
+                sink_clock: sinks.direct_clock.clone(),
+                meter: self.meter.clone(),
             });
         }
         let (addr, process) = self.start_with(name, sinks.relayed.addr, false)?;
+        let clock = process
+            .as_ref()
+            .map(|process| self.meter.clock(name, process.pid()))
+            .transpose()?;
         Ok(Contender {
             name,
             addr,
             process,
-            sink_pid: sinks.relayed.pid(),
+            clock,
+            sink_clock: sinks.relayed_clock.clone(),
+            meter: self.meter.clone(),
         })
     }
 
@@ -192,12 +262,25 @@ impl Relays {
                 threads,
                 baseline,
                 listener_per_thread,
+                event_loop,
             } => {
                 let program = match &self.baseline {
                     Some(program) if baseline => program,
                     _ => &self.tcp_relay,
                 };
-                self.start_proxy_core(program, addr, upstream, threads, listener_per_thread)?
+                // Without the flag (an older build, the baseline) the default path runs.
+                let data_path = (self.data_path && !baseline).then_some(if event_loop {
+                    "event-loop"
+                } else {
+                    "tokio"
+                });
+                self.start_proxy_core(
+                    program,
+                    addr,
+                    upstream,
+                    (threads, listener_per_thread),
+                    data_path,
+                )?
             }
             Kind::Haproxy { threads, forced } => {
                 self.start_haproxy(addr, upstream, threads, forced, idle_only)?
@@ -222,12 +305,15 @@ impl Relays {
         program: &Path,
         listen: SocketAddr,
         upstream: SocketAddr,
-        threads: usize,
-        listener_per_thread: bool,
+        (threads, listener_per_thread): (usize, bool),
+        data_path: Option<&str>,
     ) -> anyhow::Result<Service> {
         let mut cmd = self.command(threads, program);
         if listener_per_thread {
             cmd.arg("--listener-per-thread");
+        }
+        if let Some(data_path) = data_path {
+            cmd.arg("--data-path").arg(data_path);
         }
         cmd.arg("--listen")
             .arg(listen.to_string())
@@ -278,6 +364,18 @@ impl Relays {
         cmd.arg("-db").arg("-f").arg(&config);
         Service::spawn("haproxy", cmd, &self.dir)
     }
+}
+
+/// Whether this `tcp_relay` build chooses its data path (`--data-path tokio|event-loop` in its
+/// `--help`).
+pub(super) fn has_data_path_flag(tcp_relay: &Path) -> bool {
+    Command::new(tcp_relay)
+        .arg("--help")
+        .output()
+        .is_ok_and(|output| {
+            let help = String::from_utf8_lossy(&output.stdout);
+            help.contains("--data-path") && help.contains("event-loop")
+        })
 }
 
 /// The most idle connections every contender can hold within `fd_limit`: HAProxy refuses to
@@ -347,6 +445,10 @@ pub fn contenders(_settings: &Settings) -> Vec<(&'static str, String)> {
             format!(
                 "examples/tcp_relay, --threads 1 (current-thread runtime: one event loop, as nbthread 1) pinned to CPU {RELAY_CPU}, automatic copy mode, {PIPE_SIZE}-byte pipes, no TCP keepalive (as HAProxy), the binaries' Prometheus observer"
             ),
+        ),
+        (
+            PROXY_CORE_EVENT_LOOP,
+            "examples/tcp_relay --data-path event-loop: proxy-core's connection state machines on its own edge-triggered epoll loop, otherwise as proxy-core (which then runs --data-path tokio); present only when tcp_relay has the flag".to_owned(),
         ),
         (
             PROXY_CORE_BASELINE,

@@ -248,7 +248,7 @@ fn goals(figures: &[super::report::Figure]) -> Vec<Goal> {
                 (Some(t), Some(c)) => format!("{t:.2} / {c:.2} Gbit/s = {:.2}x", t / c),
                 _ => "not measured".to_owned(),
             },
-            met: ratio.map(|r| r >= 0.5),
+            met: ratio.map(|r| r >= 0.5).into(),
         });
         let sdk = [SDK, SDK_UVLOOP]
             .into_iter()
@@ -265,7 +265,7 @@ fn goals(figures: &[super::report::Figure]) -> Vec<Goal> {
                 }
                 _ => "not measured".to_owned(),
             },
-            met: tunnel.zip(sdk).map(|(t, (_, s))| t / s >= 2.0),
+            met: tunnel.zip(sdk).map(|(t, (_, s))| t / s >= 2.0).into(),
         });
     }
     goals
