@@ -288,8 +288,67 @@ pub(super) fn notes(settings: &Settings, workload: &Workload, figures: &[Figure]
     ];
     let mut notes = notes_from(NOTES_TEMPLATE, &values);
     notes.extend(listener_per_thread(figures));
+    notes.extend(counts_note(figures));
     notes.extend(bounds(figures));
     notes
+}
+
+/// Segments, wake-ups and `epoll_wait` calls of each one-thread relay side by side (medians of
+/// this run): whether a relay's extra kernel time per connection or per MiB (the `sendto` gap of
+/// the profiles, say) comes with more segments on the wire or with more calls and sleeps.
+fn counts_note(figures: &[Figure]) -> Option<String> {
+    let median = |name: String, contender: &str| {
+        figures
+            .iter()
+            .find(|f| f.name == name)
+            .and_then(|f| f.median(contender))
+    };
+    let mut phases: Vec<(String, &str)> = vec![
+        (CLOSED_PHASE.to_owned(), "connection"),
+        (open_phase(2_000), "connection"),
+    ];
+    phases.extend(
+        BULK.iter()
+            .filter(|(streams, _, _)| *streams == 1)
+            .map(|(_, _, phase)| ((*phase).to_owned(), "MiB")),
+    );
+    let contenders = [
+        DIRECT,
+        PROXY_CORE,
+        PROXY_CORE_EVENT_LOOP,
+        HAPROXY_FORCED,
+        HAPROXY_AUTO,
+    ];
+    let mut parts = Vec::new();
+    for (phase, per) in phases {
+        let mut entries = Vec::new();
+        for contender in contenders {
+            let Some(segments) = median(format!("{phase}: TCP segments per {per}"), contender)
+            else {
+                continue;
+            };
+            let mut entry = format!("{contender} {segments:.2} segments");
+            let wakeups = format!("{phase}: relay wake-ups per {per} (voluntary context switches)");
+            if let Some(wakeups) = median(wakeups, contender) {
+                entry.push_str(&format!(", {wakeups:.3} wake-ups"));
+            }
+            let calls =
+                format!("{phase}: relay epoll_wait calls per {per} (perf stat, one extra window)");
+            if let Some(calls) = median(calls, contender) {
+                entry.push_str(&format!(", {calls:.3} epoll_wait calls"));
+            }
+            entries.push(entry);
+        }
+        if !entries.is_empty() {
+            parts.push(format!("{phase}, per {per}: {}", entries.join("; ")));
+        }
+    }
+    (!parts.is_empty()).then(|| {
+        format!(
+            "Segments and wake-ups (medians of this run; segments count every hop, so a relay's two hops against direct's one; wake-ups are the relay's voluntary context switches, epoll_wait calls come from the extra perf stat window): {}.",
+            parts.join(". ")
+        )
+    })
 }
 
 /// The two-thread figures of a listener per thread against one shared listener, as ratios of
@@ -349,6 +408,29 @@ mod tests {
             "unmeasured figures are left out: {note}"
         );
         assert_eq!(listener_per_thread(&[]), None);
+    }
+
+    #[test]
+    fn the_counts_note_puts_relays_side_by_side() {
+        let mut recorder = Recorder::default();
+        let segments = Metric::lower(
+            "connections, closed loop of 16: TCP segments per connection",
+            "segments",
+        );
+        let wakeups = Metric::lower(
+            "connections, closed loop of 16: relay wake-ups per connection (voluntary context switches)",
+            "switches",
+        );
+        recorder.record(segments, DIRECT, 10.0);
+        recorder.record(segments, PROXY_CORE, 21.0);
+        recorder.record(wakeups, PROXY_CORE, 0.5);
+        recorder.record(segments, HAPROXY_AUTO, 18.0);
+        let note = counts_note(&recorder.finish(&[])).unwrap_or_default();
+        assert!(
+            note.contains("connections, closed loop of 16, per connection: direct 10.00 segments; proxy-core 21.00 segments, 0.500 wake-ups; haproxy splice-auto 18.00 segments."),
+            "{note}"
+        );
+        assert_eq!(counts_note(&[]), None);
     }
 
     #[test]
