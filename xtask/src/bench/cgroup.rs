@@ -156,16 +156,34 @@ impl RunDir {
             .unwrap_or_else(|| mount.clone());
         remove_stale(&parent);
         let dir = parent.join(format!("{PREFIX}{}", std::process::id()));
-        make_dir(&dir).with_context(|| format!("creating {}", dir.display()))?;
-        if !dir.join("cpu.stat").is_file() {
-            remove_dir(&dir);
+        make_dir(&dir)?;
+        // Dropped (and removed) if it turns out unusable.
+        let run = Self { dir };
+        if !run.dir.join("cpu.stat").is_file() {
             bail!(
                 "{} has no cpu.stat (kernel older than 4.15?)",
-                dir.display()
+                run.dir.display()
             );
         }
+        run.probe()?;
         install_signal_cleanup();
-        Ok(Self { dir })
+        Ok(run)
+    }
+
+    /// Moves a short-lived child into a leaf: a cgroup that may be created can still refuse
+    /// members (a container's root with controllers enabled: "no internal processes").
+    fn probe(&self) -> anyhow::Result<()> {
+        let leaf = self.dir.join("probe");
+        make_dir(&leaf)?;
+        let mut child = std::process::Command::new("sleep")
+            .arg("10")
+            .spawn()
+            .context("starting sleep to probe the cgroup")?;
+        let moved = std::fs::write(leaf.join("cgroup.procs"), child.id().to_string());
+        let _ = child.kill();
+        let _ = child.wait();
+        remove_dir(&leaf);
+        moved.with_context(|| format!("moving a process into {}", leaf.display()))
     }
 }
 

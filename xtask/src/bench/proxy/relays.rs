@@ -369,14 +369,20 @@ impl Relays {
 /// Whether this `tcp_relay` build chooses its data path (`--data-path tokio|event-loop` in its
 /// `--help`).
 pub(super) fn has_data_path_flag(tcp_relay: &Path) -> bool {
-    Command::new(tcp_relay)
+    let found = Command::new(tcp_relay)
         .arg("--help")
         .output()
         .is_ok_and(|output| {
             let help = String::from_utf8_lossy(&output.stdout);
             help.contains("--data-path") && help.contains("event-loop")
-        })
+        });
+    // For [`contenders`], which describes the run without the binary at hand.
+    let _ = DATA_PATH_FLAG.set(found);
+    found
 }
+
+/// Whether this run's `tcp_relay` has `--data-path` (set by [`has_data_path_flag`]).
+static DATA_PATH_FLAG: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
 
 /// The most idle connections every contender can hold within `fd_limit`: HAProxy refuses to
 /// start unless the limit covers about 2.5 descriptors per `maxconn` (two sockets and a share for
@@ -443,7 +449,12 @@ pub fn contenders(_settings: &Settings) -> Vec<(&'static str, String)> {
         (
             PROXY_CORE,
             format!(
-                "examples/tcp_relay, --threads 1 (current-thread runtime: one event loop, as nbthread 1) pinned to CPU {RELAY_CPU}, automatic copy mode, {PIPE_SIZE}-byte pipes, no TCP keepalive (as HAProxy), the binaries' Prometheus observer"
+                "examples/tcp_relay, --threads 1 (current-thread runtime: one event loop, as nbthread 1) pinned to CPU {RELAY_CPU}, {}automatic copy mode, {PIPE_SIZE}-byte pipes, no TCP keepalive (as HAProxy), the binaries' Prometheus observer",
+                if DATA_PATH_FLAG.get() == Some(&true) {
+                    "--data-path tokio (a tokio task per connection), "
+                } else {
+                    ""
+                }
             ),
         ),
         (
