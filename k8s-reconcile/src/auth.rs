@@ -9,6 +9,9 @@
 //!   [`Caller`]; accepted tokens are remembered (by their SHA-256) for ten seconds.
 //! * [`Authenticator::allowed`] asks whether a caller may do a [`ResourceAccess`];
 //!   [`Authenticator::authorize`] fails with [`AuthError::Forbidden`] when not.
+//! * [`Authenticator::allowed_path`] asks the same of a non-resource URL such as `/metrics`
+//!   (RBAC's `nonResourceURLs`), the way controller-runtime protects its metrics; its answers,
+//!   yes or no, are remembered for ten seconds, so a busy scraper costs one review per window.
 //! * [`Authenticator::allow_all`] turns checks off (every caller is one fixed, unchecked user),
 //!   for local trials.
 //!
@@ -38,7 +41,7 @@ use std::time::{Duration, Instant};
 use http::HeaderMap;
 use k8s_openapi::api::authentication::v1::{TokenReview, TokenReviewSpec};
 use k8s_openapi::api::authorization::v1::{
-    ResourceAttributes, SubjectAccessReview, SubjectAccessReviewSpec,
+    NonResourceAttributes, ResourceAttributes, SubjectAccessReview, SubjectAccessReviewSpec,
 };
 use kube::Client;
 use kube::api::{Api, PostParams};
@@ -194,6 +197,10 @@ pub enum AuthError {
 const TOKEN_CACHE_TTL: Duration = Duration::from_secs(10);
 /// Bound on remembered tokens (the cache is cleared when full).
 const TOKEN_CACHE_MAX: usize = 1024;
+/// How long a non-resource access decision (allowed or not) is reused.
+const PATH_CACHE_TTL: Duration = Duration::from_secs(10);
+/// Bound on remembered non-resource decisions (the cache is cleared when full).
+const PATH_CACHE_MAX: usize = 1024;
 
 enum Mode {
     Check(Client),
@@ -204,6 +211,8 @@ enum Mode {
 pub struct Authenticator {
     mode: Mode,
     tokens: Mutex<HashMap<[u8; 32], (Instant, Caller)>>,
+    /// Non-resource decisions by the SHA-256 of (caller, verb, path).
+    paths: Mutex<HashMap<[u8; 32], (Instant, bool)>>,
 }
 
 impl std::fmt::Debug for Authenticator {
@@ -234,6 +243,7 @@ impl Authenticator {
         Self {
             mode,
             tokens: Mutex::new(HashMap::new()),
+            paths: Mutex::new(HashMap::new()),
         }
     }
 
@@ -315,6 +325,49 @@ impl Authenticator {
         caller: &Caller,
         access: &ResourceAccess,
     ) -> Result<bool, AuthError> {
+        self.review(caller, Some(access.attributes()), None).await
+    }
+
+    /// Whether `caller` may do `verb` on the non-resource URL `path` (e.g. `get` `/metrics`,
+    /// granted by a ClusterRole rule `{nonResourceURLs: ["/metrics"], verbs: ["get"]}`). The
+    /// answer is remembered for ten seconds, a refusal too: a change of RBAC shows within that.
+    pub async fn allowed_path(
+        &self,
+        caller: &Caller,
+        verb: &str,
+        path: &str,
+    ) -> Result<bool, AuthError> {
+        if caller.unchecked || matches!(self.mode, Mode::AllowAll(_)) {
+            return Ok(true);
+        }
+        let key = path_key(caller, verb, path);
+        if let Ok(paths) = self.paths.lock()
+            && let Some((until, allowed)) = paths.get(&key)
+            && Instant::now() < *until
+        {
+            return Ok(*allowed);
+        }
+        let attributes = NonResourceAttributes {
+            path: Some(path.to_owned()),
+            verb: Some(verb.to_owned()),
+        };
+        let allowed = self.review(caller, None, Some(attributes)).await?;
+        if let Ok(mut paths) = self.paths.lock() {
+            if paths.len() >= PATH_CACHE_MAX {
+                paths.clear();
+            }
+            paths.insert(key, (Instant::now() + PATH_CACHE_TTL, allowed));
+        }
+        Ok(allowed)
+    }
+
+    /// One SubjectAccessReview of `caller` for a resource or a non-resource access.
+    async fn review(
+        &self,
+        caller: &Caller,
+        resource_attributes: Option<ResourceAttributes>,
+        non_resource_attributes: Option<NonResourceAttributes>,
+    ) -> Result<bool, AuthError> {
         let client = match &self.mode {
             Mode::Check(client) if !caller.unchecked => client,
             _ => return Ok(true),
@@ -325,8 +378,8 @@ impl Authenticator {
                 uid: caller.uid.clone(),
                 groups: Some(caller.groups.clone()),
                 extra: Some(caller.extra.clone()),
-                resource_attributes: Some(access.attributes()),
-                ..SubjectAccessReviewSpec::default()
+                resource_attributes,
+                non_resource_attributes,
             },
             ..SubjectAccessReview::default()
         };
@@ -352,6 +405,42 @@ impl Authenticator {
             })
         }
     }
+}
+
+/// The cache key of a non-resource decision: everything the review was asked with, each part
+/// length-prefixed so that no two different questions share a key.
+fn path_key(caller: &Caller, verb: &str, path: &str) -> [u8; 32] {
+    fn part(hash: &mut Sha256, text: &str) {
+        hash.update((text.len() as u64).to_le_bytes());
+        hash.update(text.as_bytes());
+    }
+    fn count(hash: &mut Sha256, n: usize) {
+        hash.update((n as u64).to_le_bytes());
+    }
+    let mut hash = Sha256::new();
+    for text in [verb, path, &caller.username] {
+        part(&mut hash, text);
+    }
+    match &caller.uid {
+        Some(uid) => {
+            count(&mut hash, 1);
+            part(&mut hash, uid);
+        }
+        None => count(&mut hash, 0),
+    }
+    count(&mut hash, caller.groups.len());
+    for group in &caller.groups {
+        part(&mut hash, group);
+    }
+    count(&mut hash, caller.extra.len());
+    for (key, values) in &caller.extra {
+        part(&mut hash, key);
+        count(&mut hash, values.len());
+        for value in values {
+            part(&mut hash, value);
+        }
+    }
+    hash.finalize().into()
 }
 
 /// The token of `Authorization: Bearer <token>` (the scheme in either case of its first letter).

@@ -30,6 +30,15 @@ pub enum Error {
         /// The underlying error.
         cause: std::io::Error,
     },
+    /// The TLS set-up of the secure metrics server failed: its certificate files could not be
+    /// loaded, or no server configuration could be made.
+    #[error("metrics server TLS ({what}): {}", chain(cause.as_ref()))]
+    MetricsTls {
+        /// What was being set up, e.g. the flags of the files.
+        what: String,
+        /// Why it failed.
+        cause: Box<dyn std::error::Error + Send + Sync + 'static>,
+    },
     /// A binary's REST API could not listen.
     #[error("cannot listen on {addr} for the API: {cause}")]
     ApiBind {
@@ -52,4 +61,17 @@ pub enum Error {
     /// Adding or removing a finalizer failed.
     #[error("finalizer: {0}")]
     Finalizer(#[source] Box<dyn std::error::Error + Send + Sync + 'static>),
+}
+
+/// `error` and its causes on one line, for a wrapped error whose reason is in its own source
+/// (a PEM file's parse error, say).
+fn chain(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = error.to_string();
+    let mut cause = error.source();
+    while let Some(current) = cause {
+        text.push_str(": ");
+        text.push_str(&current.to_string());
+        cause = current.source();
+    }
+    text
 }

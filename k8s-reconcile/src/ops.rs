@@ -5,7 +5,9 @@
 //! `upstream`); `/readyz` answers 200 only while all pass and lists each with its detail, so an
 //! operator sees *why* a pod is not ready. `/healthz` answers 200 while the process serves at all.
 //! The server itself ([`router`], [`serve`]) comes with the `app` feature; [`Health`] and
-//! [`shutdown_on_signals`] need nothing beyond tokio.
+//! [`shutdown_on_signals`] need nothing beyond tokio. With it also come [`health_router`] (open
+//! to anyone, as the kubelet's probes carry no token), [`metrics_router`] (optionally behind a
+//! TokenReview and a SubjectAccessReview) and [`serve_tls`].
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, RwLock};
@@ -15,7 +17,7 @@ use tokio_util::sync::CancellationToken;
 use crate::Error;
 #[cfg(feature = "app")]
 #[cfg_attr(docsrs, doc(cfg(feature = "app")))]
-pub use server::{router, serve};
+pub use server::{health_router, metrics_router, router, serve, serve_tls};
 
 /// One readiness check's state.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -122,35 +124,55 @@ mod server {
     use std::net::SocketAddr;
     use std::sync::Arc;
 
+    use std::time::Duration;
+
     use axum::Router;
     use axum::extract::State;
-    use axum::http::{StatusCode, header};
-    use axum::response::IntoResponse;
+    use axum::http::{HeaderMap, StatusCode, header};
+    use axum::response::{IntoResponse, Response};
     use axum::routing::get;
     use prometheus_client::registry::Registry;
+    use tokio::net::TcpStream;
     use tokio_util::sync::CancellationToken;
 
     use super::Health;
     use crate::Error;
+    use crate::app::rest::{ApiLimits, ApiTransport, serve_api_with};
+    use crate::auth::{AuthError, Authenticator};
 
     #[derive(Clone)]
-    struct OpsState {
-        health: Health,
+    struct MetricsState {
         registry: Arc<Registry>,
+        guard: Option<Arc<Authenticator>>,
     }
 
-    /// A router with `/healthz`, `/readyz` and `/metrics`.
+    /// A router with `/healthz`, `/readyz` and `/metrics`, all open.
     pub fn router(health: Health, registry: Arc<Registry>) -> Router {
+        health_router(health).merge(metrics_router(registry, None))
+    }
+
+    /// A router with `/healthz`, `/livez` and `/readyz`, open to anyone (the kubelet's probes
+    /// carry no token).
+    pub fn health_router(health: Health) -> Router {
         Router::new()
             .route("/healthz", get(|| async { "ok\n" }))
             .route("/livez", get(|| async { "ok\n" }))
             .route("/readyz", get(readyz))
-            .route("/metrics", get(metrics))
-            .with_state(OpsState { health, registry })
+            .with_state(health)
     }
 
-    async fn readyz(State(state): State<OpsState>) -> impl IntoResponse {
-        let checks = state.health.checks();
+    /// A router with `/metrics`. With a `guard`, a scrape needs a bearer token the API server
+    /// accepts (`401` otherwise) whose user may `get` the non-resource URL `/metrics` (`403`
+    /// otherwise; `503` when the API server cannot be asked). Serve a guarded router over TLS
+    /// ([`serve_tls`]), or the scraper's token crosses the network in the clear.
+    pub fn metrics_router(registry: Arc<Registry>, guard: Option<Arc<Authenticator>>) -> Router {
+        Router::new()
+            .route("/metrics", get(metrics))
+            .with_state(MetricsState { registry, guard })
+    }
+
+    async fn readyz(State(health): State<Health>) -> impl IntoResponse {
+        let checks = health.checks();
         let mut body = String::new();
         for (name, check) in &checks {
             let mark = if check.ok { "+" } else { "-" };
@@ -165,7 +187,45 @@ mod server {
         }
     }
 
-    async fn metrics(State(state): State<OpsState>) -> impl IntoResponse {
+    /// The answer to a scrape `guard` does not let in, if it does not.
+    async fn refusal(guard: &Authenticator, headers: &HeaderMap) -> Option<Response> {
+        let unavailable = |error: AuthError| {
+            tracing::warn!(error = %crate::app::error_chain(&error), "cannot check a /metrics scrape");
+            (StatusCode::SERVICE_UNAVAILABLE, format!("{error}\n")).into_response()
+        };
+        let caller = match guard.authenticate(headers).await {
+            Ok(caller) => caller,
+            Err(error @ AuthError::Unavailable(_)) => return Some(unavailable(error)),
+            Err(error) => {
+                return Some(
+                    (
+                        StatusCode::UNAUTHORIZED,
+                        [(header::WWW_AUTHENTICATE, "Bearer")],
+                        format!("{error}\n"),
+                    )
+                        .into_response(),
+                );
+            }
+        };
+        match guard.allowed_path(&caller, "get", "/metrics").await {
+            Ok(true) => None,
+            Ok(false) => Some(
+                (
+                    StatusCode::FORBIDDEN,
+                    format!("{} may not get /metrics\n", caller.username()),
+                )
+                    .into_response(),
+            ),
+            Err(error) => Some(unavailable(error)),
+        }
+    }
+
+    async fn metrics(State(state): State<MetricsState>, headers: HeaderMap) -> Response {
+        if let Some(guard) = &state.guard
+            && let Some(refusal) = refusal(guard, &headers).await
+        {
+            return refusal;
+        }
         let mut text = String::new();
         match prometheus_client::encoding::text::encode(&mut text, &state.registry) {
             Ok(()) => (
@@ -182,6 +242,7 @@ mod server {
                 err.to_string(),
             ),
         }
+        .into_response()
     }
 
     /// Binds `addr` now (so a taken port is reported at start) and serves `router` until `shutdown`.
@@ -202,6 +263,40 @@ mod server {
             }
         });
         Ok(handle)
+    }
+
+    /// The TLS handshake of the operations server.
+    struct Tls(tokio_rustls::TlsAcceptor);
+
+    impl ApiTransport for Tls {
+        type Stream = tokio_rustls::server::TlsStream<TcpStream>;
+
+        async fn handshake(&self, tcp: TcpStream) -> std::io::Result<Self::Stream> {
+            self.0.accept(tcp).await
+        }
+    }
+
+    /// As [`serve`], over TLS with `tls` (a scraper's bearer token must not cross the network in
+    /// the clear), and bounded as a binary's REST API is: a client has ten seconds for its
+    /// handshake and its request's headers, and at most 64 connections are open at once.
+    pub async fn serve_tls(
+        addr: SocketAddr,
+        router: Router,
+        tls: Arc<rustls::ServerConfig>,
+        shutdown: CancellationToken,
+    ) -> Result<tokio::task::JoinHandle<()>, Error> {
+        let listener = proxy_core::socket::bind_listener(addr, 1024)
+            .map_err(|cause| Error::Serve { addr, cause })?;
+        let limits = ApiLimits {
+            header_read_timeout: Duration::from_secs(10),
+            max_connections: 64,
+            busy_body: "",
+            drain_timeout: Duration::from_secs(5),
+        };
+        let transport = Tls(tokio_rustls::TlsAcceptor::from(tls));
+        Ok(tokio::spawn(serve_api_with(
+            listener, router, limits, shutdown, transport,
+        )))
     }
 }
 

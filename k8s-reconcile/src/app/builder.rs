@@ -29,8 +29,12 @@ use prometheus_client::registry::Registry;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
+use super::secure_metrics::MetricsAccess;
 use crate::Error;
 use crate::ops::{self, Health};
+
+/// How often the certificate files of a secure metrics server are checked for a new pair.
+const METRICS_CERT_RECHECK: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Readiness check the builder adds: false from the first SIGTERM/SIGINT, so Services and load
 /// balancers stop sending new work while the binary drains.
@@ -70,10 +74,30 @@ pub enum OpsBindFailure {
 pub struct AppBuilder {
     registry: Registry,
     health: Health,
-    ops: Vec<SocketAddr>,
+    listeners: Vec<Listener>,
     bind_failure: OpsBindFailure,
     unbound: Gauge,
     shutdown: CancellationToken,
+}
+
+/// One operations address and what it serves.
+#[derive(Debug)]
+struct Listener {
+    addr: SocketAddr,
+    health: bool,
+    metrics: Option<MetricsAccess>,
+}
+
+impl Listener {
+    fn describe(&self) -> &'static str {
+        match (self.health, &self.metrics) {
+            (true, Some(m)) if m.is_secure() => "/healthz, /readyz and /metrics over HTTPS",
+            (true, Some(_)) => "/healthz, /readyz and /metrics",
+            (true, None) => "/healthz and /readyz",
+            (false, Some(m)) if m.is_secure() => "/metrics over HTTPS",
+            (false, _) => "/metrics",
+        }
+    }
 }
 
 impl AppBuilder {
@@ -94,16 +118,54 @@ impl AppBuilder {
         &self.shutdown
     }
 
-    /// Serve `/healthz`, `/readyz` and `/metrics` on each of `addrs` (a repeated address is
-    /// served once; none at all is allowed).
+    /// Serve `/healthz`, `/readyz` and `/metrics`, all open, on each of `addrs` (a repeated
+    /// address is served once; none at all is allowed).
     #[must_use]
-    pub fn serve_ops(mut self, addrs: impl IntoIterator<Item = SocketAddr>) -> Self {
+    pub fn serve_ops(self, addrs: impl IntoIterator<Item = SocketAddr>) -> Self {
+        let addrs: Vec<_> = addrs.into_iter().collect();
+        self.serve_health(addrs.iter().copied())
+            .serve_metrics(addrs, MetricsAccess::open())
+    }
+
+    /// Serve `/healthz`, `/livez` and `/readyz` on each of `addrs`, open to anyone (the
+    /// kubelet's probes carry no token).
+    #[must_use]
+    pub fn serve_health(mut self, addrs: impl IntoIterator<Item = SocketAddr>) -> Self {
         for addr in addrs {
-            if !self.ops.contains(&addr) {
-                self.ops.push(addr);
-            }
+            self.listener(addr).health = true;
         }
         self
+    }
+
+    /// Serve `/metrics` on each of `addrs` to whom `access` lets in
+    /// ([`MetricsArgs::access`](super::MetricsArgs::access)). An address that also serves
+    /// health serves it over HTTPS too when `access` is secure (a kubelet probe of it then
+    /// needs `scheme: HTTPS`), so keep them apart.
+    #[must_use]
+    pub fn serve_metrics(
+        mut self,
+        addrs: impl IntoIterator<Item = SocketAddr>,
+        access: MetricsAccess,
+    ) -> Self {
+        for addr in addrs {
+            self.listener(addr).metrics = Some(access.clone());
+        }
+        self
+    }
+
+    fn listener(&mut self, addr: SocketAddr) -> &mut Listener {
+        let at = match self.listeners.iter().position(|l| l.addr == addr) {
+            Some(at) => at,
+            None => {
+                self.listeners.push(Listener {
+                    addr,
+                    health: false,
+                    metrics: None,
+                });
+                self.listeners.len() - 1
+            }
+        };
+        &mut self.listeners[at]
     }
 
     /// What a taken operations port does ([`OpsBindFailure::Exit`] unless set).
@@ -142,20 +204,50 @@ impl AppBuilder {
         // The operations servers outlive the work: /readyz says "shutting down" during a drain
         // and /metrics still shows it.
         let ops_stop = CancellationToken::new();
-        let mut servers = Vec::with_capacity(self.ops.len());
-        for addr in self.ops {
-            let router = ops::router(health.clone(), Arc::clone(&registry));
-            match ops::serve(addr, router, ops_stop.clone()).await {
+        let mut servers = Vec::with_capacity(self.listeners.len());
+        for listener in self.listeners {
+            let addr = listener.addr;
+            let what = listener.describe();
+            let mut router = axum::Router::new();
+            if listener.health {
+                router = router.merge(ops::health_router(health.clone()));
+            }
+            let served = match listener.metrics.as_ref().map(|m| m.secure_parts()) {
+                Some(Some(secure)) => {
+                    let metrics =
+                        ops::metrics_router(Arc::clone(&registry), Some(Arc::clone(&secure.auth)));
+                    let served = ops::serve_tls(
+                        addr,
+                        router.merge(metrics),
+                        Arc::clone(&secure.tls),
+                        ops_stop.clone(),
+                    )
+                    .await;
+                    if served.is_ok()
+                        && let Some(cert) = &secure.reload
+                    {
+                        // Until the server stops; an address served twice checks twice, harmlessly.
+                        Arc::clone(cert).watch(METRICS_CERT_RECHECK, ops_stop.clone());
+                    }
+                    served
+                }
+                Some(None) => {
+                    let metrics = ops::metrics_router(Arc::clone(&registry), None);
+                    ops::serve(addr, router.merge(metrics), ops_stop.clone()).await
+                }
+                None => ops::serve(addr, router, ops_stop.clone()).await,
+            };
+            match served {
                 Ok(server) => {
                     servers.push(server);
-                    tracing::info!(%addr, "serving /healthz, /readyz and /metrics");
+                    tracing::info!(%addr, "serving {what}");
                 }
                 Err(error) if self.bind_failure == OpsBindFailure::Log => {
                     self.unbound.inc();
                     tracing::warn!(
                         %addr,
                         error = %super::error_chain(&error),
-                        "not serving /healthz, /readyz and /metrics here; running without them"
+                        "not serving {what} here; running without them"
                     );
                 }
                 Err(error) => {
@@ -198,7 +290,7 @@ impl App {
         AppBuilder {
             registry,
             health: Health::new(),
-            ops: Vec::new(),
+            listeners: Vec::new(),
             bind_failure: OpsBindFailure::Exit,
             unbound,
             shutdown: CancellationToken::new(),

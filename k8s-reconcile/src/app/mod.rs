@@ -11,6 +11,8 @@
 //! * [`builder`]: [`App::builder`], which owns the metrics registry, the readiness checks, the
 //!   operations server and the shutdown signal; [`LogArgs`] and [`ClientArgs`], the flags every
 //!   binary flattens into its own.
+//! * [`secure_metrics`]: `--metrics-secure`, `/metrics` over HTTPS behind TokenReview and
+//!   SubjectAccessReview ([`MetricsArgs`], [`MetricsAccess`]); health stays open.
 //! * [`process`]: the leader identity, the async runtime, exit codes, the one way a fatal
 //!   error chain is printed, the Kubernetes client.
 //!
@@ -58,6 +60,7 @@ pub mod flags;
 pub mod logging;
 pub mod process;
 pub mod rest;
+pub mod secure_metrics;
 pub mod values;
 
 pub use builder::{App, AppBuilder, ClientArgs, OpsBindFailure};
@@ -67,6 +70,7 @@ pub use process::{
     EXIT_FAILURE, EXIT_USAGE, block_on, block_on_threads, error_chain, exit_with, kube_client,
     leader_identity, metrics_registry, own_namespace, usage_error,
 };
+pub use secure_metrics::{MetricsAccess, MetricsArgs};
 pub use values::{
     OptionalListenAddr, SecondsOrDuration, ValueError, parse_duration, parse_go_bool,
     parse_listen_addr, parse_optional_listen_addr, parse_positive_duration,
