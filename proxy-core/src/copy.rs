@@ -228,7 +228,7 @@ where
 
 /// A buffered read at least this large that fills its buffer marks a direction as streaming:
 /// from then on it borrows a pipe (when the copy mode and the pipe budget allow).
-const STREAMING_READ: usize = 16 * 1024;
+pub(crate) const STREAMING_READ: usize = 16 * 1024;
 
 /// Copies `src` to `dst` until EOF, then half-closes `dst`, unless `one_done` says the other
 /// direction has finished already: then both sockets are about to be closed, and the close

@@ -55,6 +55,12 @@ pub enum ConfigError {
     /// Two settings contradict each other.
     #[error("inconsistent configuration: {0}")]
     Inconsistent(&'static str),
+    /// A data path name other than `auto`, `event-loop` or `tokio`.
+    #[error("invalid data path {input:?}: expected auto, event-loop or tokio")]
+    InvalidDataPath {
+        /// The text that was given.
+        input: String,
+    },
 }
 
 /// Reaching the upstream failed for one client connection.

@@ -14,7 +14,9 @@
 //!
 //! * [`server`]: listeners, live routes, connection limits, accept backoff, drain and shutdown
 //!   ([`server::ProxyServer`]), on the caller's runtime or on accept workers with a listening
-//!   socket each ([`server::ServerConfig::accept_workers`]). Uses everything below.
+//!   socket each ([`server::ServerConfig::accept_workers`]); on Linux, plain TCP listeners can
+//!   relay on event-loop threads instead of a tokio task per connection
+//!   ([`server::DataPath::EventLoop`]). Uses everything below.
 //! * [`accept`]: accept layers for listeners that do more than TCP to TCP (TLS termination):
 //!   [`accept::StreamAcceptor`].
 //! * [`metrics`]: the [`metrics::RelayObserver`] trait the server reports to, and a ready

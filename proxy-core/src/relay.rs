@@ -197,7 +197,7 @@ impl Ending {
         }
     }
 
-    fn from_error(error: &io::Error, direction: Direction) -> Self {
+    pub(crate) fn from_error(error: &io::Error, direction: Direction) -> Self {
         use io::ErrorKind::{
             BrokenPipe, ConnectionAborted, ConnectionReset, NotConnected, UnexpectedEof,
         };

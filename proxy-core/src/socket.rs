@@ -96,7 +96,7 @@ impl SocketOptions {
         }
     }
 
-    fn apply_to(&self, socket: SockRef<'_>) -> io::Result<()> {
+    pub(crate) fn apply_to(&self, socket: SockRef<'_>) -> io::Result<()> {
         socket.set_tcp_nodelay(self.nodelay)?;
         if let Some(keepalive) = self.keepalive {
             let params = TcpKeepalive::new()

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use common::*;
 use proxy_core::relay::Route;
-use proxy_core::server::{ListenerConfig, ProxyServer, ServerConfig};
+use proxy_core::server::{ListenerConfig, ProxyServer};
 use rustix::process::{Resource, getrlimit, setrlimit};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpSocket;
@@ -27,7 +27,7 @@ fn highest_fd() -> u64 {
 async fn accept_backs_off_on_emfile_and_recovers() {
     let echo = echo_server().await;
     let observer = Arc::new(CountingObserver::default());
-    let server = ProxyServer::new(ServerConfig::default(), observer.clone()).unwrap();
+    let server = ProxyServer::new(server_config(), observer.clone()).unwrap();
     let addr = server
         .add_listener(ListenerConfig::new(
             "127.0.0.1:0".parse().unwrap(),

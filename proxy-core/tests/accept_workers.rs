@@ -13,7 +13,7 @@ use std::time::Duration;
 use common::*;
 use proxy_core::metrics::{RelayObserver, RouteLabels};
 use proxy_core::relay::Route;
-use proxy_core::server::{ListenerConfig, ProxyServer, ServerConfig};
+use proxy_core::server::{ListenerConfig, ProxyServer};
 use tokio::net::TcpStream;
 
 /// Counts the connections each thread opened: the observer is called on the connection's
@@ -52,7 +52,7 @@ fn listening_sockets(port: u16) -> usize {
 async fn each_worker_accepts_on_its_own_socket_and_relays_what_it_accepted() {
     let echo = echo_server().await;
     let observer = Arc::new(ThreadsObserver::default());
-    let config = ServerConfig::default().with_accept_workers(NonZeroUsize::new(2));
+    let config = server_config().with_accept_workers(NonZeroUsize::new(2));
     let server = ProxyServer::new(config, observer.clone()).unwrap();
     let bind: SocketAddr = "127.0.0.1:0".parse().unwrap();
     let addr = server
@@ -95,7 +95,7 @@ async fn each_worker_accepts_on_its_own_socket_and_relays_what_it_accepted() {
 #[tokio::test(flavor = "current_thread")]
 async fn listeners_with_workers_keep_their_port_to_themselves_within_the_server() {
     let echo = echo_server().await;
-    let config = ServerConfig::default().with_accept_workers(NonZeroUsize::new(2));
+    let config = server_config().with_accept_workers(NonZeroUsize::new(2));
     let server = ProxyServer::new(config, Arc::new(proxy_core::metrics::NoopObserver)).unwrap();
     let route = Route::new("echo", echo.addr);
     let bind: SocketAddr = "127.0.0.1:0".parse().unwrap();

@@ -11,7 +11,7 @@ use std::time::Duration;
 use common::*;
 use proxy_core::copy::CopyMode;
 use proxy_core::relay::{Ending, RelayConfig, Route};
-use proxy_core::server::{ListenerConfig, ProxyServer, ServerConfig};
+use proxy_core::server::{ListenerConfig, ProxyServer};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
@@ -33,7 +33,7 @@ async fn ten_thousand_connections_leave_no_descriptor_behind() {
     raise_fd_limit();
     let echo = echo_server().await;
     let observer = Arc::new(CountingObserver::default());
-    let server = ProxyServer::new(ServerConfig::default(), observer.clone()).unwrap();
+    let server = ProxyServer::new(server_config(), observer.clone()).unwrap();
     let mut listeners = Vec::new();
     for mode in [CopyMode::Splice, CopyMode::Buffered] {
         let relay = RelayConfig::default().with_copy_mode(mode);

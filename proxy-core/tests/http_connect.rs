@@ -2,6 +2,8 @@
 //! and against scripted proxies for the byte-exact edges of the answer.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod common;
+
 use std::net::{Ipv4Addr, SocketAddr};
 use std::sync::Arc;
 use std::time::Duration;
@@ -11,7 +13,7 @@ use proxy_core::ConnectError;
 use proxy_core::http_connect::{HttpConnectError, HttpProxy};
 use proxy_core::metrics::PrometheusObserver;
 use proxy_core::relay::Route;
-use proxy_core::server::{ListenerConfig, ProxyServer, ServerConfig};
+use proxy_core::server::{ListenerConfig, ProxyServer};
 use proxy_core::testing::{Tinyproxy, TinyproxyConfig, echo_server};
 use proxy_core::upstream::{TargetAddr, Upstream};
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
@@ -195,7 +197,7 @@ async fn a_relay_route_reaches_its_upstream_through_tinyproxy() {
     assert_eq!(upstream.describe(), format!("{echo} via {}", tiny.url()));
     let mut registry = Registry::default();
     let observer = Arc::new(PrometheusObserver::register(&mut registry));
-    let server = ProxyServer::new(ServerConfig::default(), observer).unwrap();
+    let server = ProxyServer::new(common::server_config(), observer).unwrap();
     let front = server
         .add_listener(ListenerConfig::new(
             SocketAddr::from((Ipv4Addr::LOCALHOST, 0)),

@@ -10,14 +10,14 @@ use std::time::Duration;
 use common::*;
 use proxy_core::copy::CopyMode;
 use proxy_core::relay::{Ending, RelayConfig, Route};
-use proxy_core::server::{ListenerConfig, ProxyServer, ServerConfig};
+use proxy_core::server::{ListenerConfig, ProxyServer};
 use tokio::net::TcpStream;
 
 async fn concurrent_transfers(mode: CopyMode) {
     raise_fd_limit();
     let echo = echo_server().await;
     let observer = Arc::new(CountingObserver::default());
-    let server = ProxyServer::new(ServerConfig::default(), observer.clone()).unwrap();
+    let server = ProxyServer::new(server_config(), observer.clone()).unwrap();
     let relay = RelayConfig::default().with_copy_mode(mode);
     let route = Route::new("echo", echo.addr);
     let addr = server

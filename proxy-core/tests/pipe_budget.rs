@@ -24,7 +24,7 @@ use common::*;
 use proxy_core::copy::CopyMode;
 use proxy_core::metrics::NoopObserver;
 use proxy_core::relay::{RelayConfig, Route};
-use proxy_core::server::{ListenerConfig, ProxyServer, ServerConfig};
+use proxy_core::server::{ListenerConfig, ProxyServer};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
@@ -206,7 +206,7 @@ fn relay_child(upstream: SocketAddr) {
         .build()
         .unwrap();
     let _guard = runtime.enter();
-    let server = ProxyServer::new(ServerConfig::default(), Arc::new(NoopObserver)).unwrap();
+    let server = ProxyServer::new(server_config(), Arc::new(NoopObserver)).unwrap();
     let mut addrs = Vec::new();
     for mode in [CopyMode::Splice, CopyMode::Buffered] {
         let relay = RelayConfig::default().with_copy_mode(mode);

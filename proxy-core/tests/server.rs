@@ -14,9 +14,7 @@ use prometheus_client::registry::Registry;
 use proxy_core::copy::CopyMode;
 use proxy_core::metrics::{NoopObserver, PrometheusObserver};
 use proxy_core::relay::{Ending, RelayConfig, Route};
-use proxy_core::server::{
-    ExistingConnections, ListenerConfig, PortRange, ProxyServer, ServerConfig,
-};
+use proxy_core::server::{ExistingConnections, ListenerConfig, PortRange, ProxyServer};
 use proxy_core::upstream::{HealthCheck, TargetAddr, Upstream, UpstreamSet};
 use proxy_core::{ConfigError, ConnectError, ServerError};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -27,7 +25,7 @@ fn loopback() -> SocketAddr {
 }
 
 fn server_with(observer: Arc<CountingObserver>) -> ProxyServer {
-    let config = ServerConfig::default().with_report_interval(Duration::from_millis(50));
+    let config = server_config().with_report_interval(Duration::from_millis(50));
     ProxyServer::new(config, observer).unwrap()
 }
 
@@ -148,7 +146,7 @@ async fn drain_closes_answered_idle_connections_and_waits_for_pending_answers() 
     let answer_delay = Duration::from_secs(2);
     let upstream = slow_echo(answer_delay).await;
     let observer = Arc::new(CountingObserver::default());
-    let config = ServerConfig::default()
+    let config = server_config()
         .with_report_interval(Duration::from_millis(50))
         .with_drain_idle(Duration::from_millis(20));
     let server = ProxyServer::new(config, observer).unwrap();
@@ -202,7 +200,7 @@ async fn drain_closes_answered_idle_connections_and_waits_for_pending_answers() 
 
 #[test]
 fn a_zero_drain_idle_is_refused() {
-    let config = ServerConfig::default().with_drain_idle(Duration::ZERO);
+    let config = server_config().with_drain_idle(Duration::ZERO);
     assert!(matches!(
         ProxyServer::new(config, Arc::new(NoopObserver)),
         Err(ConfigError::Zero { .. })
@@ -330,7 +328,7 @@ async fn connection_limit_rejects_the_excess_and_frees_slots() {
 async fn refused_upstream_closes_the_client_and_is_counted_in_prometheus() {
     let mut registry = Registry::default();
     let metrics = Arc::new(PrometheusObserver::register(&mut registry));
-    let server = ProxyServer::new(ServerConfig::default(), metrics).unwrap();
+    let server = ProxyServer::new(server_config(), metrics).unwrap();
     let addr = server
         .add_listener(ListenerConfig::new(
             loopback(),
@@ -434,7 +432,7 @@ async fn upstream_set_round_robins_and_fails_over() {
     let (b, _tb) = named_backend(b'b').await;
     let down = closed_port().await;
     let set = UpstreamSet::new(vec![a.into(), down.into(), b.into()]).unwrap();
-    let server = ProxyServer::new(ServerConfig::default(), Arc::new(NoopObserver)).unwrap();
+    let server = ProxyServer::new(server_config(), Arc::new(NoopObserver)).unwrap();
     let addr = server
         .add_listener(ListenerConfig::new(
             loopback(),
@@ -491,7 +489,7 @@ async fn health_checks_mark_targets_down_and_up_and_report_none_healthy() {
 #[tokio::test]
 async fn listeners_are_added_listed_and_removed() {
     let echo = echo_server().await;
-    let server = ProxyServer::new(ServerConfig::default(), Arc::new(NoopObserver)).unwrap();
+    let server = ProxyServer::new(server_config(), Arc::new(NoopObserver)).unwrap();
     let a = server
         .add_listener(ListenerConfig::new(loopback(), Route::new("a", echo.addr)))
         .unwrap();
@@ -545,7 +543,7 @@ async fn listeners_are_added_listed_and_removed() {
 #[tokio::test]
 async fn listener_in_range_takes_the_first_free_port() {
     let echo = echo_server().await;
-    let server = ProxyServer::new(ServerConfig::default(), Arc::new(NoopObserver)).unwrap();
+    let server = ProxyServer::new(server_config(), Arc::new(NoopObserver)).unwrap();
     // Find two adjacent free ports and occupy the first.
     let (taken, range) = loop {
         let probe = TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -569,7 +567,7 @@ async fn listener_in_range_takes_the_first_free_port() {
 
 #[tokio::test]
 async fn impossible_configurations_are_typed_errors() {
-    let server = ProxyServer::new(ServerConfig::default(), Arc::new(NoopObserver)).unwrap();
+    let server = ProxyServer::new(server_config(), Arc::new(NoopObserver)).unwrap();
     let route = Route::new("r", closed_port().await);
     let zero_limit = ListenerConfig::new(loopback(), route.clone()).with_max_connections(Some(0));
     assert!(matches!(

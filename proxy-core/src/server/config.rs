@@ -44,11 +44,73 @@ pub struct ServerConfig {
     /// last handle is dropped. Caveat of `SO_REUSEPORT`: another process of the same user that
     /// also sets it can bind the same address and take a share of the connections.
     pub accept_workers: Option<NonZeroUsize>,
+    /// What relays the connections of listeners without an accept layer: a tokio task each
+    /// (the default), or connection state machines on event loops of the server's own (Linux).
+    pub data_path: DataPath,
+}
+
+/// What relays a listener's plain TCP connections (listeners with an
+/// [accept layer](crate::accept) always use tokio tasks).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum DataPath {
+    /// The event loops on Linux, tokio tasks elsewhere.
+    Auto,
+    /// Linux only: each connection a state machine on one of the server's event-loop threads
+    /// (one per accept worker, or one): edge-triggered epoll, a pipe or the thread's scratch
+    /// buffer for the bytes, a coarse timer wheel for its timeouts. Routes whose upstream is
+    /// not a single socket address (host names, sets, connectors, HTTP proxies) are relayed by
+    /// a tokio task, per connection.
+    EventLoop,
+    /// A tokio task per connection, on the caller's runtime or the accept workers' runtimes.
+    #[default]
+    Tokio,
+}
+
+impl DataPath {
+    /// Whether plain listeners use the event loops on this system.
+    pub fn uses_event_loop(self) -> bool {
+        match self {
+            DataPath::Auto | DataPath::EventLoop => cfg!(target_os = "linux"),
+            DataPath::Tokio => false,
+        }
+    }
+
+    /// The name [`FromStr`] parses: `auto`, `event-loop` or `tokio`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DataPath::Auto => "auto",
+            DataPath::EventLoop => "event-loop",
+            DataPath::Tokio => "tokio",
+        }
+    }
+}
+
+impl FromStr for DataPath {
+    type Err = ConfigError;
+
+    /// Parses `auto`, `event-loop` or `tokio`.
+    fn from_str(input: &str) -> Result<Self, Self::Err> {
+        match input.trim() {
+            "auto" => Ok(DataPath::Auto),
+            "event-loop" => Ok(DataPath::EventLoop),
+            "tokio" => Ok(DataPath::Tokio),
+            _ => Err(ConfigError::InvalidDataPath {
+                input: input.to_owned(),
+            }),
+        }
+    }
+}
+
+impl fmt::Display for DataPath {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
 }
 
 impl Default for ServerConfig {
     /// Reports every 10 s, backlog 1024, accept backoff up to 1 s, accepts on the caller's
-    /// runtime.
+    /// runtime, a tokio task per connection.
     fn default() -> Self {
         Self {
             report_interval: Duration::from_secs(10),
@@ -56,6 +118,7 @@ impl Default for ServerConfig {
             accept_backoff_max: Duration::from_secs(1),
             drain_idle: None,
             accept_workers: None,
+            data_path: DataPath::Tokio,
         }
     }
 }
@@ -84,8 +147,20 @@ impl ServerConfig {
         self
     }
 
-    /// Rejects zero values.
+    /// Sets the data path (see [`ServerConfig::data_path`]).
+    #[must_use]
+    pub fn with_data_path(mut self, data_path: DataPath) -> Self {
+        self.data_path = data_path;
+        self
+    }
+
+    /// Rejects zero values, and the event-loop data path where it does not exist.
     pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.data_path == DataPath::EventLoop && !cfg!(target_os = "linux") {
+            return Err(ConfigError::Inconsistent(
+                "the event-loop data path exists on Linux only",
+            ));
+        }
         if self.drain_idle.is_some_and(|idle| idle.is_zero()) {
             return Err(ConfigError::Zero {
                 what: "drain idle time",

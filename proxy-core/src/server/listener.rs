@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::io;
 use std::net::SocketAddr;
 use std::pin::pin;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
@@ -35,6 +35,9 @@ pub(super) struct ServerShared {
     /// The accept workers' runtimes, started with the first listener when the configuration
     /// asks for them; empty otherwise.
     pub(super) workers: Mutex<Vec<tokio::runtime::Handle>>,
+    /// The event loops, started with the first listener on that path.
+    #[cfg(target_os = "linux")]
+    pub(super) event_loops: Mutex<Option<Arc<super::event_loop::EventLoops>>>,
 }
 
 pub(super) struct ListenerShared {
@@ -51,8 +54,18 @@ pub(super) struct ListenerShared {
     pub(super) connection_tasks: TaskTracker,
     pub(super) connections: Mutex<HashMap<u64, Arc<Live>>>,
     pub(super) limit: Option<Arc<Semaphore>>,
-    /// The accept loops: one, or one per accept worker.
+    /// The accept loops: one, or one per accept worker; on the event-loop path, the task that
+    /// closes the loops' listening sockets when accepting stops.
     pub(super) accept_tasks: Mutex<Vec<JoinHandle<()>>>,
+    /// The event loops relaying this listener's connections, on that path.
+    #[cfg(target_os = "linux")]
+    pub(super) event_loops: Option<Arc<super::event_loop::EventLoops>>,
+    /// Connections the event loops relay now (the tokio path lists its own in `connections`).
+    pub(super) loop_connections: AtomicUsize,
+    /// Connections the event loops closed during a drain as answered and idle.
+    pub(super) loop_closed_idle: AtomicUsize,
+    /// While draining with an idle limit, that limit in milliseconds; 0 otherwise.
+    pub(super) drain_idle_ms: AtomicU64,
 }
 
 /// One open connection as its listener lists it: shared by the connection's task, the
@@ -123,12 +136,26 @@ impl ActiveRoute {
 }
 
 impl ListenerShared {
+    /// The idle limit of a running drain, for the event loops' connections.
+    pub(super) fn drain_idle(&self) -> Option<Duration> {
+        match self.drain_idle_ms.load(Ordering::Relaxed) {
+            0 => None,
+            ms => Some(Duration::from_millis(ms)),
+        }
+    }
+
     pub(super) async fn drain(&self, deadline: Duration, idle: Option<Duration>) -> DrainReport {
         self.stop_accepting.cancel();
         let accept_tasks = std::mem::take(&mut *lock(&self.accept_tasks));
         for task in accept_tasks {
             // The task ends by itself once cancelled; a panic in it has been logged already.
             let _ = task.await;
+        }
+        #[cfg(target_os = "linux")]
+        if let (Some(idle), Some(loops)) = (idle, &self.event_loops) {
+            let ms = u64::try_from(idle.as_millis()).unwrap_or(u64::MAX).max(1);
+            self.drain_idle_ms.store(ms, Ordering::Relaxed);
+            loops.drain_idle();
         }
         let in_flight = self.connection_tasks.len();
         self.connection_tasks.close();
@@ -153,6 +180,7 @@ impl ListenerShared {
             self.connection_tasks.wait().await;
             remaining
         };
+        let closed_idle = closed_idle + self.loop_closed_idle.load(Ordering::Relaxed);
         tracing::info!(listener = %self.local_addr, in_flight, closed_idle, forced, "listener drained");
         DrainReport {
             finished: in_flight.saturating_sub(forced + closed_idle),

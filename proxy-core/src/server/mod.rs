@@ -23,7 +23,7 @@ use std::collections::HashMap;
 use std::fmt;
 use std::io;
 use std::net::{IpAddr, SocketAddr};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -39,12 +39,14 @@ use crate::relay::Route;
 use crate::socket;
 
 mod config;
+#[cfg(target_os = "linux")]
+mod event_loop;
 mod listener;
 mod workers;
 
 pub use config::{
-    ConnectionStatus, DrainReport, ExistingConnections, ListenerConfig, ListenerStatus, PortRange,
-    ServerConfig,
+    ConnectionStatus, DataPath, DrainReport, ExistingConnections, ListenerConfig, ListenerStatus,
+    PortRange, ServerConfig,
 };
 use listener::{ActiveRoute, ListenerShared, ServerShared, accept_loop, lock, report_bytes};
 
@@ -120,6 +122,8 @@ impl ProxyServer {
                 closing: AtomicBool::new(false),
                 next_connection_id: AtomicU64::new(0),
                 workers: Mutex::new(Vec::new()),
+                #[cfg(target_os = "linux")]
+                event_loops: Mutex::new(None),
             }),
         })
     }
@@ -143,6 +147,10 @@ impl ProxyServer {
                 .find(|taken| overlap(**taken, config.bind))
         {
             return Err(ServerError::ListenerExists(*taken));
+        }
+        #[cfg(target_os = "linux")]
+        if config.acceptor.is_none() && shared.config.data_path.uses_event_loop() {
+            return self.add_loop_listener(config);
         }
         let sockets = self.bind_sockets(config.bind)?;
         let local_addr = sockets[0]
@@ -177,6 +185,11 @@ impl ProxyServer {
                 .max_connections
                 .map(|limit| Arc::new(Semaphore::new(limit))),
             accept_tasks: Mutex::new(Vec::new()),
+            #[cfg(target_os = "linux")]
+            event_loops: None,
+            loop_connections: AtomicUsize::new(0),
+            loop_closed_idle: AtomicUsize::new(0),
+            drain_idle_ms: AtomicU64::new(0),
         });
         {
             // Registered and started under one lock, so a concurrent removal always finds the
@@ -306,7 +319,8 @@ impl ProxyServer {
                     local_addr: state.local_addr,
                     route: route.route.name.clone(),
                     upstream: route.route.upstream.describe(),
-                    active_connections: lock(&state.connections).len(),
+                    active_connections: lock(&state.connections).len()
+                        + state.loop_connections.load(Ordering::Relaxed),
                 }
             })
             .collect();
@@ -314,15 +328,112 @@ impl ProxyServer {
         statuses
     }
 
-    /// The open connections of `listener`, sorted by id, with live counters.
+    /// The open connections of `listener`, sorted by id, with live counters. On the event-loop
+    /// data path this asks each loop for its list and waits for the answers (one turn of each
+    /// loop).
     pub fn connections(&self, listener: SocketAddr) -> Result<Vec<ConnectionStatus>, ServerError> {
         let state = self.listener(listener)?;
         let mut connections: Vec<_> = lock(&state.connections)
             .values()
             .map(|live| live.status())
             .collect();
+        #[cfg(target_os = "linux")]
+        if let Some(loops) = &state.event_loops {
+            connections.append(&mut loops.connections(state.local_addr));
+        }
         connections.sort_by_key(|c| c.id);
         Ok(connections)
+    }
+
+    /// Adds a listener whose connections the event loops relay: one listening socket per loop
+    /// (with `SO_REUSEPORT` when there are several), a task that closes them when accepting
+    /// stops, and the byte reporter for connections handed to the tokio path.
+    #[cfg(target_os = "linux")]
+    fn add_loop_listener(&self, config: ListenerConfig) -> Result<SocketAddr, ServerError> {
+        let shared = &self.shared;
+        let runtime = Handle::current();
+        let loops = self.event_loops()?;
+        let backlog = shared.config.backlog;
+        let bind_error = |cause| ServerError::Bind {
+            addr: config.bind,
+            cause,
+        };
+        let mut sockets = Vec::with_capacity(loops.len());
+        let mut next = config.bind;
+        let mut client_options_inherited = true;
+        for _ in 0..loops.len() {
+            let listener =
+                socket::bind_listener_with(next, backlog, loops.len() > 1).map_err(bind_error)?;
+            next = listener.local_addr().map_err(bind_error)?;
+            // Set once on the listener: accepted sockets inherit them.
+            client_options_inherited &= config.relay.socket.apply_to_listener(&listener);
+            sockets.push(listener.into_std().map_err(bind_error)?);
+        }
+        let local_addr = next;
+        let close_connections = shared.shutdown.child_token();
+        let state = Arc::new(ListenerShared {
+            local_addr,
+            relay: config.relay,
+            client_options_inherited,
+            acceptor: None,
+            route: Mutex::new(Arc::new(ActiveRoute::new(
+                config.route,
+                local_addr,
+                &close_connections,
+            ))),
+            stop_accepting: shared.shutdown.child_token(),
+            close_connections,
+            connection_tasks: TaskTracker::new(),
+            connections: Mutex::new(HashMap::new()),
+            limit: config
+                .max_connections
+                .map(|limit| Arc::new(Semaphore::new(limit))),
+            accept_tasks: Mutex::new(Vec::new()),
+            event_loops: Some(Arc::clone(&loops)),
+            loop_connections: AtomicUsize::new(0),
+            loop_closed_idle: AtomicUsize::new(0),
+            drain_idle_ms: AtomicU64::new(0),
+        });
+        {
+            let mut listeners = lock(&shared.listeners);
+            if listeners.contains_key(&local_addr) {
+                return Err(ServerError::ListenerExists(local_addr));
+            }
+            for (index, socket) in sockets.into_iter().enumerate() {
+                loops.listen(index, socket, Arc::clone(&state), runtime.clone());
+            }
+            let stop = state.stop_accepting.clone();
+            let unlisten = shared.tracker.track_future(async move {
+                stop.cancelled().await;
+                loops.unlisten(local_addr).await;
+            });
+            lock(&state.accept_tasks).push(tokio::spawn(unlisten));
+            shared
+                .tracker
+                .spawn(report_bytes(Arc::clone(&state), Arc::clone(shared)));
+            listeners.insert(local_addr, Arc::clone(&state));
+        }
+        tracing::info!(listener = %local_addr, route = %lock(&state.route).route.name, data_path = "event-loop", "listening");
+        Ok(local_addr)
+    }
+
+    /// The event loops, started on first use: one per accept worker, or one.
+    #[cfg(target_os = "linux")]
+    fn event_loops(&self) -> Result<Arc<event_loop::EventLoops>, ServerError> {
+        let mut loops = lock(&self.shared.event_loops);
+        if let Some(loops) = &*loops {
+            return Ok(Arc::clone(loops));
+        }
+        let count = self
+            .shared
+            .config
+            .accept_workers
+            .unwrap_or(std::num::NonZeroUsize::MIN);
+        let started = Arc::new(
+            event_loop::EventLoops::start(count, &self.shared).map_err(ServerError::Workers)?,
+        );
+        *loops = Some(Arc::clone(&started));
+        Ok(started)
     }
 
     /// The listening sockets for `addr`: one on the caller's runtime, or one per accept worker,

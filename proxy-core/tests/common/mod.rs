@@ -11,6 +11,7 @@ use proxy_core::ConnectError;
 use proxy_core::copy::{CopyMode, Direction, RelayCounters};
 use proxy_core::metrics::{RelayObserver, RouteLabels};
 use proxy_core::relay::{self, Ending, RelayConfig, RelaySummary, Route};
+use proxy_core::server::{DataPath, ServerConfig};
 use rand::{Rng, RngCore};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -18,6 +19,26 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 pub const MODES: [CopyMode; 2] = [CopyMode::Buffered, CopyMode::Splice];
+
+/// Names the data path the server tests run on: `tokio`, `event-loop` or `auto`; unset, the
+/// default. Run the suite once per path to cover both.
+pub const DATA_PATH_VAR: &str = "PROXY_CORE_TEST_DATA_PATH";
+
+/// The data path of this test run (see [`DATA_PATH_VAR`]).
+pub fn data_path() -> DataPath {
+    match std::env::var(DATA_PATH_VAR) {
+        Ok(path) => path
+            .parse()
+            .unwrap_or_else(|e| panic!("{DATA_PATH_VAR}: {e}")),
+        Err(_) => ServerConfig::default().data_path,
+    }
+}
+
+/// The server configuration every server test starts from: the default, on this run's data
+/// path.
+pub fn server_config() -> ServerConfig {
+    ServerConfig::default().with_data_path(data_path())
+}
 
 /// Raises the soft descriptor limit to the hard one: 1 000 relayed connections need ~8 000.
 pub fn raise_fd_limit() {
