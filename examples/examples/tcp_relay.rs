@@ -16,7 +16,7 @@ use prometheus_client::registry::Registry;
 use proxy_core::copy::CopyMode;
 use proxy_core::metrics::PrometheusObserver;
 use proxy_core::relay::{RelayConfig, Route};
-use proxy_core::server::{ListenerConfig, ProxyServer, ServerConfig};
+use proxy_core::server::{DataPath, ListenerConfig, ProxyServer, ServerConfig};
 use proxy_core::socket::{Keepalive, SocketOptions};
 use proxy_core::upstream::Upstream;
 
@@ -74,6 +74,11 @@ struct Args {
     /// one listener.
     #[arg(long, requires = "threads")]
     listener_per_thread: bool,
+    /// What relays the connections: `tokio` (a task each), `event-loop` (Linux: connection
+    /// state machines on event-loop threads of the server's own, as many as --threads with
+    /// --listener-per-thread, else one) or `auto`.
+    #[arg(long, default_value = "tokio")]
+    data_path: DataPath,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -133,7 +138,9 @@ async fn relay(args: Args) -> anyhow::Result<()> {
         })
         .flatten();
     let server = ProxyServer::new(
-        ServerConfig::default().with_accept_workers(workers),
+        ServerConfig::default()
+            .with_accept_workers(workers)
+            .with_data_path(args.data_path),
         metrics,
     )?;
     let bound = server.add_listener(listener)?;
