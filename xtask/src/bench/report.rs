@@ -189,7 +189,7 @@ pub fn verdict_of_rounds(ratios: &[f64], bound: Bound) -> Verdict {
 }
 
 /// How verdicts are reached, for the head of every report.
-pub const VERDICT_RULE: &str = "Verdicts: a goal that compares two contenders is judged on the per-round paired ratios (round i of one over round i of the other; a round runs every contender back to back in a random order): met when the bound holds in every round, i.e. even at the unfavourable end of the spread; missed when it fails in every round, even at the favourable end; within noise when some rounds hold and others fail. The measured column gives the median paired ratio with its min–max over rounds. A goal on one contender's own figure is met or missed on its median.";
+pub const VERDICT_RULE: &str = "Verdicts: a goal that compares two contenders is judged on the per-round paired ratios (round i of one over round i of the other; a round runs every contender back to back in a random order): met when the bound holds in every round, i.e. even at the unfavourable end of the spread; missed when it fails in every round, even at the favourable end; within noise when some rounds hold and others fail. The measured column gives the median paired ratio with its min–max over rounds (n: rounds paired). Were the true ratio exactly at the bound, all n rounds would fall on one side by chance with probability 2 x 2^-n (1 in 16 at 5 rounds, a sure thing at 1), so met and missed mean something from 5 rounds on; fewer rounds make a smoke run. A goal on one contender's own figure is met or missed on its median.";
 
 /// A goal and how this run came out against it.
 #[derive(Serialize, Clone)]
