@@ -430,7 +430,7 @@ async fn a_hung_api_server_is_noticed_the_tunnel_serves_and_it_converges() {
         }
         if noticed.is_none()
             && leader_gauge(
-                &manager.health,
+                &manager.metrics,
                 rstream_operator::manager::TUNNEL_CONTROLLER,
             )
             .await

@@ -221,7 +221,7 @@ async fn the_other_manager_takes_over_when_the_leader_is_killed() {
     )
     .await;
     wait_for("the standby reports it follows", WAIT, || async {
-        (leader_gauge(&b.health, rstream_operator::manager::TUNNEL_CONTROLLER).await == Some(0))
+        (leader_gauge(&b.metrics, rstream_operator::manager::TUNNEL_CONTROLLER).await == Some(0))
             .then_some(())
     })
     .await;

@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use clap::{Parser, ValueEnum};
 use k8s_reconcile::app::{
-    ClientArgs, LogArgs, OpsBindFailure, OptionalListenAddr, parse_duration, parse_listen_addr,
-    parse_optional_listen_addr, parse_positive_duration, validate_dns_label,
+    ClientArgs, LogArgs, MetricsArgs, OpsBindFailure, OptionalListenAddr, parse_duration,
+    parse_listen_addr, parse_optional_listen_addr, parse_positive_duration, validate_dns_label,
 };
 use proxy_core::http_connect::HttpProxy;
 use proxy_core::upstream::Upstream;
@@ -25,7 +25,10 @@ const MAX_THREADS: usize = 1024;
     version,
     about = "Points the tenant cluster's `kubernetes` EndpointSlice at this proxy and relays TCP to the real API server",
     mut_arg("log_format", |a| a.env("STEWARD_LOG_FORMAT")),
-    mut_arg("log_level", |a| a.env("STEWARD_LOG_LEVEL"))
+    mut_arg("log_level", |a| a.env("STEWARD_LOG_LEVEL")),
+    mut_arg("metrics_secure", |a| a.env("STEWARD_METRICS_SECURE")),
+    mut_arg("metrics_cert_file", |a| a.env("STEWARD_METRICS_CERT_FILE")),
+    mut_arg("metrics_key_file", |a| a.env("STEWARD_METRICS_KEY_FILE"))
 )]
 pub struct Args {
     /// Address to accept relayed connections on. `:6443` means every interface of both families,
@@ -73,13 +76,18 @@ pub struct Args {
     #[command(flatten)]
     pub client: ClientArgs,
 
-    /// Address of `/healthz` and `/readyz` (also `/metrics`); "0" turns it off.
+    /// Address of `/healthz` and `/readyz`, open to anyone (the kubelet's probes); "0" turns it
+    /// off.
     #[arg(long, env = "STEWARD_HEALTH_ADDR", default_value = ":8080", value_parser = parse_optional_listen_addr)]
     pub health_addr: OptionalListenAddr,
 
-    /// Address of `/metrics` (also `/healthz`, `/readyz`); "0" turns it off.
+    /// Address of `/metrics` (HTTPS with a token unless --metrics-secure=false); "0" turns it
+    /// off.
     #[arg(long, env = "STEWARD_METRICS_ADDR", default_value = ":9090", value_parser = parse_optional_listen_addr)]
     pub metrics_addr: OptionalListenAddr,
+
+    #[command(flatten)]
+    pub metrics: MetricsArgs,
 
     /// What a taken --health-addr or --metrics-addr port does: `log` (warn, count it in
     /// `steward_tcp_proxy_ops_listeners_unbound` and relay without that server: a hostNetwork Pod
@@ -199,6 +207,16 @@ impl Args {
         {
             return Err(format!("--threads {threads} is more than {MAX_THREADS}"));
         }
+        if self.metrics.metrics_secure
+            && self.health_addr.is_some()
+            && self.health_addr == self.metrics_addr
+        {
+            // The kubelet's plain-HTTP probes would meet the metrics server's TLS.
+            return Err(
+                "--health-addr and --metrics-addr are the same address; with --metrics-secure they must differ"
+                    .to_owned(),
+            );
+        }
         for (flag, addr) in [
             ("--health-addr", self.health_addr),
             ("--metrics-addr", self.metrics_addr),
@@ -247,6 +265,7 @@ mod tests {
         assert_eq!(args.reconcile_interval, Duration::from_secs(30));
         assert_eq!(args.service_namespace, "kube-system");
         assert_eq!(args.threads, None);
+        assert!(args.metrics.metrics_secure, "metrics are secure by default");
         assert!(args.validate().is_ok());
         let args = parse(&["--upstream-addr", "h:1", "--threads", "1"]).unwrap();
         assert_eq!(args.threads.map(NonZeroUsize::get), Some(1));
@@ -337,6 +356,11 @@ mod tests {
         );
         let args = parse(&["--upstream-addr", "h:1", "--threads", "1024"]).unwrap();
         assert!(args.validate().is_ok());
+        let same = ["--upstream-addr=h:1", "--health-addr=:9090"];
+        assert!(parse(&same).unwrap().validate().is_err());
+        let plain = parse(&[same[0], same[1], "--metrics-secure=false"]).unwrap();
+        assert!(!plain.metrics.metrics_secure);
+        assert!(plain.validate().is_ok());
     }
 
     #[test]

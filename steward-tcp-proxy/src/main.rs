@@ -3,7 +3,8 @@
 //!
 //! It keeps the `default/kubernetes` EndpointSlices and Endpoints pointing at itself
 //! ([`endpoints`]) and relays every connection to the real API server ([`relay`]). Operations:
-//! `/healthz`, `/readyz` (upstream dialable, endpoints correct, not shutting down), `/metrics`,
+//! `/healthz`, `/readyz` (upstream dialable, endpoints correct, not shutting down), `/metrics`
+//! (over HTTPS behind TokenReview and SubjectAccessReview unless `--metrics-secure=false`),
 //! leader election, and a drain on SIGTERM.
 
 #![cfg_attr(test, allow(clippy::unwrap_used, clippy::expect_used))]
@@ -67,8 +68,16 @@ async fn run(args: Args) -> anyhow::Result<()> {
     builder
         .health()
         .set(UPSTREAM_CHECK, false, "not checked yet");
+    // Made before the servers start: the secure metrics server reviews tokens through it.
+    let client = args
+        .client
+        .client()
+        .await
+        .context("for a local control plane, see `cargo xtask cluster`")?;
+    let metrics_access = args.metrics.access(&client)?;
     let app = builder
-        .serve_ops([args.health_addr, args.metrics_addr].into_iter().flatten())
+        .serve_health(args.health_addr)
+        .serve_metrics(args.metrics_addr, metrics_access)
         .ops_bind_failure(args.ops_bind_failure)
         .start()
         .await?;
@@ -102,11 +111,6 @@ async fn run(args: Args) -> anyhow::Result<()> {
         shutdown.clone(),
     );
 
-    let client = args
-        .client
-        .client()
-        .await
-        .context("for a local control plane, see `cargo xtask cluster`")?;
     let controller = endpoints_controller(
         &args,
         client,

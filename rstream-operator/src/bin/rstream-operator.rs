@@ -4,7 +4,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::Parser;
-use k8s_reconcile::app::{self, App, ClientArgs, LogArgs};
+use k8s_reconcile::app::{self, App, ClientArgs, LogArgs, MetricsArgs};
 use k8s_reconcile::metrics::ControllerMetrics;
 use rstream_operator::manager::{self, ManagerOptions};
 
@@ -21,13 +21,16 @@ const DEFAULT_AGENT_IMAGE: &str = concat!(
     name = "rstream-operator",
     version,
     mut_arg("log_format", |a| a.env("RSTREAM_LOG_FORMAT")),
-    mut_arg("log_level", |a| a.env("RSTREAM_LOG_LEVEL"))
+    mut_arg("log_level", |a| a.env("RSTREAM_LOG_LEVEL")),
+    mut_arg("metrics_secure", |a| a.env("RSTREAM_METRICS_SECURE")),
+    mut_arg("metrics_cert_file", |a| a.env("RSTREAM_METRICS_CERT_FILE")),
+    mut_arg("metrics_key_file", |a| a.env("RSTREAM_METRICS_KEY_FILE"))
 )]
 struct Args {
-    /// Address of /metrics (also /healthz, /readyz); "0" disables it.
+    /// Address of /metrics (HTTPS with a token unless --metrics-secure=false); "0" disables it.
     #[arg(long, env = "RSTREAM_METRICS_BIND_ADDRESS", default_value = ":8080", value_parser = app::parse_optional_listen_addr)]
     metrics_bind_address: app::OptionalListenAddr,
-    /// Address of /healthz and /readyz (also /metrics); "0" disables it.
+    /// Address of /healthz and /readyz, open to anyone (the kubelet's probes); "0" disables it.
     #[arg(
         long,
         env = "RSTREAM_HEALTH_PROBE_BIND_ADDRESS",
@@ -35,6 +38,8 @@ struct Args {
         value_parser = app::parse_optional_listen_addr
     )]
     health_probe_bind_address: app::OptionalListenAddr,
+    #[command(flatten)]
+    metrics: MetricsArgs,
     /// Run the controllers only while holding the Lease, so several replicas can run.
     #[arg(long, env = "RSTREAM_LEADER_ELECT", default_value_t = false)]
     leader_elect: bool,
@@ -75,15 +80,14 @@ fn non_empty(value: &str) -> Result<String, String> {
 async fn run(args: Args) -> anyhow::Result<()> {
     let mut builder = App::builder("rstream-operator", env!("CARGO_PKG_VERSION"));
     let metrics = ControllerMetrics::register(builder.registry());
+    // Made before the servers start: the secure metrics server reviews tokens through it.
+    let client = args.client.client().await?;
+    let metrics_access = args.metrics.access(&client)?;
     let app = builder
-        .serve_ops(
-            [args.metrics_bind_address, args.health_probe_bind_address]
-                .into_iter()
-                .flatten(),
-        )
+        .serve_health(args.health_probe_bind_address)
+        .serve_metrics(args.metrics_bind_address, metrics_access)
         .start()
         .await?;
-    let client = args.client.client().await?;
 
     let leader_election = args.leader_elect.then(|| {
         let namespace = (args.leader_election_namespace.clone())
@@ -160,12 +164,17 @@ mod tests {
         assert_eq!(args.metrics_bind_address, None, "0 turns the listener off");
         assert_eq!(args.health_probe_bind_address.map(|a| a.port()), Some(8081));
         assert_eq!(args.resync_period, Duration::from_secs(90));
+        assert!(args.metrics.metrics_secure, "metrics are secure by default");
+        let args = parse(&["--metrics-secure=false"]).unwrap();
+        assert!(!args.metrics.metrics_secure);
         for bad in [
             &["--metrics-bind-address=nonsense"][..],
             &["--resync-period=30"],
             &["--resync-period=0s"],
             &["--agent-image= "],
             &["--log-level=loud"],
+            &["--metrics-secure=maybe"],
+            &["--metrics-cert-file=/tls.crt"],
         ] {
             let err = parse(bad).map(|_| ()).unwrap_err();
             // clap's usage errors exit with 2, as every binary's bad flags do.

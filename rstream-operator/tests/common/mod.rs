@@ -351,12 +351,20 @@ pub struct Process {
     child: Option<proxy_core::testing::KillOnDrop>,
     /// Where it writes stdout and stderr.
     pub log: std::path::PathBuf,
-    /// Its /metrics, /healthz and /readyz address.
+    /// Its /healthz and /readyz address.
     pub health: String,
+    /// Its /metrics address (plain HTTP: the manager runs with `--metrics-secure=false`, as
+    /// these tests are not about who may scrape).
+    pub metrics: String,
 }
 
 impl Process {
-    fn spawn(cmd: &mut std::process::Command, log: std::path::PathBuf, health: String) -> Self {
+    fn spawn(
+        cmd: &mut std::process::Command,
+        log: std::path::PathBuf,
+        health: String,
+        metrics: String,
+    ) -> Self {
         let file = std::fs::File::create(&log).unwrap();
         cmd.stdout(file.try_clone().unwrap()).stderr(file);
         let child = proxy_core::testing::KillOnDrop::spawn(cmd).unwrap();
@@ -364,6 +372,7 @@ impl Process {
             child: Some(child),
             log,
             health,
+            metrics,
         }
     }
 
@@ -377,6 +386,7 @@ impl Process {
         extra: &[&str],
     ) -> Self {
         let health = format!("127.0.0.1:{}", free_port());
+        let metrics = format!("127.0.0.1:{}", free_port());
         let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_rstream-operator"));
         cmd.env("KUBECONFIG", kubeconfig)
             .env("POD_NAME", identity)
@@ -386,7 +396,8 @@ impl Process {
                 "--leader-election-namespace",
                 ns,
                 "--metrics-bind-address",
-                "0",
+                &metrics,
+                "--metrics-secure=false",
                 "--health-probe-bind-address",
                 &health,
                 "--agent-image",
@@ -399,12 +410,13 @@ impl Process {
             &mut cmd,
             dir.join(format!("manager-{identity}.log")),
             health,
+            metrics,
         )
     }
 
     /// Whether it leads the tunnels' controller (its leader gauge).
     pub async fn leads(&self) -> bool {
-        leader_gauge(&self.health, manager::TUNNEL_CONTROLLER).await == Some(1)
+        leader_gauge(&self.metrics, manager::TUNNEL_CONTROLLER).await == Some(1)
     }
 
     pub fn logs(&self) -> String {
@@ -559,7 +571,13 @@ impl Live {
             .arg(format!("--health-bind-address={health}"))
             .arg(format!("--target-override={server}"))
             .arg(format!("--ca-file={}", ca.display()));
-        Process::spawn(&mut cmd, self.dir.path().join(format!("{pod}.log")), health)
+        // The agent serves /metrics with its health, as before.
+        Process::spawn(
+            &mut cmd,
+            self.dir.path().join(format!("{pod}.log")),
+            health.clone(),
+            health,
+        )
     }
 
     /// Waits until the tunnel is online from agent `pod`; returns its ingress on the engine.

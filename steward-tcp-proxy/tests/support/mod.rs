@@ -77,6 +77,9 @@ impl Proxy {
             .env_remove("HTTPS_PROXY")
             .env_remove("https_proxy")
             .env("RUST_LOG", "info")
+            // These tests are not about who may scrape: plain HTTP to anyone (a test's flag or
+            // env entry overrides it).
+            .env("STEWARD_METRICS_SECURE", "false")
             .envs(env.iter().copied())
             .stdout(Stdio::null())
             .stderr(out)

@@ -420,6 +420,8 @@ impl Steward {
         .arg(format!("--listen-addr={listen}"))
         .arg(format!("--health-addr={health}"))
         .arg(format!("--metrics-addr={metrics}"))
+        // Sampled as plain HTTP: the bench is about relaying, not who may scrape.
+        .arg("--metrics-secure=false")
         .arg(format!("--service-namespace={namespace}"))
         .arg("--service-name=proxy")
         .arg("--endpoint-mode=cluster-ip")

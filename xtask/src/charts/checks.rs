@@ -177,9 +177,14 @@ pub(super) fn check_values_mean_what_they_say(helm: &Path, root: &Path) -> anyho
         ],
     )?;
     let args = pod_spec(&objects)?["containers"][0]["args"].to_string();
-    let cluster_wide = objects
-        .iter()
-        .any(|o| o["kind"] == "ClusterRole" || o["kind"] == "ClusterRoleBinding");
+    // The metrics server's reviews (TokenReview, SubjectAccessReview) and the reader role have
+    // no namespace; only the manager's own rules must be namespaced.
+    let cluster_wide = objects.iter().any(|o| {
+        (o["kind"] == "ClusterRole" || o["kind"] == "ClusterRoleBinding")
+            && !o["metadata"]["name"]
+                .as_str()
+                .is_some_and(|n| n.ends_with("-metrics-auth") || n.ends_with("-metrics-reader"))
+    });
     let manager_role = objects.iter().any(|o| {
         o["kind"] == "Role"
             && o["metadata"]["namespace"] == "team-a"

@@ -1071,7 +1071,11 @@ async fn tunnel_scenarios(env: &Env<'_>, report: &mut ChartReport, ns: &str) -> 
 /// output.
 pub async fn install(env: &Env<'_>, ns: &str) -> anyhow::Result<String> {
     let (repository, tag) = env.image("rstream-operator")?;
-    let values = [format!("image.repository={repository},image.tag={tag}")];
+    // The scenarios scrape /metrics as plain HTTP: they are not about who may scrape (the
+    // secure default is covered by k8s-reconcile's tests/secure_metrics.rs).
+    let values = [format!(
+        "image.repository={repository},image.tag={tag},metrics.secure=false"
+    )];
     env.install_chart(RELEASE, ns, &values).await
 }
 

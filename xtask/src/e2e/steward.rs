@@ -647,6 +647,9 @@ pub async fn install(env: &Env<'_>, ns: &str) -> anyhow::Result<String> {
     let values = [
         format!("upstreamAddr={}", env.apiserver),
         format!("image.repository={repository},image.tag={tag}"),
+        // The scenarios scrape /metrics as plain HTTP: they are not about who may scrape (the
+        // secure default is covered by k8s-reconcile's tests/secure_metrics.rs).
+        "metricsSecure=false".to_owned(),
     ];
     env.install_chart(RELEASE, ns, &values).await
 }
