@@ -8,7 +8,8 @@ use bytes::Bytes;
 
 use crate::proto::ErrorCode;
 
-/// Runtime fault-injection switches. Change them at any time through [`LocalEngine::faults`].
+/// Runtime fault-injection switches. Change them at any time through
+/// [`LocalEngine::faults`](super::LocalEngine::faults).
 #[derive(Debug, Default)]
 pub struct Faults {
     /// Stop acknowledging heartbeats.
