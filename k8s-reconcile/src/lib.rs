@@ -53,7 +53,7 @@
 //!
 //! * `rustls-tls` (default): kube's client uses rustls with the `ring` provider, which needs no C
 //!   toolchain. Turn default features off to choose kube's TLS stack yourself.
-//! * `app`: the [`app`] module and the operations server ([`ops::router`], [`ops::serve`]): flags
+//! * `app`: the [`app`] module and the operations server ([`app::ops_server`]): flags
 //!   (clap), logging set-up (tracing-subscriber), a bounded REST API server (axum, hyper-util).
 //!   What a binary needs; a library that only reconciles leaves it off.
 //! * `testing`: the [`testing`] module, a real kube-apiserver + etcd (and on request a node);

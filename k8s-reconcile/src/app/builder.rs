@@ -29,6 +29,7 @@ use prometheus_client::registry::Registry;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
+use super::ops_server;
 use super::secure_metrics::MetricsAccess;
 use crate::Error;
 use crate::ops::{self, Health};
@@ -210,13 +211,15 @@ impl AppBuilder {
             let what = listener.describe();
             let mut router = axum::Router::new();
             if listener.health {
-                router = router.merge(ops::health_router(health.clone()));
+                router = router.merge(ops_server::health_router(health.clone()));
             }
             let served = match listener.metrics.as_ref().map(|m| m.secure_parts()) {
                 Some(Some(secure)) => {
-                    let metrics =
-                        ops::metrics_router(Arc::clone(&registry), Some(Arc::clone(&secure.auth)));
-                    let served = ops::serve_tls(
+                    let metrics = ops_server::metrics_router(
+                        Arc::clone(&registry),
+                        Some(Arc::clone(&secure.auth)),
+                    );
+                    let served = ops_server::serve_tls(
                         addr,
                         router.merge(metrics),
                         Arc::clone(&secure.tls),
@@ -232,10 +235,10 @@ impl AppBuilder {
                     served
                 }
                 Some(None) => {
-                    let metrics = ops::metrics_router(Arc::clone(&registry), None);
-                    ops::serve(addr, router.merge(metrics), ops_stop.clone()).await
+                    let metrics = ops_server::metrics_router(Arc::clone(&registry), None);
+                    ops_server::serve(addr, router.merge(metrics), ops_stop.clone()).await
                 }
-                None => ops::serve(addr, router, ops_stop.clone()).await,
+                None => ops_server::serve(addr, router, ops_stop.clone()).await,
             };
             match served {
                 Ok(server) => {

@@ -58,6 +58,7 @@
 pub mod builder;
 pub mod flags;
 pub mod logging;
+pub mod ops_server;
 pub mod process;
 pub mod rest;
 pub mod secure_metrics;
