@@ -39,8 +39,6 @@ use crate::relay::Route;
 use crate::socket;
 
 mod config;
-#[cfg(target_os = "linux")]
-mod event_loop;
 mod listener;
 mod workers;
 
@@ -419,7 +417,7 @@ impl ProxyServer {
 
     /// The event loops, started on first use: one per accept worker, or one.
     #[cfg(target_os = "linux")]
-    fn event_loops(&self) -> Result<Arc<event_loop::EventLoops>, ServerError> {
+    fn event_loops(&self) -> Result<Arc<listener::event_loop::EventLoops>, ServerError> {
         let mut loops = lock(&self.shared.event_loops);
         if let Some(loops) = &*loops {
             return Ok(Arc::clone(loops));
@@ -430,7 +428,8 @@ impl ProxyServer {
             .accept_workers
             .unwrap_or(std::num::NonZeroUsize::MIN);
         let started = Arc::new(
-            event_loop::EventLoops::start(count, &self.shared).map_err(ServerError::Workers)?,
+            listener::event_loop::EventLoops::start(count, &self.shared)
+                .map_err(ServerError::Workers)?,
         );
         *loops = Some(Arc::clone(&started));
         Ok(started)

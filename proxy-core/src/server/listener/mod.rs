@@ -24,6 +24,10 @@ use crate::socket;
 
 use super::config::{ACCEPT_BACKOFF_MIN, ConnectionStatus, DrainReport, ServerConfig};
 
+// The event-loop data path of a listener; it builds on the state defined here.
+#[cfg(target_os = "linux")]
+pub(super) mod event_loop;
+
 pub(super) struct ServerShared {
     pub(super) config: ServerConfig,
     pub(super) observer: Arc<dyn RelayObserver>,
@@ -37,7 +41,7 @@ pub(super) struct ServerShared {
     pub(super) workers: Mutex<Vec<tokio::runtime::Handle>>,
     /// The event loops, started with the first listener on that path.
     #[cfg(target_os = "linux")]
-    pub(super) event_loops: Mutex<Option<Arc<super::event_loop::EventLoops>>>,
+    pub(super) event_loops: Mutex<Option<Arc<event_loop::EventLoops>>>,
 }
 
 pub(super) struct ListenerShared {
@@ -59,7 +63,7 @@ pub(super) struct ListenerShared {
     pub(super) accept_tasks: Mutex<Vec<JoinHandle<()>>>,
     /// The event loops relaying this listener's connections, on that path.
     #[cfg(target_os = "linux")]
-    pub(super) event_loops: Option<Arc<super::event_loop::EventLoops>>,
+    pub(super) event_loops: Option<Arc<event_loop::EventLoops>>,
     /// Connections the event loops relay now (the tokio path lists its own in `connections`).
     pub(super) loop_connections: AtomicUsize,
     /// Connections the event loops closed during a drain as answered and idle.

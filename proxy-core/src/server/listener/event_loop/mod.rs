@@ -1,14 +1,14 @@
 //! The Linux data path: connections as state machines on per-thread event loops, without a
-//! tokio task per connection ([`DataPath::EventLoop`](super::DataPath::EventLoop)).
+//! tokio task per connection ([`DataPath::EventLoop`](crate::server::DataPath::EventLoop)).
 //!
 //! # Where it plugs in
 //!
-//! [`ProxyServer::add_listener`](super::ProxyServer::add_listener) picks the path per listener:
+//! [`ProxyServer::add_listener`](crate::server::ProxyServer::add_listener) picks the path per listener:
 //! a listener without an accept layer (plain TCP to TCP) goes to the event loops when
-//! [`ServerConfig::data_path`](super::ServerConfig::data_path) asks for them; one with an accept
+//! [`ServerConfig::data_path`](crate::server::ServerConfig::data_path) asks for them; one with an accept
 //! layer (TLS termination, any async handshake) stays on the tokio path. The loops are threads
 //! of the server's own (`proxy-worker-N`), as many as
-//! [`ServerConfig::accept_workers`](super::ServerConfig::accept_workers) says (one without it),
+//! [`ServerConfig::accept_workers`](crate::server::ServerConfig::accept_workers) says (one without it),
 //! started with the first such listener. Each loop owns one listening socket per listener (with
 //! `SO_REUSEPORT` when there are several loops), so a connection lives and dies on the thread
 //! that accepted it, with no hand-off and no lock on the data path.
@@ -23,7 +23,7 @@
 //! the bytes held in it (or in a small buffer when a buffered write came short), a state
 //! (connecting, relaying), the deadlines and the permit of the connection limit. The only heap
 //! allocation of a connection is its [`RelayCounters`](crate::copy::RelayCounters) (an `Arc`,
-//! since [`ProxyServer::connections`](super::ProxyServer::connections) hands them out live);
+//! since [`ProxyServer::connections`](crate::server::ProxyServer::connections) hands them out live);
 //! buffered copies read into one scratch buffer per thread.
 //!
 //! * **Accept**: `accept4` (non-blocking, close-on-exec) until `EAGAIN`, edge-triggered. Errors
@@ -57,8 +57,8 @@
 //! One coarse timer wheel per loop (100 ms slots) holds connect deadlines, idle timeouts and
 //! maximum lifetimes: a connection sits in at most one slot at a time, and an expiry that
 //! finds the connection active since re-files it (no work per byte). The same turn reports
-//! byte counts every [`report_interval`](super::ServerConfig::report_interval) and, during a
-//! drain with [`drain_idle`](super::ServerConfig::drain_idle), closes answered idle
+//! byte counts every [`report_interval`](crate::server::ServerConfig::report_interval) and, during a
+//! drain with [`drain_idle`](crate::server::ServerConfig::drain_idle), closes answered idle
 //! connections.
 //!
 //! # Control plane
@@ -72,7 +72,7 @@
 //!   for tasks. Removing a listener sends the loop a command and waits for its sockets to be
 //!   closed.
 //! * **Status**: the listener counts its loop connections in an atomic;
-//!   [`ProxyServer::connections`](super::ProxyServer::connections) asks each loop for its list
+//!   [`ProxyServer::connections`](crate::server::ProxyServer::connections) asks each loop for its list
 //!   and waits for the answer (one turn of the loop).
 //! * **Metrics**: the observer is called from the loop thread, as from a connection task:
 //!   opened, rejected, connect failed, bytes (each report interval and at the end), closed.
@@ -113,8 +113,8 @@ use crate::relay::{Ending, RelaySummary};
 use crate::target::TargetAddr;
 use crate::upstream::Upstream;
 
-use super::config::{ACCEPT_BACKOFF_MIN, ConnectionStatus};
-use super::listener::{ActiveRoute, ListenerShared, ServerShared, concerns_one_connection, lock};
+use super::{ActiveRoute, ListenerShared, ServerShared, concerns_one_connection, lock};
+use crate::server::config::{ACCEPT_BACKOFF_MIN, ConnectionStatus};
 use wheel::{TICK, Wheel};
 
 /// The waker's token; listeners' tokens have the top bit set; a connection's are its slab key
