@@ -84,7 +84,8 @@ enum Task {
     Consumers,
     /// Check Cargo.lock against a local copy of the RustSec advisory database (cargo-audit).
     Audit(audit::Args),
-    /// Fail on import circles between the modules of each library crate.
+    /// Fail on import circles between the modules of any crate (globs seen through; a short list
+    /// of known circles is a ratchet that only shrinks).
     Modules,
 }
 

@@ -1,53 +1,102 @@
-//! `cargo xtask modules`: no import circles between the modules of a library.
+//! `cargo xtask modules`: no import circles between the modules of any crate of the workspace.
 //!
-//! Each library's Layout section promises that data flows one way between its modules. This
-//! reads every module file of the three libraries, takes each `crate::a::b` and `super::x` path
-//! outside comments and test modules, lifts it to the two sibling modules it connects (the
-//! children of their nearest common ancestor; a module using its own ancestors or descendants is
-//! not an edge), and fails on any strongly connected set of more than one sibling.
+//! Each crate's Layout promises that data flows one way between its modules. This reads every
+//! module file of every workspace member (the library tree when a crate has one, else the
+//! binary's), takes each `crate::a::b` and `super::x` path outside comments and test modules,
+//! lifts it to the two sibling modules it connects (the children of their nearest common
+//! ancestor; a module using its own ancestors or descendants is not an edge), and fails on any
+//! strongly connected set of more than one sibling.
+//!
+//! Glob imports are seen through: a name reached through a module that glob-imports a child
+//! (`use control::*`) counts as that child's, and a module that glob-imports its parent
+//! (`use super::*`) depends on every glob-imported sibling whose items it names.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 
-use anyhow::bail;
-
-/// The library crates whose modules are checked.
-const LIBRARIES: [&str; 3] = ["proxy-core", "k8s-reconcile", "rstream-client"];
+use anyhow::{Context as _, bail};
 
 /// A module path inside a crate, e.g. `["engine", "udp"]`.
 type ModPath = Vec<String>;
 
+/// Circles found when the check grew from the libraries to every crate, still to be taken apart
+/// (issue 38). A ratchet: any other circle fails, and so does one of these once it is gone (take
+/// it off the list), so the list only shrinks.
+const KNOWN_CIRCLES: [&str; 3] = [
+    "pod-proxier: crd <-> ttl",
+    "pod-proxier: config <-> settings",
+    "xtask: e2e::partition <-> e2e::pod_proxier <-> e2e::steward",
+];
+
 pub fn run() -> anyhow::Result<()> {
     let root = crate::workspace_root();
     let mut circles = Vec::new();
-    for library in LIBRARIES {
-        let files = module_files(&root.join(library).join("src"))?;
+    let mut known = Vec::new();
+    for member in workspace_members(&root)? {
+        let files = module_files(&root.join(&member).join("src"))?;
         let found = find_circles(&files);
         if found.is_empty() {
-            println!("ok   {library}: {} modules, no import circles", files.len());
+            println!("ok   {member}: {} modules, no import circles", files.len());
         }
         for circle in found {
-            circles.push(format!("{library}: {}", circle.join(" <-> ")));
+            let circle = format!("{member}: {}", circle.join(" <-> "));
+            if KNOWN_CIRCLES.contains(&circle.as_str()) {
+                println!("open {circle} (known, to be taken apart)");
+                known.push(circle);
+            } else {
+                circles.push(circle);
+            }
         }
     }
+    let gone: Vec<_> = KNOWN_CIRCLES
+        .iter()
+        .filter(|c| !known.iter().any(|k| k == *c))
+        .collect();
     if !circles.is_empty() {
         bail!("import circles:\n  {}", circles.join("\n  "));
+    }
+    if !gone.is_empty() {
+        bail!(
+            "known circles no longer found: take them off KNOWN_CIRCLES (xtask/src/modules.rs): {gone:?}"
+        );
     }
     Ok(())
 }
 
-/// Every module file under `src` with its module path and text.
+/// The `members` of the workspace manifest, in its order.
+fn workspace_members(root: &Path) -> anyhow::Result<Vec<String>> {
+    let manifest = std::fs::read_to_string(root.join("Cargo.toml"))?;
+    let members = manifest
+        .split_once("members = [")
+        .and_then(|(_, rest)| rest.split_once(']'))
+        .map(|(list, _)| list)
+        .context("no `members = [...]` in the workspace Cargo.toml")?;
+    Ok(members
+        .split(',')
+        .map(|m| m.trim().trim_matches('"').to_owned())
+        .filter(|m| !m.is_empty())
+        .collect())
+}
+
+/// Every module file under `src` with its module path and text: the library's tree when the
+/// crate has `lib.rs` (its binaries then only use the library), else `main.rs`'s. `src/bin/*` are
+/// crate roots of their own that declare no modules.
 fn module_files(src: &Path) -> anyhow::Result<BTreeMap<ModPath, String>> {
+    let has_library = src.join("lib.rs").is_file();
     let mut files = BTreeMap::new();
     let mut dirs = vec![src.to_path_buf()];
     while let Some(dir) = dirs.pop() {
         for entry in std::fs::read_dir(&dir)? {
             let path = entry?.path();
             if path.is_dir() {
-                dirs.push(path);
+                if path != src.join("bin") {
+                    dirs.push(path);
+                }
                 continue;
             }
-            if path.extension().is_none_or(|e| e != "rs") {
+            if path.extension().is_none_or(|e| e != "rs")
+                || (has_library && path == src.join("main.rs"))
+            {
                 continue;
             }
             let Ok(relative) = path.strip_prefix(src) else {
@@ -71,9 +120,29 @@ fn module_files(src: &Path) -> anyhow::Result<BTreeMap<ModPath, String>> {
 fn find_circles(files: &BTreeMap<ModPath, String>) -> Vec<Vec<String>> {
     let modules: BTreeSet<&ModPath> = files.keys().collect();
     let reexports = reexports(files);
+    let globs = glob_imports(files);
+    let defined: BTreeMap<&ModPath, BTreeSet<String>> = files
+        .iter()
+        .map(|(module, text)| (module, top_level_items(text)))
+        .collect();
     let mut edges: BTreeMap<ModPath, BTreeSet<ModPath>> = BTreeMap::new();
     for (from, text) in files {
-        for target in references(from, text) {
+        let mut targets = references(from, text);
+        // `use super::*` brings in what the parent glob-imported from its other children: a name
+        // one of them defines, used bare here, is a path to it.
+        let words = identifiers(without_tests(text));
+        for imported in globs.get(from).into_iter().flatten() {
+            for sibling in globs.get(imported).into_iter().flatten() {
+                if sibling != from
+                    && defined
+                        .get(sibling)
+                        .is_some_and(|items| !items.is_disjoint(&words))
+                {
+                    targets.push(sibling.clone());
+                }
+            }
+        }
+        for target in targets {
             // The longest prefix of the path that is a module of the crate.
             let Some(mut to) = (0..=target.len())
                 .rev()
@@ -88,6 +157,11 @@ fn find_circles(files: &BTreeMap<ModPath, String>) -> Vec<Vec<String>> {
                 key.push(name.clone());
                 if let Some(defined) = reexports.get(&key) {
                     to.clone_from(defined);
+                } else if let Some(child) = globs.get(&to).into_iter().flatten().find(|child| {
+                    child.starts_with(&to) && defined.get(child).is_some_and(|d| d.contains(name))
+                }) {
+                    // `super::Thing` where the parent has `use child::*`: the child's item.
+                    to.clone_from(child);
                 }
             }
             let common = from.iter().zip(&to).take_while(|(a, b)| a == b).count();
@@ -112,8 +186,8 @@ fn find_circles(files: &BTreeMap<ModPath, String>) -> Vec<Vec<String>> {
 fn reexports(files: &BTreeMap<ModPath, String>) -> BTreeMap<ModPath, ModPath> {
     let mut found = BTreeMap::new();
     for (module, text) in files {
-        for statement in text.split(';') {
-            let statement = statement.trim();
+        for statement in statements(text) {
+            let statement = statement.as_str();
             let Some(path) = statement
                 .strip_prefix("pub use ")
                 .map(|p| p.trim_start_matches("self::"))
@@ -145,10 +219,103 @@ fn reexports(files: &BTreeMap<ModPath, String>) -> BTreeMap<ModPath, ModPath> {
     found
 }
 
+/// The modules each module glob-imports (`use child::*`, `use super::*`, `use crate::a::*`),
+/// outside its test module.
+fn glob_imports(files: &BTreeMap<ModPath, String>) -> BTreeMap<ModPath, Vec<ModPath>> {
+    let mut found: BTreeMap<ModPath, Vec<ModPath>> = BTreeMap::new();
+    for (module, text) in files {
+        for statement in statements(without_tests(text)) {
+            let statement = statement.as_str();
+            let Some(path) = statement
+                .strip_prefix("pub ")
+                .or_else(|| statement.strip_prefix("pub(crate) "))
+                .unwrap_or(statement)
+                .strip_prefix("use ")
+                .and_then(|p| p.strip_suffix("::*"))
+            else {
+                continue;
+            };
+            let mut target = module.clone();
+            for segment in path.split("::") {
+                match segment {
+                    "crate" => target.clear(),
+                    "self" => {}
+                    "super" => target = parent(&target),
+                    name => target.push(name.to_owned()),
+                }
+            }
+            if files.contains_key(&target) && &target != module {
+                found.entry(module.clone()).or_default().push(target);
+            }
+        }
+    }
+    found
+}
+
+/// Names of the items a module file defines at its top level (rustfmt puts them in column 0).
+fn top_level_items(text: &str) -> BTreeSet<String> {
+    const KINDS: [&str; 9] = [
+        "fn", "struct", "enum", "trait", "type", "const", "static", "mod", "union",
+    ];
+    let mut items = BTreeSet::new();
+    for line in without_tests(text).lines() {
+        if line.starts_with(char::is_whitespace) {
+            continue;
+        }
+        let mut words = line
+            .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+            .filter(|w| !w.is_empty());
+        while let Some(word) = words.next() {
+            if KINDS.contains(&word) {
+                if let Some(name) = words.next() {
+                    items.insert(name.to_owned());
+                }
+                break;
+            }
+        }
+    }
+    items
+}
+
+/// Every identifier in code, comments dropped.
+fn identifiers(code: &str) -> BTreeSet<String> {
+    code.lines()
+        .flat_map(|line| {
+            line.split("//")
+                .next()
+                .unwrap_or("")
+                .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+        })
+        .filter(|w| w.starts_with(|c: char| c.is_ascii_alphabetic() || c == '_'))
+        .map(str::to_owned)
+        .collect()
+}
+
+/// The `;`-separated statements of a file on one line each, without comment and attribute lines.
+fn statements(text: &str) -> Vec<String> {
+    text.split(';')
+        .map(|statement| {
+            statement
+                .lines()
+                .map(str::trim)
+                .filter(|line| {
+                    !line.is_empty() && !line.starts_with("//") && !line.starts_with('#')
+                })
+                .collect::<Vec<_>>()
+                .join(" ")
+        })
+        .collect()
+}
+
+/// A module file without its `#[cfg(test)] mod tests`.
+fn without_tests(text: &str) -> &str {
+    text.split("#[cfg(test)]\nmod tests").next().unwrap_or(text)
+}
+
 /// Module paths a file names (`crate::a::b`, `super::x`), outside comments and its test module.
 /// `super::` inside an inline `mod name { ... }` is that inline module's parent.
 fn references(from: &ModPath, text: &str) -> Vec<ModPath> {
-    let code = text.split("#[cfg(test)]\nmod tests").next().unwrap_or(text);
+    let code = without_tests(text);
     let mut found = Vec::new();
     // Inline modules open at this point: (name, brace depth before it).
     let mut inline: Vec<(String, i64)> = Vec::new();
@@ -344,6 +511,59 @@ mod tests {
         assert!(
             find_circles(&inline).is_empty(),
             "super:: in an inline module is its parent"
+        );
+    }
+
+    #[test]
+    fn glob_imports_are_seen_through() {
+        // The parent glues its children with globs; each child takes the parent's glob and names
+        // the other's items bare: a circle no path shows.
+        let glued = crate_of(&[
+            ("", "mod client;"),
+            (
+                "client",
+                "mod control;\nmod tasks;\nuse control::*;\nuse tasks::*;",
+            ),
+            (
+                "client::control",
+                "//! Docs.\n\nuse super::*;\n\npub(super) struct Shared;\nfn start() { spawn(writer_task()); }",
+            ),
+            (
+                "client::tasks",
+                "use super::*;\n\npub(super) async fn writer_task(s: Shared) {}",
+            ),
+        ]);
+        assert_eq!(find_circles(&glued), [["client::control", "client::tasks"]]);
+        // One way only: tasks names control's item, control names nothing of tasks.
+        let one_way = crate_of(&[
+            ("", "mod client;"),
+            (
+                "client",
+                "mod control;\nmod tasks;\nuse control::*;\nuse tasks::*;",
+            ),
+            (
+                "client::control",
+                "use super::*;\n\npub(super) struct Shared;",
+            ),
+            (
+                "client::tasks",
+                "use super::*;\n\npub(super) async fn writer_task(s: Shared) {}",
+            ),
+        ]);
+        assert!(find_circles(&one_way).is_empty());
+        // `super::Shared` through the parent's `use control::*` is control's.
+        let through_parent = crate_of(&[
+            ("", "mod client;"),
+            ("client", "mod control;\nmod tasks;\nuse control::*;"),
+            (
+                "client::control",
+                "pub(super) struct Shared;\nfn f() { super::tasks::run() }",
+            ),
+            ("client::tasks", "pub fn run(s: super::Shared) {}"),
+        ]);
+        assert_eq!(
+            find_circles(&through_parent),
+            [["client::control", "client::tasks"]]
         );
     }
 }
