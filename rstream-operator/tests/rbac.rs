@@ -144,24 +144,30 @@ fn render_chart(extra: &[&str]) -> Vec<serde_json::Value> {
 #[test]
 fn chart_renders_the_tested_rbac_and_flags_the_manager_accepts() {
     let docs = render_chart(&[]);
-    let find = |kind: &str| {
+    // The manager's role and its binding, by name: the chart also ships the metrics roles.
+    let find = |kind: &str, name: &str| {
+        docs.iter()
+            .find(|d| d["kind"] == kind && d["metadata"]["name"] == name)
+            .unwrap_or_else(|| panic!("no {kind} {name}"))
+    };
+    let find_kind = |kind: &str| {
         docs.iter()
             .find(|d| d["kind"] == kind)
             .unwrap_or_else(|| panic!("no {kind}"))
     };
     let rules = |v: &serde_json::Value| v["rules"].clone();
     let tested = serde_json::to_value(manager_cluster_role()).unwrap();
-    assert_eq!(rules(find("ClusterRole")), rules(&tested));
-    assert_eq!(
-        find("ClusterRole")["metadata"]["name"],
-        "rel-rstream-operator-manager-role"
-    );
-    let binding = find("ClusterRoleBinding");
+    let manager_role = "rel-rstream-operator-manager-role";
+    assert_eq!(rules(find("ClusterRole", manager_role)), rules(&tested));
+    let binding = docs
+        .iter()
+        .find(|d| d["kind"] == "ClusterRoleBinding" && d["roleRef"]["name"] == manager_role)
+        .expect("no ClusterRoleBinding of the manager role");
     assert_eq!(binding["subjects"][0]["name"], "rel-rstream-operator");
     let le = serde_json::to_value(leader_election_role()).unwrap();
-    assert_eq!(rules(find("Role")), rules(&le));
+    assert_eq!(rules(find_kind("Role")), rules(&le));
 
-    let deployment = find("Deployment");
+    let deployment = find_kind("Deployment");
     let pod = &deployment["spec"]["template"]["spec"];
     assert_eq!(pod["serviceAccountName"], "rel-rstream-operator");
     assert_eq!(pod["securityContext"]["runAsNonRoot"], true);
