@@ -5,23 +5,25 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::Router;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{DefaultBodyLimit, MatchedPath, RawQuery, Request, State};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
+use axum::{Extension, Router};
 use http::HeaderMap;
 use k8s_openapi::jiff::Timestamp;
 use serde_json::Value;
 
+use crate::access::{Cidr, EntryAccess};
 use crate::crd::MappingKind;
 use crate::error::{self, ApiError};
 use crate::forwarding::Mappings;
 use crate::metrics::{Metrics, RequestLabels};
 use crate::names;
-use crate::pod_mappings::{DEFAULT_TTL_SECONDS, MappingView, V1};
+use crate::pod_mappings::{DEFAULT_TTL_SECONDS, MappingView, Requester, V1};
+use crate::serve::ClientAddr;
 use crate::settings::{MappingPolicy, Settings, V2Policy};
 use crate::ttl::is_expired;
 use k8s_reconcile::app::rest::{self, Fields};
@@ -130,9 +132,22 @@ pub struct MappingRequest {
     pub ttl: Duration,
     /// Close established connections.
     pub close_connections: bool,
+    /// The sources the entry port should admit; none given: the caller's own address.
+    pub sources: Option<Vec<Cidr>>,
 }
 
-const POST_FIELDS: &[&str] = &["pod_name", "time", "close_connections"];
+const POST_FIELDS: &[&str] = &["pod_name", "time", "close_connections", "sources"];
+
+/// Parses `sources` entries (CIDRs or addresses).
+fn parse_sources<'a>(texts: impl IntoIterator<Item = &'a str>) -> Result<Vec<Cidr>, ApiError> {
+    texts
+        .into_iter()
+        .map(|text| {
+            text.parse::<Cidr>()
+                .map_err(|e| ApiError::BadRequest(format!("sources: {e}")))
+        })
+        .collect()
+}
 
 /// The TTL of `ttl` seconds, if it is within 1 second and `max`.
 fn check_ttl(ttl: u64, max: Duration) -> Result<Duration, ApiError> {
@@ -207,11 +222,16 @@ pub fn parse_mapping_request(
         None => DEFAULT_TTL_SECONDS,
         Some(text) => parse_ttl_text(text)?,
     };
+    let sources = fields
+        .get("sources")
+        .map(|text| parse_sources(text.split(',')))
+        .transpose()?;
     Ok(MappingRequest {
         namespace,
         pod,
         ttl: check_ttl(ttl, max)?,
         close_connections: fields.flag("close_connections")?,
+        sources,
     })
 }
 
@@ -299,11 +319,30 @@ fn parse_json_request(body: &[u8], max: Duration) -> Result<MappingRequest, ApiE
             ));
         }
     };
+    let sources = match object.get("sources") {
+        None | Some(Value::Null) => None,
+        Some(Value::Array(items)) => {
+            let texts: Option<Vec<&str>> = items.iter().map(Value::as_str).collect();
+            let texts = texts.ok_or_else(|| {
+                ApiError::BadRequest(
+                    "sources must be a list of addresses or CIDRs, e.g. [\"10.0.0.0/8\"]"
+                        .to_owned(),
+                )
+            })?;
+            Some(parse_sources(texts)?)
+        }
+        Some(_) => {
+            return Err(ApiError::BadRequest(
+                "sources must be a list of addresses or CIDRs, e.g. [\"10.0.0.0/8\"]".to_owned(),
+            ));
+        }
+    };
     Ok(MappingRequest {
         namespace,
         pod,
         ttl: check_ttl(ttl, max)?,
         close_connections,
+        sources,
     })
 }
 
@@ -330,8 +369,32 @@ fn portforward(namespace: &str, pod: &str) -> ResourceAccess {
         .name(pod)
 }
 
+/// Whom the entry port of a mapping requested from `client` admits: `None` (everyone) with
+/// `--entry-access=any`, else the client or the request's `sources` within
+/// `--allowed-source-cidrs`.
+fn admitted_sources(
+    policy: &MappingPolicy,
+    client: std::net::IpAddr,
+    asked: Option<&[Cidr]>,
+) -> Result<Option<Vec<Cidr>>, ApiError> {
+    match policy.entry_access {
+        EntryAccess::Any if asked.is_some() => Err(ApiError::BadRequest(
+            "sources is not taken: this pod-proxier runs with --entry-access=any, so its entry \
+             ports admit every source"
+                .to_owned(),
+        )),
+        EntryAccess::Any => Ok(None),
+        EntryAccess::Requester => policy
+            .sources
+            .resolve(client, asked)
+            .map(Some)
+            .map_err(ApiError::OutOfScope),
+    }
+}
+
 async fn post_mapping(
     State(state): Shared,
+    Extension(ClientAddr(client)): Extension<ClientAddr>,
     headers: HeaderMap,
     RawQuery(query): RawQuery,
     body: Result<Bytes, BytesRejection>,
@@ -346,17 +409,24 @@ async fn post_mapping(
         state.settings.policy.max_mapping_time,
     )?;
     in_scope(&state.settings.policy, &request.namespace)?;
+    let from = client.ip().to_canonical();
+    let sources = admitted_sources(&state.settings.policy, from, request.sources.as_deref())?;
     state
         .auth
         .authorize(&caller, &portforward(&request.namespace, &request.pod))
         .await?;
+    let requester = Requester {
+        user: caller.username().to_owned(),
+        from,
+        sources,
+    };
     let data = v1
         .map(
             &request.namespace,
             &request.pod,
             request.ttl,
             request.close_connections,
-            caller.username(),
+            &requester,
         )
         .await?;
     Ok(error::ok(data))
@@ -385,7 +455,9 @@ async fn get_mapping(
         .auth
         .authorize(&caller, &portforward(&namespace, &pod))
         .await?;
-    Ok(error::ok(v1.query(&namespace, &pod).await?))
+    Ok(error::ok(
+        v1.query(&namespace, &pod, caller.username()).await?,
+    ))
 }
 
 async fn delete_mapping(
@@ -403,7 +475,9 @@ async fn delete_mapping(
         .auth
         .authorize(&caller, &portforward(&namespace, &pod))
         .await?;
-    Ok(error::ok(v1.unmap(&namespace, &pod, close).await?))
+    Ok(error::ok(
+        v1.unmap(&namespace, &pod, close, caller.username()).await?,
+    ))
 }
 
 /// The unexpired mappings of `kind` the caller may see (`access` per namespace).

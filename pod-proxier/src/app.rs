@@ -19,12 +19,13 @@ use crate::config::{AuthMode, BackendKind};
 use crate::crd::CONTROLLER;
 use crate::crd::PortMapping;
 use crate::dataplane::embedded::EmbeddedPlane;
-use crate::dataplane::haproxy::{HaproxyError, HaproxyPlane};
+use crate::dataplane::haproxy::{HaproxyError, HaproxyPlane, gated_ports};
 use crate::dataplane::{DataPlane, DesiredPorts, PortRoute};
 use crate::expiry::sweep_expired;
 use crate::forwarding::spawn_sync_loop;
 use crate::metrics::Metrics;
 use crate::pod_mappings::V1;
+use crate::serve::serve_api;
 use crate::service_ports::{V2Inputs, V2Reconciler};
 use crate::settings::Settings;
 use k8s_reconcile::auth::Authenticator;
@@ -98,7 +99,7 @@ pub enum DataPlaneError {
     /// HAProxy cannot be driven.
     #[error("driving HAProxy")]
     Haproxy(#[source] HaproxyError),
-    /// The V1 entry port cannot be bound (taken, say).
+    /// A V1 entry port cannot be bound (taken, say).
     #[error("V1 entry port {port}: {message}")]
     EntryPort {
         /// The port.
@@ -222,6 +223,7 @@ pub async fn run(settings: Settings) -> Result<(), StartError> {
     let controller_metrics = ControllerMetrics::register(registry);
     let health = builder.health().clone();
 
+    let gated = gated_ports(&settings.policy);
     let plane = match settings.plane.backend {
         BackendKind::Embedded => DataPlane::Embedded(
             EmbeddedPlane::new(
@@ -230,18 +232,25 @@ pub async fn run(settings: Settings) -> Result<(), StartError> {
                 settings.plane.health_check,
                 settings.plane.drain_timeout,
             )
-            .map_err(|e| StartError::DataPlane(DataPlaneError::Embedded(e)))?,
+            .map_err(|e| StartError::DataPlane(DataPlaneError::Embedded(e)))?
+            .with_source_checks(gated, metrics.source_refused.clone()),
         ),
         BackendKind::Haproxy => DataPlane::Haproxy(
             HaproxyPlane::connect_waiting(&settings, RUNTIME_API_WAIT)
                 .await
-                .map_err(|e| StartError::DataPlane(DataPlaneError::Haproxy(e)))?,
+                .map_err(|e| StartError::DataPlane(DataPlaneError::Haproxy(e)))?
+                .with_source_metric(metrics.source_refused.clone()),
         ),
     };
     let plane = Arc::new(plane);
     if let Some(v1) = &settings.policy.v1 {
-        // Bind the V1 entry port now, so a taken port stops the start instead of a log line.
-        let idle: DesiredPorts = [(v1.entry_port, PortRoute::idle())].into();
+        // Bind the V1 entry ports now, so a taken port stops the start instead of a log line.
+        let idle: DesiredPorts = v1
+            .entry_ports
+            .all()
+            .into_iter()
+            .map(|port| (port, PortRoute::idle()))
+            .collect();
         if let Some(error) = plane.sync(&idle).await.into_iter().next() {
             return Err(StartError::DataPlane(DataPlaneError::EntryPort {
                 port: error.port,
@@ -305,18 +314,19 @@ pub async fn run(settings: Settings) -> Result<(), StartError> {
         drain_timeout: settings.api.request_timeout,
     };
     let api_task = match tls {
-        Some(acceptor) => tokio::spawn(rest::serve_api_with(
+        Some(acceptor) => tokio::spawn(serve_api(
             listener,
             router(state),
             limits,
             shutdown.clone(),
             Tls(acceptor),
         )),
-        None => tokio::spawn(rest::serve_api(
+        None => tokio::spawn(serve_api(
             listener,
             router(state),
             limits,
             shutdown.clone(),
+            rest::PlainHttp,
         )),
     };
     let app = builder.serve_ops([settings.metrics_addr]).start().await?;
@@ -327,7 +337,8 @@ pub async fn run(settings: Settings) -> Result<(), StartError> {
         metrics = %settings.metrics_addr,
         v1 = policy.v1.is_some(),
         v2 = policy.v2.is_some(),
-        entry_port = ?policy.v1.as_ref().map(|v1| v1.entry_port),
+        v1_entry_ports = ?policy.v1.as_ref().map(|v1| v1.entry_ports.to_string()),
+        entry_access = ?policy.entry_access,
         range = ?policy.v2.as_ref().map(|v2| v2.port_range.to_string()),
         backend = ?settings.plane.backend,
         "pod-proxier started"

@@ -14,10 +14,11 @@ use k8s_reconcile::app::SecondsOrDuration;
 use proxy_core::server::PortRange;
 use proxy_core::upstream::HealthCheck;
 
+use crate::access::{Cidr, EntryAccess, SourcePolicy};
 use crate::names;
 use crate::settings::{
     ApiSettings, ApiTls, ClusterSettings, MappingPolicy, PlaneSettings, Settings, V1Policy,
-    V2Policy,
+    V1Ports, V2Policy,
 };
 pub use crate::settings::{RuntimeApiAddr, parse_runtime_api_addr};
 
@@ -66,7 +67,7 @@ pub struct Cli {
     #[command(flatten)]
     pub client: ClientArgs,
 
-    /// Enable V1: map one pod at a time to the entry port, for a TTL.
+    /// Enable V1: map a pod to an entry port, for a TTL.
     #[arg(long, env = "POD_PROXIER_ENABLE_V1", global = true)]
     pub enable_v1: bool,
 
@@ -119,9 +120,42 @@ pub struct Cli {
     )]
     pub api_addr: String,
 
-    /// V1 entry port, and the pod port used when no container port has the V1 port name.
+    /// The pod port used when no container port has the V1 port name; also the first V1 entry
+    /// port by default, and the only one with --v1-shared-port.
     #[arg(long, env = "POD_PROXIER_DEFAULT_MAP_PORT", default_value_t = 8849, value_parser = clap::value_parser!(u16).range(1..), global = true)]
     pub default_map_port: u16,
+
+    /// V1 entry ports, START-END (inclusive): each requester's mapping gets its own port, so
+    /// nobody replaces another user's mapping. Default: 20 ports from --default-map-port.
+    #[arg(long, env = "POD_PROXIER_V1_PORT_RANGE", global = true)]
+    pub v1_port_range: Option<String>,
+
+    /// V1 as the original: one entry port (--default-map-port) shared by everyone, where a new
+    /// mapping replaces the current one whoever asked for it.
+    #[arg(long, env = "POD_PROXIER_V1_SHARED_PORT", global = true)]
+    pub v1_shared_port: bool,
+
+    /// Who may connect to a V1 entry port: the requester's source addresses only, or anyone
+    /// who can reach it (as the original).
+    #[arg(
+        long,
+        env = "POD_PROXIER_ENTRY_ACCESS",
+        value_enum,
+        default_value = "requester",
+        global = true
+    )]
+    pub entry_access: EntryAccess,
+
+    /// Networks a V1 request may admit to its entry port besides the caller's own address
+    /// (the request's `sources`), comma-separated CIDRs; `0.0.0.0/0,::/0` lets a request open
+    /// its port to anyone.
+    #[arg(
+        long,
+        env = "POD_PROXIER_ALLOWED_SOURCE_CIDRS",
+        value_delimiter = ',',
+        global = true
+    )]
+    pub allowed_source_cidrs: Vec<String>,
 
     /// First port of the V2 range (inclusive).
     #[arg(
@@ -355,6 +389,9 @@ pub enum Command {
     Crd,
     /// Print the OpenAPI document of the HTTP API.
     Openapi,
+    /// Forward a local port to a pod through pod-proxier, like `kubectl port-forward`: maps the
+    /// pod, renews the mapping while running and deletes it on exit.
+    Connect(crate::connect::ConnectArgs),
 }
 
 impl Cli {
@@ -390,7 +427,44 @@ impl Cli {
     }
 }
 
+/// Ports in the default V1 range (from --default-map-port).
+pub const DEFAULT_V1_PORTS: u16 = 20;
+
 impl Cli {
+    /// The V1 entry ports: the shared port, the range given, or the default range.
+    fn v1_ports(&self) -> Result<V1Ports, String> {
+        if self.v1_shared_port {
+            if self.v1_port_range.is_some() {
+                return Err(
+                    "--v1-shared-port and --v1-port-range exclude each other: one shared port \
+                     (--default-map-port) or a port per requester"
+                        .to_owned(),
+                );
+            }
+            return Ok(V1Ports::Shared(self.default_map_port));
+        }
+        let (first, last) = match &self.v1_port_range {
+            None => (
+                self.default_map_port,
+                self.default_map_port.saturating_add(DEFAULT_V1_PORTS - 1),
+            ),
+            Some(text) => {
+                let parse = |part: &str| part.trim().parse::<u16>().ok().filter(|p| *p > 0);
+                match text.split_once('-').map(|(a, b)| (parse(a), parse(b))) {
+                    Some((Some(first), Some(last))) => (first, last),
+                    _ => {
+                        return Err(format!(
+                            "--v1-port-range {text:?}: expected START-END, e.g. 8849-8868"
+                        ));
+                    }
+                }
+            }
+        };
+        PortRange::new(first, last)
+            .map(V1Ports::Range)
+            .map_err(|e| format!("--v1-port-range {first}-{last}: {e}"))
+    }
+
     /// Checks every flag and their combinations; the message says what to change.
     pub fn validate(&self, need_a_version: bool) -> Result<Settings, String> {
         if need_a_version && !self.enable_v1 && !self.enable_v2 {
@@ -414,14 +488,16 @@ impl Cli {
                 .map_err(|e| format!("--port-name {:?}: {e}", self.port_name))?;
         }
         let in_range = |port: u16| self.enable_v2 && (start..=end).contains(&port);
+        let v1_ports = self.v1_ports()?;
+        let in_v1 = |port: u16| self.enable_v1 && v1_ports.contains(port);
         if self.enable_v1 || !need_a_version {
             names::validate_port_name(&self.jprofiler_port_name).map_err(|e| {
                 format!("--jprofiler-port-name {:?}: {e}", self.jprofiler_port_name)
             })?;
-            if in_range(self.default_map_port) {
+            if let Some(port) = v1_ports.all().into_iter().find(|p| in_range(*p)) {
                 return Err(format!(
-                    "--default-map-port {} is inside the V2 range {start}-{end}",
-                    self.default_map_port
+                    "V1 entry port {port} (--v1-port-range or --default-map-port) is inside the \
+                     V2 range {start}-{end}"
                 ));
             }
         }
@@ -431,21 +507,38 @@ impl Cli {
                 self.listen_port
             ));
         }
-        if self.enable_v1 && self.listen_port == self.default_map_port {
+        if in_v1(self.listen_port) {
             return Err(format!(
-                "--listen-port and --default-map-port are both {}: the API and the V1 entry port need different ports",
+                "--listen-port {} is also a V1 entry port ({v1_ports}): the API and the V1 entry \
+                 ports need different ports",
                 self.listen_port
             ));
         }
         let metrics_port = self.metrics_addr.port();
-        if metrics_port == self.listen_port
-            || (self.enable_v1 && metrics_port == self.default_map_port)
-            || in_range(metrics_port)
-        {
+        if metrics_port == self.listen_port || in_v1(metrics_port) || in_range(metrics_port) {
             return Err(format!(
-                "--metrics-addr {} collides with the API port, the V1 entry port or the V2 range",
+                "--metrics-addr {} collides with the API port, a V1 entry port or the V2 range",
                 self.metrics_addr
             ));
+        }
+        let mut allowed_sources = Vec::new();
+        for text in self.allowed_source_cidrs.iter().map(|t| t.trim()) {
+            if text.is_empty() {
+                continue;
+            }
+            let cidr: Cidr = text
+                .parse()
+                .map_err(|e| format!("--allowed-source-cidrs: {e}"))?;
+            if !allowed_sources.contains(&cidr) {
+                allowed_sources.push(cidr);
+            }
+        }
+        if self.entry_access == EntryAccess::Any && !allowed_sources.is_empty() {
+            return Err(
+                "--allowed-source-cidrs bounds what a request may admit to its entry port; with \
+                 --entry-access=any every source is admitted, so leave one of them out"
+                    .to_owned(),
+            );
         }
         if self
             .allowed_namespaces
@@ -580,12 +673,17 @@ impl Cli {
             },
             policy: MappingPolicy {
                 v1: self.enable_v1.then(|| V1Policy {
-                    entry_port: self.default_map_port,
+                    entry_ports: v1_ports,
+                    pod_port: self.default_map_port,
                     port_name: self.jprofiler_port_name.clone(),
                 }),
                 v2,
                 allowed_namespaces: allowed,
                 max_mapping_time: max_mapping,
+                entry_access: self.entry_access,
+                sources: SourcePolicy {
+                    allowed: allowed_sources,
+                },
             },
             cluster: ClusterSettings {
                 kubeconfig: self.client.kubeconfig.clone(),

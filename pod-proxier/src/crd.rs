@@ -11,6 +11,7 @@ use kube::core::crd::CustomResourceExt as _;
 use schemars::JsonSchema;
 use serde::{Deserialize, Deserializer, Serialize};
 
+use crate::access::Cidr;
 use crate::ttl::Deadline;
 
 /// pod-proxier's name as a writer: server-side apply field manager, Event reporter, leader
@@ -63,9 +64,43 @@ pub struct PortMappingSpec {
     /// Close established connections when this mapping takes over the port, and when it ends.
     #[serde(default)]
     pub close_connections: bool,
-    /// Who asked for the mapping (the authenticated user), for audit.
+    /// Who asked for the mapping (the authenticated user), for audit; V1 mappings of another
+    /// user are never replaced (unless the entry port is shared).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub requested_by: Option<String>,
+    /// The address the request came from (the API client's IP).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub requested_from: Option<String>,
+    /// The source networks the entry port admits (CIDRs), with `--entry-access=requester`;
+    /// absent when the mapping was made under `--entry-access=any`, and then the entry port
+    /// admits nobody under `--entry-access=requester` until it is posted again.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "allowed_sources"
+    )]
+    #[schemars(with = "Option<Vec<String>>")]
+    pub allowed_sources: Option<Vec<Cidr>>,
+}
+
+/// Reads `allowedSources` like [`upstreams`]: an entry that is not a CIDR is logged and left
+/// out (admitting less, never more).
+fn allowed_sources<'de, D: Deserializer<'de>>(
+    deserializer: D,
+) -> Result<Option<Vec<Cidr>>, D::Error> {
+    let Some(texts) = Option::<Vec<String>>::deserialize(deserializer)? else {
+        return Ok(None);
+    };
+    let mut cidrs = Vec::with_capacity(texts.len());
+    for text in texts {
+        match text.parse() {
+            Ok(cidr) => cidrs.push(cidr),
+            Err(err) => {
+                tracing::error!(source = %text, error = %err, "a PortMapping's allowed source is not a CIDR: left out");
+            }
+        }
+    }
+    Ok(Some(cidrs))
 }
 
 /// Reads `upstreams`. The schema (plain strings, kept so existing objects stay valid) lets a

@@ -20,6 +20,7 @@ use kube::runtime::watcher::{self, Event};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
+use crate::access::EntryAccess;
 use crate::crd::{MappingKind, PortMapping};
 use crate::dataplane::{DataPlane, DesiredPorts, PortRoute};
 use crate::metrics::Metrics;
@@ -79,8 +80,11 @@ pub fn desired_state(
     let mut applied = AppliedVersions::new();
     let mut next_deadline: Option<Deadline> = None;
     if let Some(v1) = &policy.v1 {
-        desired.insert(v1.entry_port, PortRoute::idle());
+        for port in v1.entry_ports.all() {
+            desired.insert(port, PortRoute::idle());
+        }
     }
+    let checked = policy.entry_access == EntryAccess::Requester;
     for mapping in mappings {
         let name = mapping.name_any();
         let port = match u16::try_from(mapping.spec.entry_port) {
@@ -88,7 +92,10 @@ pub fn desired_state(
             Err(_) => continue,
         };
         let in_scope = match mapping.spec.kind {
-            MappingKind::Pod => policy.v1.as_ref().is_some_and(|v1| port == v1.entry_port),
+            MappingKind::Pod => policy
+                .v1
+                .as_ref()
+                .is_some_and(|v1| v1.entry_ports.contains(port)),
             MappingKind::Service => policy
                 .v2
                 .as_ref()
@@ -108,6 +115,10 @@ pub fn desired_state(
             upstreams: mapping.spec.upstreams.clone(),
             health_checked: mapping.spec.kind == MappingKind::Service && health_checks,
             close_connections: mapping.spec.close_connections,
+            // A V1 mapping without recorded sources (made under --entry-access=any) admits
+            // nobody: closed, not open, when access is checked.
+            allowed_sources: (checked && mapping.spec.kind == MappingKind::Pod)
+                .then(|| mapping.spec.allowed_sources.clone().unwrap_or_default()),
         };
         desired.insert(port, route);
         applied.insert(name, mapping.resource_version().unwrap_or_default());

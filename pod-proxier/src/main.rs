@@ -44,6 +44,16 @@ fn main() -> ExitCode {
                 ),
             }
         }
+        Command::Connect(args) => {
+            cli.log.init();
+            app::block_on("pod-proxier connect", async move {
+                let stop = k8s_reconcile::ops::shutdown_on_signals()
+                    .map_err(|e| Box::new(e) as Box<dyn std::error::Error + Send + Sync>)?;
+                pod_proxier::connect::run(args, stop)
+                    .await
+                    .map_err(|e| Box::new(e) as Box<dyn std::error::Error + Send + Sync>)
+            })
+        }
         Command::Run => {
             cli.log.init();
             app::block_on("pod-proxier", pod_proxier::app::run(settings))

@@ -20,6 +20,13 @@ pub struct KindLabels {
     pub kind: String,
 }
 
+/// Labels naming an entry port.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct EntryLabels {
+    /// The entry port.
+    pub entry_port: u16,
+}
+
 /// Labels of an API answer.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct RequestLabels {
@@ -42,6 +49,9 @@ pub struct Metrics {
     pub listener_errors: Counter,
     /// API answers.
     pub requests: Family<RequestLabels, Counter>,
+    /// Clients of a V1 entry port refused at accept because the mapping does not admit their
+    /// source, per entry port.
+    pub source_refused: Family<EntryLabels, Counter>,
 }
 
 impl Metrics {
@@ -53,6 +63,7 @@ impl Metrics {
             v2_port_exhausted: Counter::default(),
             listener_errors: Counter::default(),
             requests: Family::default(),
+            source_refused: Family::default(),
         };
         let sub = registry.sub_registry_with_prefix("podproxier");
         sub.register(
@@ -79,6 +90,11 @@ impl Metrics {
             "api_requests",
             "HTTP API answers by route and status",
             metrics.requests.clone(),
+        );
+        sub.register(
+            "entry_source_refused",
+            "Clients of a V1 entry port closed at accept because the mapping does not admit their source address",
+            metrics.source_refused.clone(),
         );
         metrics
     }

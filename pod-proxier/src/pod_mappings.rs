@@ -1,10 +1,12 @@
-//! V1: one entry port (`--default-map-port`) forwards to one pod for a TTL.
+//! V1: an entry port forwards to one pod for a TTL.
 //!
-//! The mapping is the PortMapping `v1-entry-<port>` in the state namespace. Posting again
-//! replaces the target (a second mapping replaces the first) or, for the same pod, sets a new
-//! deadline; expiry makes the entry port refuse connections again.
+//! The mapping of entry port `p` is the PortMapping `v1-entry-<p>` in the state namespace. Each
+//! requester (the authenticated user) gets a port of `--v1-port-range` of their own: posting
+//! again replaces their own mapping (or, for the same pod, sets a new deadline), never another
+//! user's; a full range is a conflict. With `--v1-shared-port` there is the original's single
+//! port, which any new mapping takes over. Expiry makes the entry port refuse connections again.
 
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -12,14 +14,15 @@ use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::jiff::Timestamp;
 use k8s_reconcile::apply::delete_unchanged;
 use kube::ResourceExt as _;
-use kube::api::{Api, Patch, PatchParams};
+use kube::api::{Api, Patch, PatchParams, PostParams};
 use serde::Serialize;
 use serde_json::json;
 
+use crate::access::Cidr;
 use crate::crd::{CONTROLLER, MappingKind, MappingTarget, PortMapping, PortMappingSpec};
 use crate::error::{ApiError, CODE_ERROR, CODE_NOT_FOUND};
 use crate::forwarding::Mappings;
-use crate::settings::V1Policy;
+use crate::settings::{V1Policy, V1Ports};
 use crate::ttl::{Deadline, is_expired};
 
 /// TTL used when a request gives none (the original's form default; its JSON default was 0).
@@ -35,6 +38,9 @@ const APPLY_WAIT: Duration = Duration::from_secs(3);
 /// which write their keys sorted, and this keeps the bytes on the wire the same.
 #[derive(Debug, Clone, Serialize)]
 pub struct MappingView {
+    /// The source networks the entry port admits (V1 with `--entry-access=requester`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub allowed_sources: Option<Vec<Cidr>>,
     /// Whether established connections are closed when the mapping changes or ends.
     pub close_connections: bool,
     /// The port to connect to.
@@ -68,6 +74,9 @@ pub struct MappingView {
     /// Who created it.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub requested_by: Option<String>,
+    /// The address it was requested from.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub requested_from: Option<String>,
     /// `namespace/service` (V2).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub service: Option<String>,
@@ -88,6 +97,7 @@ impl MappingView {
         let qualified = format!("{}/{}", spec.target.namespace, spec.target.name);
         let deadline = spec.expires_at;
         Self {
+            allowed_sources: spec.allowed_sources.clone(),
             close_connections: spec.close_connections,
             entry_port: spec.entry_port,
             expires_at: deadline,
@@ -100,6 +110,7 @@ impl MappingView {
             remaining_seconds: deadline.map(|d| d.remaining_seconds(now)),
             replaced: None,
             requested_by: spec.requested_by.clone(),
+            requested_from: spec.requested_from.clone(),
             service: (spec.kind == MappingKind::Service).then_some(qualified),
             target_port: spec.target.port,
             ttl_seconds: None,
@@ -150,6 +161,17 @@ pub enum PodMapping {
     Unmapped(Unmapped),
 }
 
+/// Who asks for a V1 mapping, and whom its entry port admits.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Requester {
+    /// The authenticated user.
+    pub user: String,
+    /// The API client's address.
+    pub from: IpAddr,
+    /// The sources the entry port admits; `None` under `--entry-access=any`.
+    pub sources: Option<Vec<Cidr>>,
+}
+
 /// The V1 operations.
 pub struct V1 {
     policy: V1Policy,
@@ -157,6 +179,20 @@ pub struct V1 {
     client: kube::Client,
     api: Api<PortMapping>,
     mappings: Mappings,
+}
+
+/// The PortMapping name of V1 entry port `port`.
+pub fn mapping_name(port: u16) -> String {
+    format!("v1-entry-{port}")
+}
+
+/// Where a new mapping is written.
+enum Slot {
+    /// Server-side apply on this name, over the object at this version (`None`: whatever is
+    /// there, the shared port's takeover).
+    Apply(String, Option<String>),
+    /// Create this name; taken meanwhile is a conflict.
+    Create(String),
 }
 
 impl V1 {
@@ -177,16 +213,22 @@ impl V1 {
         }
     }
 
-    /// The PortMapping name of the V1 entry port.
-    pub fn mapping_name(&self) -> String {
-        format!("v1-entry-{}", self.policy.entry_port)
-    }
-
-    /// The current, unexpired V1 mapping.
-    pub fn current(&self) -> Option<Arc<PortMapping>> {
-        self.mappings
-            .get(&self.mapping_name())
-            .filter(|m| !is_expired(m, Timestamp::now()))
+    /// The unexpired V1 mappings, by entry port.
+    pub fn current(&self) -> Vec<Arc<PortMapping>> {
+        let now = Timestamp::now();
+        let mut current: Vec<_> = self
+            .mappings
+            .all()
+            .into_iter()
+            .filter(|m| m.spec.kind == MappingKind::Pod && !is_expired(m, now))
+            .filter(|m| {
+                u16::try_from(m.spec.entry_port).is_ok_and(|p| {
+                    self.policy.entry_ports.contains(p) && m.name_any() == mapping_name(p)
+                })
+            })
+            .collect();
+        current.sort_by_key(|m| m.spec.entry_port);
+        current
     }
 
     async fn pod(&self, namespace: &str, name: &str) -> Result<Option<Pod>, ApiError> {
@@ -194,15 +236,55 @@ impl V1 {
         Ok(pods.get_opt(name).await?)
     }
 
-    /// Maps `namespace/pod` to the entry port for `ttl`, replacing any other mapping or
-    /// setting a new deadline for the same pod.
+    /// The mapping `requester` already has (range: their own; shared: the current one).
+    fn previous(&self, requester: &Requester) -> Option<Arc<PortMapping>> {
+        let current = self.current();
+        match self.policy.entry_ports {
+            V1Ports::Shared(_) => current.into_iter().next(),
+            V1Ports::Range(_) => current
+                .into_iter()
+                .find(|m| m.spec.requested_by.as_deref() == Some(requester.user.as_str())),
+        }
+    }
+
+    /// The slots a new mapping may take, in order: the shared port, the requester's own port,
+    /// or the free ports of the range.
+    fn slots(&self, previous: Option<&PortMapping>) -> Vec<Slot> {
+        match (self.policy.entry_ports, previous) {
+            (V1Ports::Shared(port), _) => vec![Slot::Apply(mapping_name(port), None)],
+            (V1Ports::Range(_), Some(own)) => {
+                vec![Slot::Apply(own.name_any(), own.resource_version())]
+            }
+            (V1Ports::Range(range), None) => {
+                let now = Timestamp::now();
+                let cached = self.mappings.all();
+                (range.start()..=range.end())
+                    .filter_map(|port| {
+                        let name = mapping_name(port);
+                        match cached.iter().find(|m| m.name_any() == name) {
+                            None => Some(Slot::Create(name)),
+                            // Expired, not yet removed by the leader: taken over, unless it
+                            // changed meanwhile.
+                            Some(m) if is_expired(m, now) => {
+                                Some(Slot::Apply(name, m.resource_version()))
+                            }
+                            Some(_) => None,
+                        }
+                    })
+                    .collect()
+            }
+        }
+    }
+
+    /// Maps `namespace/pod` for `ttl` on an entry port of `requester`'s: their own port (or the
+    /// shared one), setting a new deadline for the same pod or replacing their previous pod.
     pub async fn map(
         &self,
         namespace: &str,
         pod_name: &str,
         ttl: Duration,
         close_connections: bool,
-        requested_by: &str,
+        requester: &Requester,
     ) -> Result<MappingView, ApiError> {
         let qualified = format!("{namespace}/{pod_name}");
         let pod = self
@@ -244,38 +326,108 @@ impl V1 {
             .map(|p| p.container_port);
         let (port_name, target_port) = match named_port {
             Some(port) => (Some(self.policy.port_name.clone()), port),
-            None => (None, i32::from(self.policy.entry_port)),
+            None => (None, i32::from(self.policy.pod_port)),
         };
         let target = SocketAddr::new(ip, u16::try_from(target_port).unwrap_or(0));
         let expires_at = Deadline::after(Timestamp::now(), ttl);
-        let previous = self.current();
-        let name = self.mapping_name();
-        let mapping = PortMapping::owned(
-            &name,
-            &self.state_namespace,
-            PortMappingSpec {
-                kind: MappingKind::Pod,
-                target: MappingTarget {
-                    namespace: namespace.to_owned(),
-                    name: pod_name.to_owned(),
-                    port_name,
-                    port: Some(target_port),
-                },
-                entry_port: i32::from(self.policy.entry_port),
-                upstreams: vec![target],
-                expires_at: Some(expires_at),
-                close_connections,
-                requested_by: Some(requested_by.to_owned()),
+        let previous = self.previous(requester);
+        let spec = |entry_port: u16| PortMappingSpec {
+            kind: MappingKind::Pod,
+            target: MappingTarget {
+                namespace: namespace.to_owned(),
+                name: pod_name.to_owned(),
+                port_name: port_name.clone(),
+                port: Some(target_port),
             },
-        );
-        let written = self
-            .api
-            .patch(
-                &name,
-                &PatchParams::apply(CONTROLLER).force(),
-                &Patch::Apply(&mapping),
-            )
-            .await?;
+            entry_port: i32::from(entry_port),
+            upstreams: vec![target],
+            expires_at: Some(expires_at),
+            close_connections,
+            requested_by: Some(requester.user.clone()),
+            requested_from: Some(requester.from.to_string()),
+            allowed_sources: requester.sources.clone(),
+        };
+        let mut written = None;
+        let mut slots: std::collections::VecDeque<Slot> = self.slots(previous.as_deref()).into();
+        let mut retries = 0;
+        while let Some(slot) = slots.pop_front() {
+            let name = match &slot {
+                Slot::Apply(name, _) | Slot::Create(name) => name.clone(),
+            };
+            let Some(port) = name
+                .strip_prefix("v1-entry-")
+                .and_then(|p| p.parse::<u16>().ok())
+            else {
+                continue;
+            };
+            let mut mapping = PortMapping::owned(&name, &self.state_namespace, spec(port));
+            let result = match slot {
+                Slot::Apply(_, version) => {
+                    mapping.metadata.resource_version = version;
+                    self.api
+                        .patch(
+                            &name,
+                            &PatchParams::apply(CONTROLLER).force(),
+                            &Patch::Apply(&mapping),
+                        )
+                        .await
+                }
+                Slot::Create(_) => {
+                    let params = PostParams {
+                        field_manager: Some(CONTROLLER.to_owned()),
+                        ..PostParams::default()
+                    };
+                    self.api.create(&params, &mapping).await
+                }
+            };
+            match result {
+                Ok(object) => {
+                    written = Some(object);
+                    break;
+                }
+                // Taken meanwhile (another caller, another replica): the next port.
+                Err(kube::Error::Api(status))
+                    if status.code == 409 && previous.is_none() && self.is_range() =>
+                {
+                    continue;
+                }
+                // The requester's own mapping changed meanwhile: a status update or a renewal
+                // elsewhere is retried with its fresh version, anything else is a conflict.
+                Err(kube::Error::Api(status)) if status.code == 409 && retries < 3 => {
+                    retries += 1;
+                    let fresh = self.api.get_opt(&name).await?;
+                    match fresh {
+                        Some(fresh)
+                            if fresh.spec.requested_by.as_deref()
+                                == Some(requester.user.as_str())
+                                || !self.is_range() =>
+                        {
+                            slots.push_front(Slot::Apply(name.clone(), fresh.resource_version()));
+                        }
+                        _ => {
+                            return Err(ApiError::Conflict(format!(
+                                "your mapping on entry port {port} ended meanwhile; post again"
+                            )));
+                        }
+                    }
+                }
+                Err(kube::Error::Api(status)) if status.code == 409 => {
+                    return Err(ApiError::Conflict(format!(
+                        "your mapping changed meanwhile (another request?); post again: {}",
+                        status.message
+                    )));
+                }
+                Err(err) => return Err(err.into()),
+            }
+        }
+        let Some(written) = written else {
+            return Err(ApiError::Conflict(format!(
+                "every V1 entry port ({}) is in use by another user's mapping; try again when \
+                 one ends (mappings end at their TTL), or ask for a larger --v1-port-range",
+                self.policy.entry_ports
+            )));
+        };
+        let name = written.name_any();
         let version = written.resource_version();
         if !self
             .mappings
@@ -291,18 +443,32 @@ impl V1 {
         let replaced = previous
             .filter(|p| !same_pod(p))
             .map(|p| format!("{}/{}", p.spec.target.namespace, p.spec.target.name));
-        tracing::info!(pod = %qualified, %target, entry_port = self.policy.entry_port, ttl_seconds = ttl.as_secs(), user = requested_by, "pod mapped");
+        tracing::info!(pod = %qualified, %target, entry_port = written.spec.entry_port, ttl_seconds = ttl.as_secs(), user = %requester.user, from = %requester.from, sources = ?requester.sources, "pod mapped");
         Ok(MappingView::of(&written, Timestamp::now()).posted(replaced, ttl, extended))
     }
 
-    /// The mapping of `namespace/pod`, if it is the current one.
-    fn mapping_of(&self, namespace: &str, pod_name: &str) -> Option<Arc<PortMapping>> {
-        self.current()
-            .filter(|m| m.spec.target.namespace == namespace && m.spec.target.name == pod_name)
+    fn is_range(&self) -> bool {
+        matches!(self.policy.entry_ports, V1Ports::Range(_))
     }
 
-    /// Whether the pod exists, and its mapping if it is mapped.
-    pub async fn query(&self, namespace: &str, pod_name: &str) -> Result<PodMapping, ApiError> {
+    /// The mappings of `namespace/pod`, `user`'s own first.
+    fn mappings_of(&self, namespace: &str, pod_name: &str, user: &str) -> Vec<Arc<PortMapping>> {
+        let mut found: Vec<_> = self
+            .current()
+            .into_iter()
+            .filter(|m| m.spec.target.namespace == namespace && m.spec.target.name == pod_name)
+            .collect();
+        found.sort_by_key(|m| m.spec.requested_by.as_deref() != Some(user));
+        found
+    }
+
+    /// Whether the pod exists, and its mapping if it is mapped (`user`'s own, else another's).
+    pub async fn query(
+        &self,
+        namespace: &str,
+        pod_name: &str,
+        user: &str,
+    ) -> Result<PodMapping, ApiError> {
         let qualified = format!("{namespace}/{pod_name}");
         if self.pod(namespace, pod_name).await?.is_none() {
             return Err(ApiError::NotFound {
@@ -311,33 +477,53 @@ impl V1 {
                 data: Some(qualified),
             });
         }
-        Ok(match self.mapping_of(namespace, pod_name) {
-            Some(mapping) => PodMapping::Mapped(Box::new(
-                MappingView::of(&mapping, Timestamp::now()).queried(),
-            )),
-            None => PodMapping::Unmapped(Unmapped {
-                entry_port: None,
-                mapped: false,
-                pod_name: qualified,
-            }),
-        })
+        Ok(
+            match self
+                .mappings_of(namespace, pod_name, user)
+                .into_iter()
+                .next()
+            {
+                Some(mapping) => PodMapping::Mapped(Box::new(
+                    MappingView::of(&mapping, Timestamp::now()).queried(),
+                )),
+                None => PodMapping::Unmapped(Unmapped {
+                    entry_port: None,
+                    mapped: false,
+                    pod_name: qualified,
+                }),
+            },
+        )
     }
 
-    /// Ends the mapping of `namespace/pod` now.
+    /// Ends `user`'s mapping of `namespace/pod` now (with a shared port: the mapping of that
+    /// pod, whoever made it, as the original).
     pub async fn unmap(
         &self,
         namespace: &str,
         pod_name: &str,
         close_connections: bool,
+        user: &str,
     ) -> Result<Unmapped, ApiError> {
         let qualified = format!("{namespace}/{pod_name}");
-        let Some(mapping) = self.mapping_of(namespace, pod_name) else {
-            return Err(ApiError::NotFound {
-                msg: format!("pod {qualified} is not mapped"),
-                code: CODE_NOT_FOUND,
-                data: Some(qualified),
+        let found = self.mappings_of(namespace, pod_name, user);
+        let mine =
+            |m: &PortMapping| !self.is_range() || m.spec.requested_by.as_deref() == Some(user);
+        let Some(mapping) = found.iter().find(|m| mine(m)).cloned() else {
+            return Err(match found.first() {
+                Some(other) => ApiError::OutOfScope(format!(
+                    "pod {qualified} is mapped on entry port {} by {}, not by you; only they can \
+                     delete that mapping (it ends at its TTL)",
+                    other.spec.entry_port,
+                    other.spec.requested_by.as_deref().unwrap_or("another user")
+                )),
+                None => ApiError::NotFound {
+                    msg: format!("pod {qualified} is not mapped"),
+                    code: CODE_NOT_FOUND,
+                    data: Some(qualified),
+                },
             });
         };
+        let owner = mapping.spec.requested_by.clone();
         let name = mapping.name_any();
         let mut version = mapping.resource_version();
         if close_connections && !mapping.spec.close_connections {
@@ -353,8 +539,8 @@ impl V1 {
                 .await;
         }
         // The precondition keeps an unmap from deleting a mapping that another caller has just
-        // pointed at another pod. A conflict only from a write that kept the target (a status
-        // update, a new deadline) is retried with the fresh version.
+        // pointed at another pod. A conflict only from a write that kept the target and the
+        // requester (a status update, a new deadline) is retried with the fresh version.
         let mut attempts = 0;
         loop {
             match self.api.delete(&name, &delete_unchanged(version)).await {
@@ -367,7 +553,8 @@ impl V1 {
                         None => break,
                         Some(fresh)
                             if fresh.spec.target.namespace == namespace
-                                && fresh.spec.target.name == pod_name =>
+                                && fresh.spec.target.name == pod_name
+                                && fresh.spec.requested_by == owner =>
                         {
                             version = fresh.resource_version();
                         }
@@ -381,9 +568,9 @@ impl V1 {
             }
         }
         self.mappings.wait_applied(&name, None, APPLY_WAIT).await;
-        tracing::info!(pod = %qualified, "pod unmapped");
+        tracing::info!(pod = %qualified, entry_port = mapping.spec.entry_port, "pod unmapped");
         Ok(Unmapped {
-            entry_port: Some(self.policy.entry_port),
+            entry_port: u16::try_from(mapping.spec.entry_port).ok(),
             mapped: false,
             pod_name: qualified,
         })
@@ -444,6 +631,8 @@ mod tests {
                 )),
                 close_connections: true,
                 requested_by: Some("alice".into()),
+                requested_from: Some("192.0.2.7".into()),
+                allowed_sources: Some(vec!["192.0.2.7".parse().unwrap()]),
             },
         )
     }
@@ -465,6 +654,8 @@ mod tests {
                 expires_at: None,
                 close_connections: false,
                 requested_by: None,
+                requested_from: None,
+                allowed_sources: None,
             },
         )
     }
@@ -484,17 +675,17 @@ mod tests {
         };
         assert_eq!(
             posted(None),
-            r#"{"code":10000,"data":{"close_connections":true,"entry_port":8849,"expires_at":"2023-11-14T22:13:20.123Z","extended":false,"kind":"pod","name":"v1-entry-8849","pod_name":"default/web-0","port_name":"jprofiler-port","remaining_seconds":60,"replaced":null,"requested_by":"alice","target_port":8849,"ttl_seconds":60,"upstreams":["10.1.2.3:8849","[fd00::1]:8849"]},"msg":"operation succeeded"}"#
+            r#"{"code":10000,"data":{"allowed_sources":["192.0.2.7/32"],"close_connections":true,"entry_port":8849,"expires_at":"2023-11-14T22:13:20.123Z","extended":false,"kind":"pod","name":"v1-entry-8849","pod_name":"default/web-0","port_name":"jprofiler-port","remaining_seconds":60,"replaced":null,"requested_by":"alice","requested_from":"192.0.2.7","target_port":8849,"ttl_seconds":60,"upstreams":["10.1.2.3:8849","[fd00::1]:8849"]},"msg":"operation succeeded"}"#
         );
         assert_eq!(
             posted(Some("default/old")),
-            r#"{"code":10000,"data":{"close_connections":true,"entry_port":8849,"expires_at":"2023-11-14T22:13:20.123Z","extended":false,"kind":"pod","name":"v1-entry-8849","pod_name":"default/web-0","port_name":"jprofiler-port","remaining_seconds":60,"replaced":"default/old","requested_by":"alice","target_port":8849,"ttl_seconds":60,"upstreams":["10.1.2.3:8849","[fd00::1]:8849"]},"msg":"operation succeeded"}"#
+            r#"{"code":10000,"data":{"allowed_sources":["192.0.2.7/32"],"close_connections":true,"entry_port":8849,"expires_at":"2023-11-14T22:13:20.123Z","extended":false,"kind":"pod","name":"v1-entry-8849","pod_name":"default/web-0","port_name":"jprofiler-port","remaining_seconds":60,"replaced":"default/old","requested_by":"alice","requested_from":"192.0.2.7","target_port":8849,"ttl_seconds":60,"upstreams":["10.1.2.3:8849","[fd00::1]:8849"]},"msg":"operation succeeded"}"#
         );
         let queried =
             PodMapping::Mapped(Box::new(MappingView::of(&pod_mapping(), now()).queried()));
         assert_eq!(
             body(error::ok(queried)),
-            r#"{"code":10000,"data":{"close_connections":true,"entry_port":8849,"expires_at":"2023-11-14T22:13:20.123Z","kind":"pod","mapped":true,"name":"v1-entry-8849","pod_name":"default/web-0","port_name":"jprofiler-port","remaining_seconds":60,"requested_by":"alice","target_port":8849,"upstreams":["10.1.2.3:8849","[fd00::1]:8849"]},"msg":"operation succeeded"}"#
+            r#"{"code":10000,"data":{"allowed_sources":["192.0.2.7/32"],"close_connections":true,"entry_port":8849,"expires_at":"2023-11-14T22:13:20.123Z","kind":"pod","mapped":true,"name":"v1-entry-8849","pod_name":"default/web-0","port_name":"jprofiler-port","remaining_seconds":60,"requested_by":"alice","requested_from":"192.0.2.7","target_port":8849,"upstreams":["10.1.2.3:8849","[fd00::1]:8849"]},"msg":"operation succeeded"}"#
         );
         let unmapped = PodMapping::Unmapped(Unmapped {
             entry_port: None,

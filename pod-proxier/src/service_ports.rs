@@ -230,6 +230,8 @@ impl V2Reconciler {
                 expires_at: None,
                 close_connections: false,
                 requested_by: None,
+                requested_from: None,
+                allowed_sources: None,
             },
         )
     }

@@ -9,6 +9,7 @@ use std::time::Duration;
 use proxy_core::server::PortRange;
 use proxy_core::upstream::HealthCheck;
 
+use crate::access::{EntryAccess, SourcePolicy};
 use crate::config::{AuthMode, BackendKind, V2Target};
 
 /// Validated settings of a run.
@@ -82,15 +83,57 @@ pub struct MappingPolicy {
     pub allowed_namespaces: Vec<String>,
     /// Longest V1 TTL.
     pub max_mapping_time: Duration,
+    /// Who may connect to a V1 entry port.
+    pub entry_access: EntryAccess,
+    /// What a request may ask to admit besides its own address.
+    pub sources: SourcePolicy,
 }
 
-/// V1: one entry port forwards to one pod for a TTL.
+/// V1: an entry port forwards to one pod for a TTL.
 #[derive(Debug, Clone)]
 pub struct V1Policy {
-    /// The entry port, also the pod port when no container port has [`Self::port_name`].
-    pub entry_port: u16,
+    /// Where V1 mappings listen.
+    pub entry_ports: V1Ports,
+    /// The pod port when no container port has [`Self::port_name`] (--default-map-port).
+    pub pod_port: u16,
     /// The container port name to map.
     pub port_name: String,
+}
+
+/// The V1 entry ports.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum V1Ports {
+    /// The original's single port: a new mapping replaces the current one, whoever asked.
+    Shared(u16),
+    /// One port of the range per requester; another requester's mapping is never replaced.
+    Range(PortRange),
+}
+
+impl V1Ports {
+    /// Every V1 entry port, lowest first.
+    pub fn all(&self) -> Vec<u16> {
+        match self {
+            V1Ports::Shared(port) => vec![*port],
+            V1Ports::Range(range) => (range.start()..=range.end()).collect(),
+        }
+    }
+
+    /// Whether `port` is a V1 entry port.
+    pub fn contains(&self, port: u16) -> bool {
+        match self {
+            V1Ports::Shared(shared) => *shared == port,
+            V1Ports::Range(range) => range.contains(port),
+        }
+    }
+}
+
+impl std::fmt::Display for V1Ports {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            V1Ports::Shared(port) => write!(f, "{port} (shared)"),
+            V1Ports::Range(range) => write!(f, "{}-{}", range.start(), range.end()),
+        }
+    }
 }
 
 /// V2: Service ports named [`Self::port_name`] get a port of [`Self::port_range`].
@@ -112,11 +155,11 @@ impl MappingPolicy {
         self.allowed_namespaces.iter().any(|ns| ns == namespace)
     }
 
-    /// The entry ports of the enabled versions: the V1 entry port and the V2 range.
+    /// The entry ports of the enabled versions: the V1 entry ports and the V2 range.
     pub fn entry_ports(&self) -> Vec<u16> {
         let mut ports = Vec::new();
         if let Some(v1) = &self.v1 {
-            ports.push(v1.entry_port);
+            ports.extend(v1.entry_ports.all());
         }
         if let Some(v2) = &self.v2 {
             ports.extend(v2.port_range.start()..=v2.port_range.end());

@@ -23,6 +23,7 @@ fn route(name: &str, upstreams: Vec<SocketAddr>, checked: bool, close: bool) -> 
         upstreams,
         health_checked: checked,
         close_connections: close,
+        allowed_sources: None,
     }
 }
 

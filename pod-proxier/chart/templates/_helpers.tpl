@@ -23,6 +23,16 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 
 {{/* The flags, shared by the proxy and the HAProxy config generator. */}}
+{{/* The V1 entry ports, START-END (one port with v1SharedPort). */}}
+{{- define "pod-proxier.v1Ports" -}}
+{{- $first := int .Values.ports.defaultMapPort -}}
+{{- if .Values.podProxier.v1SharedPort -}}
+{{ $first }}-{{ $first }}
+{{- else -}}
+{{ $first }}-{{ add $first (sub (int .Values.podProxier.v1PortCount) 1) }}
+{{- end -}}
+{{- end -}}
+
 {{- define "pod-proxier.args" -}}
 {{- $p := .Values.podProxier -}}
 {{- if $p.enableV1 }}
@@ -34,6 +44,15 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 - --listen-port={{ .Values.ports.podProxierPort }}
 - --listen-addr={{ $p.listenAddr }}
 - --default-map-port={{ .Values.ports.defaultMapPort }}
+{{- if $p.v1SharedPort }}
+- --v1-shared-port
+{{- else }}
+- --v1-port-range={{ include "pod-proxier.v1Ports" . }}
+{{- end }}
+- --entry-access={{ $p.entryAccess }}
+{{- with $p.allowedSourceCidrs }}
+- --allowed-source-cidrs={{ join "," . }}
+{{- end }}
 - --jprofiler-port-name={{ .Values.ports.jprofilerPortName }}
 - --metrics-addr=0.0.0.0:{{ .Values.ports.metricsPort }}
 - --port-name={{ $p.portName }}

@@ -8,16 +8,25 @@
 //! sessions server`). An empty backend closes incoming connections, so an idle entry port
 //! refuses. Every sync first reads HAProxy's actual servers (`show servers state`), which also
 //! repairs drift, e.g. after HAProxy restarted with its empty configuration.
+//!
+//! With `--entry-access=requester` every V1 frontend rejects, at connection, a client whose
+//! source its ACL (unique id = the port) does not hold: `tcp-request connection reject if
+//! !admitted`. pod-proxier keeps the ACL equal to the mapping's admitted sources (`add acl`,
+//! `del acl`), and counts HAProxy's denied connections (`dcon` of `show stat`) as refusals.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt::Write as _;
 use std::net::SocketAddr;
 use std::time::Duration;
 
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::sync::Mutex;
 
 use super::{DesiredPorts, PortError, PortRoute};
+use crate::access::{Cidr, EntryAccess};
+use crate::metrics::EntryLabels;
 use crate::settings::{MappingPolicy, RuntimeApiAddr, Settings};
 
 /// Bound on one Runtime API command.
@@ -76,6 +85,24 @@ pub fn declared_ports(policy: &MappingPolicy) -> Vec<u16> {
     policy.entry_ports()
 }
 
+/// The entry ports whose clients' sources are checked: the V1 ports, with
+/// `--entry-access=requester`.
+pub fn gated_ports(policy: &MappingPolicy) -> BTreeSet<u16> {
+    match (&policy.v1, policy.entry_access) {
+        (Some(v1), EntryAccess::Requester) => v1.entry_ports.all().into_iter().collect(),
+        _ => BTreeSet::new(),
+    }
+}
+
+/// What a checked port's ACL holds for a route admitting every source (an idle port: its
+/// empty backend closes the connection anyway).
+fn everyone() -> Vec<Cidr> {
+    ["0.0.0.0/0", "::/0"]
+        .iter()
+        .filter_map(|text| text.parse().ok())
+        .collect()
+}
+
 /// HAProxy's connection limit, and its pipe limit (one pipe per connection at most).
 const MAXCONN: usize = 4096;
 
@@ -122,12 +149,20 @@ pub fn config_text(settings: &Settings) -> String {
              timeout server-fin 30s\n    \
              timeout check {check_timeout}s\n"
     );
+    let gated = gated_ports(&settings.policy);
     for port in declared_ports(&settings.policy) {
         let name = backend_name(port);
+        let _ = writeln!(text, "frontend {name}\n    bind {bind_ip}:{port}");
+        if gated.contains(&port) {
+            // Empty until pod-proxier adds the mapping's sources at runtime (ACL #port).
+            let _ = writeln!(
+                text,
+                "    acl admitted src -u {port}\n    tcp-request connection reject if !admitted"
+            );
+        }
         let _ = writeln!(
             text,
-            "frontend {name}\n    bind {bind_ip}:{port}\n    default_backend {name}\n\n\
-             backend {name}\n    balance roundrobin\n"
+            "    default_backend {name}\n\nbackend {name}\n    balance roundrobin\n"
         );
     }
     text
@@ -148,6 +183,12 @@ pub struct HaproxyPlane {
     check_interval: Option<Duration>,
     /// The route last applied per port, to decide about closing connections.
     applied: Mutex<HashMap<u16, PortRoute>>,
+    /// The ports with a source ACL.
+    gated: BTreeSet<u16>,
+    /// Clients refused for their source, per entry port.
+    refused: Family<EntryLabels, Counter>,
+    /// HAProxy's last denied-connection count per port.
+    denied: Mutex<HashMap<u16, u64>>,
 }
 
 impl HaproxyPlane {
@@ -163,6 +204,9 @@ impl HaproxyPlane {
             declared: declared_ports(&settings.policy).into_iter().collect(),
             check_interval: settings.plane.health_check.map(|check| check.interval),
             applied: Mutex::new(HashMap::new()),
+            gated: gated_ports(&settings.policy),
+            refused: Family::default(),
+            denied: Mutex::new(HashMap::new()),
         };
         plane.command("show info").await?;
         for port in &plane.declared {
@@ -194,6 +238,12 @@ impl HaproxyPlane {
                 other => return other,
             }
         }
+    }
+
+    /// Counts the sources HAProxy refuses in `refused`, per entry port.
+    pub fn with_source_metric(mut self, refused: Family<EntryLabels, Counter>) -> Self {
+        self.refused = refused;
+        self
     }
 
     async fn command(&self, command: &str) -> Result<String, HaproxyError> {
@@ -290,6 +340,19 @@ impl HaproxyPlane {
             .map(|addr| (server_name(addr), *addr))
             .collect();
         let close = previous.is_some_and(|p| p.closes_on_switch_to(route));
+        // Sources no longer admitted go before the servers change, new ones after: a switch
+        // never lets one mapping's sources reach another mapping's target.
+        let admitted = match self.gated.contains(&port) {
+            true => Some(self.admitted(port).await?),
+            false => None,
+        };
+        let wanted_sources = route.allowed_sources.clone().unwrap_or_else(everyone);
+        if let Some(admitted) = &admitted {
+            for (cidr, text) in admitted.iter().filter(|(c, _)| !wanted_sources.contains(c)) {
+                tracing::debug!(port, source = %cidr, "source no longer admitted");
+                self.expect(&format!("del acl #{port} {text}"), "").await?;
+            }
+        }
         // Add and enable what is wanted first, so a switch never leaves a gap.
         for (name, addr) in &wanted {
             let current = actual.iter().find(|s| &s.name == name);
@@ -324,6 +387,89 @@ impl HaproxyPlane {
                 tracing::debug!(server = %target, answer = %answer.trim(), "server kept until its connections end");
             }
         }
+        if let Some(admitted) = &admitted {
+            for cidr in wanted_sources
+                .iter()
+                .filter(|c| !admitted.iter().any(|(a, _)| a == *c))
+            {
+                self.expect(&format!("add acl #{port} {cidr}"), "").await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The sources the ACL of `port` admits now, with the text HAProxy holds for each.
+    async fn admitted(&self, port: u16) -> Result<Vec<(Cidr, String)>, HaproxyError> {
+        let command = format!("show acl #{port}");
+        let answer = self.command(&command).await?;
+        if answer.contains("Unknown ACL") {
+            return Err(HaproxyError::Refused {
+                command,
+                answer: format!(
+                    "{}: the configuration has no source ACL for this port; regenerate it with \
+                     `pod-proxier haproxy-config` and the same flags",
+                    answer.trim()
+                ),
+            });
+        }
+        let mut admitted = Vec::new();
+        for line in answer.lines() {
+            let Some(text) = line.split_whitespace().nth(1) else {
+                continue;
+            };
+            match text.parse::<Cidr>() {
+                Ok(cidr) => admitted.push((cidr, text.to_owned())),
+                // Not ours: never admitted, so it goes (matched by a CIDR nobody wants).
+                Err(_) => admitted.push((Cidr::host([0, 0, 0, 0].into()), text.to_owned())),
+            }
+        }
+        Ok(admitted)
+    }
+
+    /// Adds HAProxy's new denied connections (`dcon`) of the checked ports to the refusals.
+    async fn count_refusals(&self) -> Result<(), HaproxyError> {
+        if self.gated.is_empty() {
+            return Ok(());
+        }
+        let answer = self.command("show stat").await?;
+        let mut lines = answer.lines();
+        let header: Vec<&str> = lines
+            .next()
+            .and_then(|h| h.strip_prefix("# "))
+            .map(|h| h.split(',').collect())
+            .unwrap_or_default();
+        let (Some(px), Some(sv), Some(dcon)) = (
+            header.iter().position(|h| *h == "pxname"),
+            header.iter().position(|h| *h == "svname"),
+            header.iter().position(|h| *h == "dcon"),
+        ) else {
+            return Ok(());
+        };
+        let mut denied = self.denied.lock().await;
+        for line in lines {
+            let fields: Vec<&str> = line.split(',').collect();
+            if fields.get(sv) != Some(&"FRONTEND") {
+                continue;
+            }
+            let port = fields
+                .get(px)
+                .and_then(|name| name.strip_prefix("entry_"))
+                .and_then(|p| p.parse::<u16>().ok())
+                .filter(|p| self.gated.contains(p));
+            let (Some(port), Some(count)) =
+                (port, fields.get(dcon).and_then(|c| c.parse::<u64>().ok()))
+            else {
+                continue;
+            };
+            let last = denied.insert(port, count).unwrap_or(0);
+            // A restarted HAProxy counts from zero again.
+            let new = if count >= last { count - last } else { count };
+            if new > 0 {
+                self.refused
+                    .get_or_create(&EntryLabels { entry_port: port })
+                    .inc_by(new);
+            }
+        }
         Ok(())
     }
 
@@ -349,6 +495,9 @@ impl HaproxyPlane {
                 port: *port,
                 message: "the HAProxy configuration declares no frontend for this port".to_owned(),
             });
+        }
+        if let Err(err) = self.count_refusals().await {
+            tracing::debug!(error = %err, "reading HAProxy's denied connections");
         }
         errors
     }

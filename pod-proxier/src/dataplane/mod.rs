@@ -10,6 +10,8 @@ pub mod haproxy;
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 
+use crate::access::Cidr;
+
 /// What one entry port should do.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PortRoute {
@@ -21,6 +23,9 @@ pub struct PortRoute {
     pub health_checked: bool,
     /// Close established connections when this route takes over the port or ends.
     pub close_connections: bool,
+    /// The source networks admitted, on an entry port whose access is checked (a V1 port with
+    /// `--entry-access=requester`); `None`: every source.
+    pub allowed_sources: Option<Vec<Cidr>>,
 }
 
 /// Name of the route of an entry port without a mapping.
@@ -34,7 +39,13 @@ impl PortRoute {
             upstreams: Vec::new(),
             health_checked: false,
             close_connections: false,
+            allowed_sources: None,
         }
+    }
+
+    /// Whether `next` admits other sources.
+    pub fn access_differs(&self, next: &PortRoute) -> bool {
+        self.allowed_sources != next.allowed_sources
     }
 
     /// Whether switching from `self` to `next` must close established connections.

@@ -448,6 +448,11 @@ impl Proxier {
             "1s".into(),
         ];
         args.extend(extra.iter().map(|s| s.as_ref().to_owned()));
+        // The scenarios written for the original's single V1 port run in its compatibility mode;
+        // tests/access.rs runs the port range.
+        if !args.iter().any(|a| a.starts_with("--v1-")) {
+            args.push("--v1-shared-port".into());
+        }
         // The tests speak plain HTTP to the API unless they bring a certificate (tests/tls.rs).
         if !args.iter().any(|a| a.starts_with("--tls-")) {
             args.push("--plain-http".into());
