@@ -135,6 +135,36 @@ async fn haproxy_backend_carries_v1_traffic_without_reloads() {
         .await;
     assert_eq!(status, 200, "{body}");
     assert_eq!(greeting(px.entry).await.as_deref(), Some("hap-a"));
+    // Only the requester's address is admitted: HAProxy's ACL rejects another source at
+    // connection, and pod-proxier counts it from HAProxy's denied connections.
+    let other = tokio::net::TcpSocket::new_v4().unwrap();
+    other.bind("127.0.0.2:0".parse().unwrap()).unwrap();
+    let refused = match other.connect(px.entry).await {
+        Err(_) => true,
+        Ok(mut stream) => {
+            let mut byte = [0u8; 1];
+            matches!(
+                tokio::time::timeout(Duration::from_secs(10), stream.read(&mut byte)).await,
+                Ok(Ok(0) | Err(_))
+            )
+        }
+    };
+    assert!(refused, "a client from 127.0.0.2 reached the mapping");
+    let metric = format!(
+        "podproxier_entry_source_refused_total{{entry_port=\"{}\"}} 1",
+        px.entry.port()
+    );
+    eventually(
+        "HAProxy's refusal is counted",
+        Duration::from_secs(30),
+        || async {
+            crate::support::get_text(px.metrics, "/metrics")
+                .await
+                .is_ok_and(|(_, text)| text.lines().any(|l| l == metric))
+        },
+    )
+    .await;
+    assert_eq!(greeting(px.entry).await.as_deref(), Some("hap-a"));
 
     // Replacing keeps the established connection.
     let mut held = TcpStream::connect(px.entry).await.unwrap();
