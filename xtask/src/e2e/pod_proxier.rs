@@ -32,6 +32,7 @@ const V2_END: u16 = 9004;
 const TLS_DEFAULT: &str =
     "TLS on by default: a client with the chart's CA is answered, one without it is refused";
 const V1_MAPS: &str = "V1: a ServiceAccount bound only to create pods/portforward maps a Pod's jprofiler-port; bytes through the Service's entry port reach the Pod and come back; a caller without the binding gets 403";
+const ENTRY_ACCESS: &str = "V1 access bound to the requester: a client Pod (another source address) is closed at the mapping's entry port and counted in podproxier_entry_source_refused_total, while the requester's address still relays";
 const METRICS: &str = "the pod-proxier Pod's /metrics has process_*, its build info, the mappings, the relay's and leader election's families";
 const NODE_PORT: &str = "chart Service as NodePort on this node carries a mapping";
 const V2_BOTH_PODS: &str =
@@ -48,6 +49,7 @@ pub fn expected_scenarios() -> Vec<String> {
     [
         TLS_DEFAULT,
         V1_MAPS,
+        ENTRY_ACCESS,
         METRICS,
         NODE_PORT,
         V2_BOTH_PODS,
@@ -176,6 +178,23 @@ async fn scenarios(
             echoed.as_ref().map(|d| format!("intact in {d:.1?}")).unwrap_or_else(|e| format!("{e:#}")),
             denied_answer["msg"]
         ),
+    );
+
+    // The mapping admits its requester's address only: a Pod's client (another source) is
+    // closed at accept and counted; the requester still relays.
+    let started = Instant::now();
+    let outcome = other_source_refused(env, &ns, &work, entry).await;
+    report.record(
+        ENTRY_ACCESS,
+        outcome.is_ok(),
+        started,
+        match outcome {
+            Ok(detail) => format!(
+                "requested_from {}; {detail}",
+                answer["data"]["requested_from"]
+            ),
+            Err(e) => format!("{e:#}"),
+        },
     );
 
     // pod-proxier's /metrics after relaying that mapping, under the names dashboards use.
@@ -474,6 +493,76 @@ async fn haproxy_backend(
 
 /// [`tcp_echo`] of `len` bytes through `addr`, retried until it succeeds or `limit` passes;
 /// returns its time and the tries it took.
+/// The sum of `podproxier_entry_source_refused_total` over the pod-proxier Pods of `ns`.
+async fn source_refusals(env: &Env<'_>, ns: &str) -> anyhow::Result<u64> {
+    let mut total = 0;
+    for (_, ip) in check::wait_pods_ready(env.plane, ns, SELECTOR, 1).await? {
+        let text = check::http_get(format!("{ip}:{METRICS_PORT}").parse()?, "/metrics")
+            .await
+            .map_err(|e| anyhow::anyhow!("pod-proxier /metrics: {e}"))?;
+        total += text
+            .lines()
+            .filter(|l| l.starts_with("podproxier_entry_source_refused_total{"))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+            .sum::<u64>();
+    }
+    Ok(total)
+}
+
+/// A testbox Job in `work` (a Pod address, not the requester's) tries the V1 entry port: it
+/// must fail, the refusal must be counted, and the requester must still relay.
+async fn other_source_refused(
+    env: &Env<'_>,
+    ns: &str,
+    work: &str,
+    entry: SocketAddr,
+) -> anyhow::Result<String> {
+    use k8s_openapi::api::batch::v1::Job;
+    let before = source_refusals(env, ns).await?;
+    let name = "entry-other-source";
+    let target = entry.to_string();
+    let mut job = check::job(
+        name,
+        k8s_reconcile::testing::node::TESTBOX_IMAGE,
+        &[
+            "/testbox",
+            "tcp-check",
+            &target,
+            "--bytes",
+            "4096",
+            "--timeout-seconds",
+            "10",
+        ],
+    );
+    job["spec"]["activeDeadlineSeconds"] = json!(60);
+    let jobs: Api<Job> = Api::namespaced(env.plane.client().await?, work);
+    jobs.create(&PostParams::default(), &serde_json::from_value(job)?)
+        .await?;
+    let outcome = check::wait_job_logs(env.plane, work, name).await;
+    let _ = jobs.delete(name, &DeleteParams::background()).await;
+    if let Ok(logs) = outcome {
+        bail!("a client Pod relayed through {entry}, another source than the requester's: {logs}");
+    }
+    let after = source_refusals(env, ns).await?;
+    if after <= before {
+        bail!(
+            "the client Pod failed, but podproxier_entry_source_refused_total stayed {before}: {outcome:?}"
+        );
+    }
+    let echoed = tcp_echo(entry, 4096).await;
+    let echoed = echoed.map_err(|e| anyhow::anyhow!("the requester no longer relays: {e:#}"))?;
+    Ok(format!(
+        "client Pod refused ({}), refusals {before} -> {after}; the requester's 4 KiB echo intact in {echoed:.1?}",
+        outcome
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default()
+            .lines()
+            .next()
+            .unwrap_or_default()
+    ))
+}
+
 async fn echo_until(
     addr: SocketAddr,
     len: usize,
