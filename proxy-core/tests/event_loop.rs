@@ -14,10 +14,11 @@ use std::time::Duration;
 
 use common::*;
 use proxy_core::metrics::{RelayObserver, RouteLabels};
-use proxy_core::relay::Route;
+use proxy_core::proxy_protocol::{ProxyHeader, parse_v2};
+use proxy_core::relay::{Ending, RelayConfig, Route};
 use proxy_core::server::{DataPath, ExistingConnections, ListenerConfig, ProxyServer};
 use proxy_core::upstream::{TargetAddr, Upstream};
-use tokio::io::AsyncWriteExt;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
 /// Records the thread each connection was opened on: the observer is called where the
@@ -161,9 +162,7 @@ async fn a_full_upstream_drops_the_clients_read_interest_until_it_drains() {
     // Draining the upstream gives it back, and every byte arrives.
     client.shutdown().await.unwrap();
     let mut received = Vec::new();
-    tokio::io::AsyncReadExt::read_to_end(&mut accepted, &mut received)
-        .await
-        .unwrap();
+    accepted.read_to_end(&mut received).await.unwrap();
     assert_eq!(received.len(), sent);
     assert!(received.iter().all(|byte| *byte == 7));
     drop(accepted);
@@ -172,4 +171,113 @@ async fn a_full_upstream_drops_the_clients_read_interest_until_it_drains() {
     })
     .await;
     server.shutdown(Duration::from_secs(5)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_proxy_header_comes_first_with_the_clients_addresses() {
+    let upstream = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let server = event_loop_server(Arc::new(CountingObserver::default()));
+    let route = Route::new("pp", upstream.local_addr().unwrap()).with_proxy_protocol(true);
+    let addr = server
+        .add_listener(ListenerConfig::new("127.0.0.1:0".parse().unwrap(), route))
+        .unwrap();
+    let mut client = TcpStream::connect(addr).await.unwrap();
+    client.write_all(b"hello").await.unwrap();
+    let (mut accepted, _) = upstream.accept().await.unwrap();
+    // An IPv4 header is 28 bytes; the client's bytes follow it.
+    let mut received = [0u8; 28 + 5];
+    tokio::time::timeout(Duration::from_secs(30), accepted.read_exact(&mut received))
+        .await
+        .expect("header and bytes within 30 s")
+        .unwrap();
+    let (header, used) = parse_v2(&received).unwrap().unwrap();
+    assert_eq!(
+        header,
+        ProxyHeader::Proxy {
+            source: client.local_addr().unwrap(),
+            destination: addr,
+        }
+    );
+    assert_eq!(&received[used..], b"hello");
+    server.shutdown(Duration::from_secs(1)).await;
+}
+
+async fn ending_of(relay: RelayConfig, upstream: SocketAddr, keep_sending: bool) -> Ending {
+    let observer = Arc::new(CountingObserver::default());
+    let server = event_loop_server(observer.clone());
+    let addr = server
+        .add_listener(
+            ListenerConfig::new("127.0.0.1:0".parse().unwrap(), Route::new("t", upstream))
+                .with_relay(relay),
+        )
+        .unwrap();
+    let mut client = TcpStream::connect(addr).await.unwrap();
+    if keep_sending {
+        let mut buf = [0u8; 64];
+        let sender = async {
+            // Echoed back and read, so neither direction is ever idle for long.
+            while client.write_all(b"tick").await.is_ok()
+                && matches!(client.read(&mut buf).await, Ok(n) if n > 0)
+            {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(30), sender)
+            .await
+            .expect("closed within 30 s");
+    } else {
+        assert!(closes_within(&mut client, Duration::from_secs(30)).await);
+    }
+    eventually(Duration::from_secs(30), "connection closed", || {
+        CountingObserver::get(&observer.closed) == 1
+    })
+    .await;
+    server.shutdown(Duration::from_secs(1)).await;
+    observer.endings()[0]
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_timeout_and_lifetime_close_connections_from_the_timer_wheel() {
+    let echo = echo_server().await;
+    let idle = RelayConfig::default().with_idle_timeout(Some(Duration::from_millis(300)));
+    assert_eq!(ending_of(idle, echo.addr, false).await, Ending::IdleTimeout);
+    // Busy the whole time: the idle timeout is pushed back, the lifetime is not.
+    let lifetime = idle.with_max_lifetime(Some(Duration::from_millis(900)));
+    assert_eq!(
+        ending_of(lifetime, echo.addr, true).await,
+        Ending::MaxLifetime
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connect_that_never_completes_times_out() {
+    // A listener that never accepts: with a backlog of 0 its queue takes one connection, and
+    // the relay's SYN is dropped.
+    let full = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+    full.bind(&SocketAddr::from(([127, 0, 0, 1], 0)).into())
+        .unwrap();
+    full.listen(0).unwrap();
+    let full_addr = full.local_addr().unwrap().as_socket().unwrap();
+    let _queued = std::net::TcpStream::connect(full_addr).unwrap();
+    let observer = Arc::new(CountingObserver::default());
+    let server = event_loop_server(observer.clone());
+    let relay = RelayConfig::default().with_connect_timeout(Duration::from_millis(300));
+    let addr = server
+        .add_listener(
+            ListenerConfig::new(
+                "127.0.0.1:0".parse().unwrap(),
+                Route::new("full", full_addr),
+            )
+            .with_relay(relay),
+        )
+        .unwrap();
+    let mut client = TcpStream::connect(addr).await.unwrap();
+    assert!(closes_within(&mut client, Duration::from_secs(30)).await);
+    eventually(Duration::from_secs(30), "connection closed", || {
+        CountingObserver::get(&observer.closed) == 1
+    })
+    .await;
+    assert_eq!(CountingObserver::get(&observer.connect_timeouts), 1);
+    assert_eq!(observer.endings(), [Ending::ConnectFailed]);
+    server.shutdown(Duration::from_secs(1)).await;
 }
