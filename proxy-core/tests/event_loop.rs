@@ -241,8 +241,11 @@ async fn idle_timeout_and_lifetime_close_connections_from_the_timer_wheel() {
     let echo = echo_server().await;
     let idle = RelayConfig::default().with_idle_timeout(Some(Duration::from_millis(300)));
     assert_eq!(ending_of(idle, echo.addr, false).await, Ending::IdleTimeout);
-    // Busy the whole time: the idle timeout is pushed back, the lifetime is not.
-    let lifetime = idle.with_max_lifetime(Some(Duration::from_millis(900)));
+    // Busy the whole time: the idle timeout is pushed back, the lifetime is not. The idle
+    // timeout is generous here so a busy machine's scheduling stall cannot end it first.
+    let lifetime = RelayConfig::default()
+        .with_idle_timeout(Some(Duration::from_secs(1)))
+        .with_max_lifetime(Some(Duration::from_secs(3)));
     assert_eq!(
         ending_of(lifetime, echo.addr, true).await,
         Ending::MaxLifetime
