@@ -9,9 +9,6 @@ use anyhow::{Context as _, bail};
 use k8s_reconcile::testing::{ASSETS_DIR_ENV, KUBERNETES_VERSION, default_assets_dir};
 use sha2::{Digest as _, Sha256};
 
-// Until the benchmarks call `crate::debian` themselves (they are being reworked).
-pub use crate::debian::install_packages;
-
 #[derive(clap::Args, Default)]
 pub struct Args {
     /// Rebuild the Kubernetes binaries even if the cached ones match.

@@ -221,7 +221,7 @@ async fn heap_profile_round(
     binary: &Path,
     sizes: &Sizes,
 ) -> anyhow::Result<()> {
-    crate::envtest::install_packages(&["heaptrack"], "bench operator --profile")?;
+    crate::debian::install_packages(&["heaptrack"], "bench operator --profile")?;
     let dir = tempfile::Builder::new()
         .prefix("netkit-bench-heap-")
         .tempdir()?;

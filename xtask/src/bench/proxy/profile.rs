@@ -157,7 +157,7 @@ pub(super) fn profile(
     contenders: &mut [Contender],
     notes: &mut Vec<String>,
 ) -> anyhow::Result<()> {
-    crate::envtest::install_packages(&["linux-perf", "strace"], "bench --profile")?;
+    crate::debian::install_packages(&["linux-perf", "strace"], "bench --profile")?;
     let dir = crate::workspace_root().join(PROFILE_DIR);
     std::fs::create_dir_all(&dir)?;
     let scratch = tempfile::tempdir()?;
