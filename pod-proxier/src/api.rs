@@ -25,7 +25,6 @@ use crate::names;
 use crate::pod_mappings::{DEFAULT_TTL_SECONDS, MappingView, Requester, V1};
 use crate::serve::ClientAddr;
 use crate::settings::{MappingPolicy, Settings, V2Policy};
-use crate::ttl::is_expired;
 use k8s_reconcile::app::rest::{self, Fields};
 use k8s_reconcile::auth::{Authenticator, Caller, ResourceAccess};
 
@@ -492,7 +491,7 @@ async fn visible(
         .mappings
         .all()
         .into_iter()
-        .filter(|m| m.spec.kind == kind && !is_expired(m, now))
+        .filter(|m| m.spec.kind == kind && !m.is_expired(now))
         .filter(|m| {
             state
                 .settings

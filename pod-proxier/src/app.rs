@@ -329,12 +329,19 @@ pub async fn run(settings: Settings) -> Result<(), StartError> {
             rest::PlainHttp,
         )),
     };
-    let app = builder.serve_ops([settings.metrics_addr]).start().await?;
+    let metrics_access = settings.metrics.access(&client)?;
+    let app = builder
+        .serve_health([settings.health_addr])
+        .serve_metrics([settings.metrics_addr], metrics_access)
+        .start()
+        .await?;
     let policy = &settings.policy;
     tracing::info!(
         api = %settings.api.addr,
         tls = settings.api.tls.is_some(),
+        health = %settings.health_addr,
         metrics = %settings.metrics_addr,
+        metrics_secure = settings.metrics.metrics_secure,
         v1 = policy.v1.is_some(),
         v2 = policy.v2.is_some(),
         v1_entry_ports = ?policy.v1.as_ref().map(|v1| v1.entry_ports.to_string()),

@@ -9,7 +9,7 @@ use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
 use std::time::Duration;
 
-use clap::{Parser, Subcommand, ValueEnum};
+use clap::{Parser, Subcommand};
 use k8s_reconcile::app::SecondsOrDuration;
 use proxy_core::server::PortRange;
 use proxy_core::upstream::HealthCheck;
@@ -20,36 +20,11 @@ use crate::settings::{
     ApiSettings, ApiTls, ClusterSettings, MappingPolicy, PlaneSettings, Settings, V1Policy,
     V1Ports, V2Policy,
 };
-pub use crate::settings::{RuntimeApiAddr, parse_runtime_api_addr};
+pub use crate::settings::{
+    AuthMode, BackendKind, RuntimeApiAddr, V2Target, parse_runtime_api_addr,
+};
 
-/// Where the V2 mappings send their connections.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum V2Target {
-    /// The ready endpoints of the Service's EndpointSlices, each health-checked.
-    Endpoints,
-    /// The Service's ClusterIP and port (as the original did; kube-proxy picks the endpoint).
-    ClusterIp,
-}
-
-/// Which data plane carries the traffic.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum BackendKind {
-    /// proxy-core inside this process: changes are live at once, nothing reloads.
-    Embedded,
-    /// A real HAProxy driven through its Runtime API socket (no reloads).
-    Haproxy,
-}
-
-/// How API callers are checked.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum AuthMode {
-    /// Bearer token checked with TokenReview, access with SubjectAccessReview.
-    Kubernetes,
-    /// No check at all: anyone reaching the API port may map pods. Only for local trials.
-    None,
-}
-
-use k8s_reconcile::app::{ClientArgs, LogArgs};
+use k8s_reconcile::app::{ClientArgs, LogArgs, MetricsArgs};
 
 /// pod-proxier: TTL-managed TCP mappings to Pods (V1) and published Service ports (V2).
 #[derive(Debug, Clone, Parser)]
@@ -60,7 +35,10 @@ use k8s_reconcile::app::{ClientArgs, LogArgs};
     long_about = None,
     mut_arg("kubeconfig", |a| a.env("POD_PROXIER_KUBECONFIG").global(true)),
     mut_arg("log_format", |a| a.env("POD_PROXIER_LOG_FORMAT").global(true)),
-    mut_arg("log_level", |a| a.env("POD_PROXIER_LOG_LEVEL").global(true))
+    mut_arg("log_level", |a| a.env("POD_PROXIER_LOG_LEVEL").global(true)),
+    mut_arg("metrics_secure", |a| a.env("POD_PROXIER_METRICS_SECURE").global(true)),
+    mut_arg("metrics_cert_file", |a| a.env("POD_PROXIER_METRICS_CERT_FILE").global(true)),
+    mut_arg("metrics_key_file", |a| a.env("POD_PROXIER_METRICS_KEY_FILE").global(true))
 )]
 pub struct Cli {
     /// `--kubeconfig`.
@@ -282,14 +260,28 @@ pub struct Cli {
     )]
     pub auth: AuthMode,
 
-    /// Address of /healthz, /readyz and /metrics.
+    /// Address of /healthz and /readyz (open: the kubelet's probes carry no token).
     #[arg(
         long,
-        env = "POD_PROXIER_METRICS_ADDR",
+        env = "POD_PROXIER_HEALTH_ADDR",
         default_value = "0.0.0.0:8081",
         global = true
     )]
+    pub health_addr: SocketAddr,
+
+    /// Address of /metrics (HTTPS with a token unless --metrics-secure=false; with it off, it
+    /// may be --health-addr).
+    #[arg(
+        long,
+        env = "POD_PROXIER_METRICS_ADDR",
+        default_value = "0.0.0.0:8443",
+        global = true
+    )]
     pub metrics_addr: SocketAddr,
+
+    /// `--metrics-secure`, `--metrics-cert-file`, `--metrics-key-file`.
+    #[command(flatten)]
+    pub metrics: MetricsArgs,
 
     /// `--log-format` and `--log-level`.
     #[command(flatten)]
@@ -514,10 +506,22 @@ impl Cli {
                 self.listen_port
             ));
         }
-        let metrics_port = self.metrics_addr.port();
-        if metrics_port == self.listen_port || in_v1(metrics_port) || in_range(metrics_port) {
+        for (flag, addr) in [
+            ("--health-addr", self.health_addr),
+            ("--metrics-addr", self.metrics_addr),
+        ] {
+            let port = addr.port();
+            if port == self.listen_port || in_v1(port) || in_range(port) {
+                return Err(format!(
+                    "{flag} {addr} collides with the API port, a V1 entry port or the V2 range"
+                ));
+            }
+        }
+        if self.metrics.metrics_secure && self.health_addr == self.metrics_addr {
+            // The kubelet's plain-HTTP probes would meet the metrics server's TLS.
             return Err(format!(
-                "--metrics-addr {} collides with the API port, a V1 entry port or the V2 range",
+                "--health-addr and --metrics-addr are both {}; with --metrics-secure they must \
+                 differ (or pass --metrics-secure=false to serve both over plain HTTP)",
                 self.metrics_addr
             ));
         }
@@ -691,7 +695,9 @@ impl Cli {
                 identity,
                 lease_name: self.lease_name.clone(),
             },
+            health_addr: self.health_addr,
             metrics_addr: self.metrics_addr,
+            metrics: self.metrics.clone(),
             warnings,
         })
     }
@@ -813,11 +819,39 @@ mod tests {
                 "Runtime API",
             ),
             (&["--enable-v1", "--listen-port", "8849"], "different ports"),
+            (
+                &["--enable-v1", "--metrics-addr", "0.0.0.0:3343"],
+                "--metrics-addr 0.0.0.0:3343 collides",
+            ),
+            (
+                &["--enable-v1", "--health-addr", "0.0.0.0:8849"],
+                "--health-addr 0.0.0.0:8849 collides",
+            ),
+            (
+                &["--enable-v1", "--metrics-addr", "0.0.0.0:8081"],
+                "with --metrics-secure they must differ",
+            ),
         ];
         for (args, expected) in cases {
             let err = cli(args).validate(true).unwrap_err();
             assert!(err.contains(expected), "{args:?}: {err}");
         }
+    }
+
+    #[test]
+    fn metrics_are_secure_by_default_and_may_share_the_health_port_only_when_open() {
+        let settings = cli(&["--enable-v1"]).validate(true).unwrap();
+        assert!(settings.metrics.metrics_secure);
+        assert_ne!(settings.health_addr, settings.metrics_addr);
+        let open = cli(&[
+            "--enable-v1",
+            "--metrics-secure=false",
+            "--metrics-addr=0.0.0.0:8081",
+        ])
+        .validate(true)
+        .unwrap();
+        assert!(!open.metrics.metrics_secure);
+        assert_eq!(open.health_addr, open.metrics_addr);
     }
 
     #[test]

@@ -171,6 +171,11 @@ pub struct PortMappingStatus {
 }
 
 impl PortMapping {
+    /// Whether the mapping has a deadline that has come at `now`.
+    pub fn is_expired(&self, now: k8s_openapi::jiff::Timestamp) -> bool {
+        (self.spec.expires_at).is_some_and(|deadline| deadline.has_passed(now))
+    }
+
     /// The mapping `name` in the state namespace, labelled with its kind and target for
     /// selection by `kubectl`.
     pub fn owned(name: &str, state_namespace: &str, spec: PortMappingSpec) -> Self {

@@ -12,7 +12,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::crd::{MappingKind, PortMapping, PortMappingStatus};
 use crate::forwarding::Mappings;
-use crate::ttl::{Deadline, is_expired};
+use crate::ttl::Deadline;
 
 /// The status the leader reports for a live mapping.
 pub fn desired_status(mapping: &PortMapping) -> PortMappingStatus {
@@ -80,7 +80,7 @@ pub async fn sweep_expired(api: Api<PortMapping>, mappings: Mappings, stop: Canc
         refused.retain(|name, _| all.iter().any(|m| &m.name_any() == name));
         for mapping in all {
             let name = mapping.name_any();
-            if !is_expired(&mapping, now) {
+            if !mapping.is_expired(now) {
                 let status = desired_status(&mapping);
                 let version = (mapping.resource_version(), status.clone());
                 let stale = mapping.status.as_ref() != Some(&status);
@@ -108,7 +108,7 @@ pub async fn sweep_expired(api: Api<PortMapping>, mappings: Mappings, stop: Canc
                     }
                 }
             }
-            if is_expired(&mapping, now) {
+            if mapping.is_expired(now) {
                 // Only this version: a concurrent extension must survive.
                 let params = delete_unchanged(mapping.resource_version());
                 match api.delete(&mapping.name_any(), &params).await {

@@ -25,7 +25,7 @@ use crate::crd::{MappingKind, PortMapping};
 use crate::dataplane::{DataPlane, DesiredPorts, PortRoute};
 use crate::metrics::Metrics;
 use crate::settings::MappingPolicy;
-use crate::ttl::{Deadline, is_expired};
+use crate::ttl::Deadline;
 
 /// The versions of the mappings the data plane currently forwards for, by object name.
 pub type AppliedVersions = HashMap<String, String>;
@@ -104,7 +104,7 @@ pub fn desired_state(
         if !in_scope || !policy.namespace_allowed(&mapping.spec.target.namespace) {
             continue;
         }
-        if is_expired(mapping, now) {
+        if mapping.is_expired(now) {
             continue;
         }
         if let Some(deadline) = mapping.spec.expires_at {

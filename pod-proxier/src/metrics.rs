@@ -11,7 +11,6 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
 use crate::crd::{MappingKind, PortMapping};
-use crate::ttl::is_expired;
 
 /// Labels naming a mapping kind.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -104,7 +103,7 @@ impl Metrics {
         for kind in [MappingKind::Pod, MappingKind::Service] {
             let count = mappings
                 .iter()
-                .filter(|m| m.spec.kind == kind && !is_expired(m, now))
+                .filter(|m| m.spec.kind == kind && !m.is_expired(now))
                 .count();
             self.mappings
                 .get_or_create(&KindLabels {

@@ -23,7 +23,7 @@ use crate::crd::{CONTROLLER, MappingKind, MappingTarget, PortMapping, PortMappin
 use crate::error::{ApiError, CODE_ERROR, CODE_NOT_FOUND};
 use crate::forwarding::Mappings;
 use crate::settings::{V1Policy, V1Ports};
-use crate::ttl::{Deadline, is_expired};
+use crate::ttl::Deadline;
 
 /// TTL used when a request gives none (the original's form default; its JSON default was 0).
 pub const DEFAULT_TTL_SECONDS: u64 = 60;
@@ -220,7 +220,7 @@ impl V1 {
             .mappings
             .all()
             .into_iter()
-            .filter(|m| m.spec.kind == MappingKind::Pod && !is_expired(m, now))
+            .filter(|m| m.spec.kind == MappingKind::Pod && !m.is_expired(now))
             .filter(|m| {
                 u16::try_from(m.spec.entry_port).is_ok_and(|p| {
                     self.policy.entry_ports.contains(p) && m.name_any() == mapping_name(p)
@@ -265,7 +265,7 @@ impl V1 {
                             None => Some(Slot::Create(name)),
                             // Expired, not yet removed by the leader: taken over, unless it
                             // changed meanwhile.
-                            Some(m) if is_expired(m, now) => {
+                            Some(m) if m.is_expired(now) => {
                                 Some(Slot::Apply(name, m.resource_version()))
                             }
                             Some(_) => None,

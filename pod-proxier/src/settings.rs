@@ -1,6 +1,6 @@
 //! The validated settings of a run, typed and split by who reads them: the HTTP API, the data
 //! plane, the mapping policy (V1, V2, namespaces, TTL bound) and the cluster side. Built once by
-//! [`crate::config::Cli::validate`] from the flags; nothing downstream parses a flag's text again.
+//! `Cli::validate` from the flags; nothing downstream parses a flag's text again.
 
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
@@ -10,7 +10,34 @@ use proxy_core::server::PortRange;
 use proxy_core::upstream::HealthCheck;
 
 use crate::access::{EntryAccess, SourcePolicy};
-use crate::config::{AuthMode, BackendKind, V2Target};
+use clap::ValueEnum;
+
+/// Where the V2 mappings send their connections.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum V2Target {
+    /// The ready endpoints of the Service's EndpointSlices, each health-checked.
+    Endpoints,
+    /// The Service's ClusterIP and port (as the original did; kube-proxy picks the endpoint).
+    ClusterIp,
+}
+
+/// Which data plane carries the traffic.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum BackendKind {
+    /// proxy-core inside this process: changes are live at once, nothing reloads.
+    Embedded,
+    /// A real HAProxy driven through its Runtime API socket (no reloads).
+    Haproxy,
+}
+
+/// How API callers are checked.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum AuthMode {
+    /// Bearer token checked with TokenReview, access with SubjectAccessReview.
+    Kubernetes,
+    /// No check at all: anyone reaching the API port may map pods. Only for local trials.
+    None,
+}
 
 /// Validated settings of a run.
 #[derive(Debug, Clone)]
@@ -23,8 +50,12 @@ pub struct Settings {
     pub policy: MappingPolicy,
     /// The client, the state namespace and the leader election.
     pub cluster: ClusterSettings,
-    /// Address of /healthz, /readyz and /metrics.
+    /// Address of /healthz and /readyz.
+    pub health_addr: SocketAddr,
+    /// Address of /metrics.
     pub metrics_addr: SocketAddr,
+    /// Who may read /metrics, and over what.
+    pub metrics: k8s_reconcile::app::MetricsArgs,
     /// Warnings to log once logging is up (ignored legacy flags, deprecated forms).
     pub warnings: Vec<String>,
 }

@@ -7,8 +7,6 @@ use std::time::Duration;
 use k8s_openapi::jiff::Timestamp;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-use crate::crd::PortMapping;
-
 /// Milliseconds since the Unix epoch, now (the clock of the V2 port quarantine).
 pub fn now_millis() -> i64 {
     Timestamp::now().as_millisecond()
@@ -74,14 +72,6 @@ impl<'de> Deserialize<'de> for Deadline {
             }
         }
     }
-}
-
-/// Whether `mapping` has a deadline that has come at `now`.
-pub fn is_expired(mapping: &PortMapping, now: Timestamp) -> bool {
-    mapping
-        .spec
-        .expires_at
-        .is_some_and(|deadline| deadline.has_passed(now))
 }
 
 #[cfg(test)]

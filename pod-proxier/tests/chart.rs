@@ -224,10 +224,22 @@ fn helm_renders_the_documented_values() {
         pod["volumes"][0]["secret"]["secretName"],
         "pp-pod-proxier-tls"
     );
-    // Probes stay plain HTTP on the operations port.
+    // Probes stay plain HTTP on the health port; /metrics is HTTPS with a token on its own.
     assert_eq!(
         pod["containers"][0]["readinessProbe"]["httpGet"]["port"],
-        "metrics"
+        "health"
+    );
+    assert!(
+        args.contains("--health-addr=0.0.0.0:8081")
+            && args.contains("--metrics-addr=0.0.0.0:8443")
+            && args.contains("--metrics-secure=true"),
+        "{args}"
+    );
+    assert!(
+        docs.iter().any(|d| d["kind"] == "ClusterRole"
+            && d["metadata"]["name"] == "pp-pod-proxier-metrics-reader"
+            && d["rules"][0]["nonResourceURLs"][0] == "/metrics"),
+        "no metrics-reader ClusterRole"
     );
     // Off: --plain-http and no Secret.
     let docs = template(&helm, &["tls.enabled=false"]).unwrap();

@@ -54,7 +54,9 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 - --allowed-source-cidrs={{ join "," . }}
 {{- end }}
 - --jprofiler-port-name={{ .Values.ports.jprofilerPortName }}
+- --health-addr=0.0.0.0:{{ .Values.ports.healthPort }}
 - --metrics-addr=0.0.0.0:{{ .Values.ports.metricsPort }}
+- --metrics-secure={{ .Values.metricsSecure }}
 - --port-name={{ $p.portName }}
 - --port-range-start={{ $p.portRangeStart }}
 - --port-range-end={{ $p.portRangeEnd }}

@@ -438,8 +438,13 @@ impl Proxier {
             api.port().to_string(),
             "--default-map-port".into(),
             entry.port().to_string(),
+            // Health and metrics on one plain-HTTP address: these tests read /metrics as
+            // anyone (who may read it is tested in k8s-reconcile's tests/secure_metrics.rs).
+            "--health-addr".into(),
+            metrics.to_string(),
             "--metrics-addr".into(),
             metrics.to_string(),
+            "--metrics-secure=false".into(),
             "--allowed-namespaces".into(),
             env.targets.join(","),
             "--log-level".into(),
@@ -518,7 +523,7 @@ impl Proxier {
         while i < args.len() {
             match args[i].as_str() {
                 "--listen-addr" | "--api-listen-addr" => args[i + 1] = ip.to_owned(),
-                "--metrics-addr" => args[i + 1] = metrics.to_string(),
+                "--health-addr" | "--metrics-addr" => args[i + 1] = metrics.to_string(),
                 "--identity" => args[i + 1] = identity.to_owned(),
                 _ => {}
             }

@@ -476,7 +476,10 @@ impl Proxier {
             format!("--identity=bench-{state_ns}"),
             format!("--listen-port={}", api.port()),
             format!("--default-map-port={}", entry.port()),
+            // One plain-HTTP address for health and metrics: the bench reads both as anyone.
+            format!("--health-addr={metrics}"),
             format!("--metrics-addr={metrics}"),
+            "--metrics-secure=false".to_owned(),
             format!("--allowed-namespaces={pods_ns}"),
             format!("--max-mapping-time={TTL_SECONDS}"),
         ]);

@@ -27,6 +27,7 @@ pub mod steward;
 pub use report::{ChartReport, FAILURE_PREFIX, Restarts};
 use report::{Report, failure_lines, markdown};
 
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -67,10 +68,11 @@ const RETIRED_FAMILIES: [&str; 3] = ["reconcile", "reconcile_duration_seconds", 
 async fn record_metric_names(
     report: &mut ChartReport,
     name: &str,
-    addr: std::net::SocketAddr,
+    scrape: &Scrape,
     binary: &str,
     required: &[&str],
 ) {
+    let addr = scrape.addr();
     let started = Instant::now();
     let build_info = format!("{}_build_info", binary.replace('-', "_"));
     let wanted: Vec<&str> = std::iter::once(build_info.as_str())
@@ -79,7 +81,7 @@ async fn record_metric_names(
         .collect();
     // A family shows once it has a sample, which may lag the traffic that makes it.
     let (metrics, families, missing) = loop {
-        let metrics = check::http_get(addr, "/metrics").await;
+        let metrics = scrape.metrics().await;
         let families: Vec<String> = metrics
             .as_ref()
             .map(|m| {
@@ -117,6 +119,121 @@ async fn record_metric_names(
             Err(e) => format!("{addr}: {e}"),
         },
     );
+}
+
+/// How a scenario reads a binary's `/metrics`.
+pub enum Scrape {
+    /// Plain HTTP, as anyone (the chart's metrics are open).
+    Open(SocketAddr),
+    /// HTTPS with a ServiceAccount's token (the chart's secure default).
+    Secure { addr: SocketAddr, token: String },
+}
+
+impl Scrape {
+    fn addr(&self) -> SocketAddr {
+        match self {
+            Scrape::Open(addr) | Scrape::Secure { addr, .. } => *addr,
+        }
+    }
+
+    /// The exposition of a 200 answer, else why there is none.
+    async fn metrics(&self) -> Result<String, String> {
+        match self {
+            Scrape::Open(addr) => check::http_get(*addr, "/metrics").await,
+            Scrape::Secure { addr, token } => match https_get(*addr, "/metrics", Some(token)).await
+            {
+                Ok((200, body)) => Ok(body),
+                Ok((status, body)) => Err(format!("answer {status}: {}", body.trim())),
+                Err(e) => Err(format!("{e:#}")),
+            },
+        }
+    }
+}
+
+/// One `GET path` over HTTPS with an optional bearer token: (status, body). Any server
+/// certificate is accepted: a secure metrics server's is self-signed, made at each start (the
+/// claim checked through this is who may read, not who serves).
+pub async fn https_get(
+    addr: SocketAddr,
+    path: &str,
+    token: Option<&str>,
+) -> anyhow::Result<(u16, String)> {
+    let auth = token
+        .map(|t| format!("Authorization: Bearer {t}\r\n"))
+        .unwrap_or_default();
+    let request = format!("GET {path} HTTP/1.0\r\nHost: {addr}\r\n{auth}\r\n");
+    // rustls on a blocking socket (xtask has no tokio-rustls), each read and write bounded.
+    let exchange = move || -> anyhow::Result<String> {
+        use std::io::{Read as _, Write as _};
+        let limit = Duration::from_secs(10);
+        let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
+        let config = rustls::ClientConfig::builder_with_provider(provider.clone())
+            .with_safe_default_protocol_versions()?
+            .dangerous()
+            .with_custom_certificate_verifier(std::sync::Arc::new(
+                proxy_core::tls::AcceptAnyCert::new(provider),
+            ))
+            .with_no_client_auth();
+        let tcp = std::net::TcpStream::connect_timeout(&addr, limit)?;
+        tcp.set_read_timeout(Some(limit))?;
+        tcp.set_write_timeout(Some(limit))?;
+        let name = rustls::pki_types::ServerName::try_from("metrics")?;
+        let connection = rustls::ClientConnection::new(std::sync::Arc::new(config), name)?;
+        let mut stream = rustls::StreamOwned::new(connection, tcp);
+        stream
+            .write_all(request.as_bytes())
+            .context("TLS handshake or request")?;
+        let mut response = Vec::new();
+        match stream.read_to_end(&mut response) {
+            Ok(_) => {}
+            // HTTP/1.0: the server may close without close_notify once it answered.
+            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof && !response.is_empty() => {}
+            Err(e) => return Err(e).context("reading the TLS answer"),
+        }
+        Ok(String::from_utf8_lossy(&response).into_owned())
+    };
+    let text = tokio::task::spawn_blocking(exchange)
+        .await
+        .context("the TLS request's thread")??;
+    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    let status = (head.split_whitespace().nth(1))
+        .and_then(|s| s.parse().ok())
+        .with_context(|| format!("no status in {head:?}"))?;
+    Ok((status, body.to_owned()))
+}
+
+/// Server-side applies each object (as the e2e field manager), namespaced or cluster-wide as
+/// its metadata says.
+pub async fn apply_objects(
+    env: &Env<'_>,
+    objects: impl IntoIterator<Item = serde_json::Value>,
+) -> anyhow::Result<()> {
+    let client = env.plane.client().await?;
+    let params = kube::api::PatchParams::apply("e2e").force();
+    for object in objects {
+        let object: kube::api::DynamicObject = serde_json::from_value(object)?;
+        let types = object.types.clone().context("no kind")?;
+        let (group, version) = types
+            .api_version
+            .split_once('/')
+            .unwrap_or(("", types.api_version.as_str()));
+        let resource = kube::discovery::ApiResource {
+            group: group.to_owned(),
+            version: version.to_owned(),
+            api_version: types.api_version.clone(),
+            kind: types.kind.clone(),
+            plural: format!("{}s", types.kind.to_ascii_lowercase()),
+        };
+        let name = object.metadata.name.clone().unwrap_or_default();
+        let api: kube::Api<kube::api::DynamicObject> = match object.metadata.namespace.as_deref() {
+            Some(ns) => kube::Api::namespaced_with(client.clone(), ns, &resource),
+            None => kube::Api::all_with(client.clone(), &resource),
+        };
+        api.patch(&name, &params, &kube::api::Patch::Apply(&object))
+            .await
+            .with_context(|| format!("applying {} {name}", types.kind))?;
+    }
+    Ok(())
 }
 
 /// What every chart's run needs.

@@ -24,8 +24,10 @@ pub const RELEASE: &str = "pod-proxier";
 pub const SELECTOR: &str = "app.kubernetes.io/name=pod-proxier";
 pub const API_PORT: u16 = 3343;
 pub const ENTRY_PORT: u16 = 8849;
-/// The chart's `ports.metricsPort`.
-const METRICS_PORT: u16 = 8081;
+/// The chart's `ports.metricsPort` (HTTPS with a token: `metricsSecure` is on by default).
+const METRICS_PORT: u16 = 8443;
+/// The chart's `ports.healthPort`.
+const HEALTH_PORT: u16 = 8081;
 const V2_START: u16 = 9000;
 const V2_END: u16 = 9004;
 
@@ -33,6 +35,7 @@ const TLS_DEFAULT: &str =
     "TLS on by default: a client with the chart's CA is answered, one without it is refused";
 const V1_MAPS: &str = "V1: a ServiceAccount bound only to create pods/portforward maps a Pod's jprofiler-port; bytes through the Service's entry port reach the Pod and come back; a caller without the binding gets 403";
 const ENTRY_ACCESS: &str = "V1 access bound to the requester: a client Pod (another source address) is closed at the mapping's entry port and counted in podproxier_entry_source_refused_total, while the requester's address still relays";
+const METRICS_ACCESS: &str = "/metrics secure by default: HTTPS answers 401 without a token, 403 to a ServiceAccount RBAC does not let get /metrics, 200 to one bound to the chart's metrics-reader ClusterRole; /readyz stays open over plain HTTP";
 const METRICS: &str = "the pod-proxier Pod's /metrics has process_*, its build info, the mappings, the relay's and leader election's families";
 const NODE_PORT: &str = "chart Service as NodePort on this node carries a mapping";
 const V2_BOTH_PODS: &str =
@@ -48,6 +51,7 @@ const HAPROXY_BACKEND: &str = "podProxier.backend=haproxy (helm upgrade, HAProxy
 pub fn expected_scenarios() -> Vec<String> {
     [
         TLS_DEFAULT,
+        METRICS_ACCESS,
         V1_MAPS,
         ENTRY_ACCESS,
         METRICS,
@@ -151,6 +155,22 @@ async fn scenarios(
 
     let allowed = token(env, &work, "debugger").await?;
     let denied = token(env, &work, "bystander").await?;
+
+    // Who may read /metrics: the chart's secure default, with a scraper bound to its role.
+    let started = Instant::now();
+    let pod_ip = check::wait_pods_ready(env.plane, &ns, SELECTOR, 1)
+        .await?
+        .remove(0)
+        .1;
+    let outcome = metrics_access(env, &ns, &pod_ip, &denied).await;
+    report.record(
+        METRICS_ACCESS,
+        outcome.is_ok(),
+        started,
+        outcome.unwrap_or_else(|e| format!("{e:#}")),
+    );
+    let scraper = token(env, &ns, SCRAPER).await?;
+
     let profiled_pod = check::wait_pods_ready(env.plane, &work, "app=profiled", 1)
         .await?
         .remove(0);
@@ -183,7 +203,7 @@ async fn scenarios(
     // The mapping admits its requester's address only: a Pod's client (another source) is
     // closed at accept and counted; the requester still relays.
     let started = Instant::now();
-    let outcome = other_source_refused(env, &ns, &work, entry).await;
+    let outcome = other_source_refused(env, &ns, &work, entry, &scraper).await;
     report.record(
         ENTRY_ACCESS,
         outcome.is_ok(),
@@ -202,7 +222,10 @@ async fn scenarios(
         super::record_metric_names(
             report,
             METRICS,
-            format!("{ip}:{METRICS_PORT}").parse()?,
+            &super::Scrape::Secure {
+                addr: format!("{ip}:{METRICS_PORT}").parse()?,
+                token: scraper.clone(),
+            },
             "pod-proxier",
             &[
                 "podproxier_mappings",
@@ -491,15 +514,76 @@ async fn haproxy_backend(
     Ok(detail)
 }
 
-/// [`tcp_echo`] of `len` bytes through `addr`, retried until it succeeds or `limit` passes;
-/// returns its time and the tries it took.
-/// The sum of `podproxier_entry_source_refused_total` over the pod-proxier Pods of `ns`.
-async fn source_refusals(env: &Env<'_>, ns: &str) -> anyhow::Result<u64> {
+/// The ServiceAccount (in the chart's namespace) bound to the chart's metrics-reader role.
+const SCRAPER: &str = "scraper";
+/// The [`METRICS_ACCESS`] scenario on the Pod at `ip`: `/metrics` over HTTPS refuses no token
+/// (401) and `denied`'s (403), then answers a [`SCRAPER`] bound to `<release>-metrics-reader`
+/// (200, waited for while RBAC settles); `/readyz` answers over plain HTTP without a token.
+async fn metrics_access(env: &Env<'_>, ns: &str, ip: &str, denied: &str) -> anyhow::Result<String> {
+    let metrics: SocketAddr = format!("{ip}:{METRICS_PORT}").parse()?;
+    let (anonymous, body) = super::https_get(metrics, "/metrics", None).await?;
+    if anonymous != 401 {
+        bail!("no token: {anonymous} {}", body.trim());
+    }
+    let (forbidden, body) = super::https_get(metrics, "/metrics", Some(denied)).await?;
+    if forbidden != 403 {
+        bail!(
+            "a ServiceAccount without the role: {forbidden} {}",
+            body.trim()
+        );
+    }
+    let binding = format!("e2e-{ns}-{SCRAPER}");
+    super::apply_objects(
+        env,
+        [
+            json!({ "apiVersion": "v1", "kind": "ServiceAccount",
+                "metadata": { "name": SCRAPER, "namespace": ns } }),
+            json!({ "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+                "metadata": { "name": binding },
+                "roleRef": { "apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                             "name": format!("{RELEASE}-metrics-reader") },
+                "subjects": [{ "kind": "ServiceAccount", "name": SCRAPER, "namespace": ns }] }),
+        ],
+    )
+    .await?;
+    let scraper = token(env, ns, SCRAPER).await?;
+    let bound = Instant::now();
+    let families = loop {
+        let (status, body) = super::https_get(metrics, "/metrics", Some(&scraper)).await?;
+        if status == 200 {
+            break body.lines().filter(|l| l.starts_with("# TYPE ")).count();
+        }
+        // Generous: the binding reaches the API server's authorizer within a moment.
+        if bound.elapsed() > Duration::from_secs(30) {
+            bail!(
+                "the bound {SCRAPER} still got {status} after 30 s: {}",
+                body.trim()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    };
+    let ready = check::http_get(format!("{ip}:{HEALTH_PORT}").parse()?, "/readyz")
+        .await
+        .map_err(|e| anyhow::anyhow!("plain GET /readyz on {HEALTH_PORT}: {e}"))?;
+    Ok(format!(
+        "https://{metrics}/metrics: no token 401, bystander 403, {SCRAPER} 200 ({families} \
+         families, {:.1?} after the binding); http://{ip}:{HEALTH_PORT}/readyz 200 {:?}",
+        bound.elapsed(),
+        ready.trim()
+    ))
+}
+
+/// The sum of `podproxier_entry_source_refused_total` over the pod-proxier Pods of `ns`, read
+/// with `token` (a [`SCRAPER`]'s).
+async fn source_refusals(env: &Env<'_>, ns: &str, token: &str) -> anyhow::Result<u64> {
     let mut total = 0;
     for (_, ip) in check::wait_pods_ready(env.plane, ns, SELECTOR, 1).await? {
-        let text = check::http_get(format!("{ip}:{METRICS_PORT}").parse()?, "/metrics")
-            .await
-            .map_err(|e| anyhow::anyhow!("pod-proxier /metrics: {e}"))?;
+        let metrics = format!("{ip}:{METRICS_PORT}").parse()?;
+        let text = match super::https_get(metrics, "/metrics", Some(token)).await {
+            Ok((200, body)) => body,
+            Ok((status, body)) => bail!("pod-proxier /metrics: {status} {}", body.trim()),
+            Err(e) => return Err(e.context("pod-proxier /metrics")),
+        };
         total += text
             .lines()
             .filter(|l| l.starts_with("podproxier_entry_source_refused_total{"))
@@ -516,9 +600,10 @@ async fn other_source_refused(
     ns: &str,
     work: &str,
     entry: SocketAddr,
+    scraper: &str,
 ) -> anyhow::Result<String> {
     use k8s_openapi::api::batch::v1::Job;
-    let before = source_refusals(env, ns).await?;
+    let before = source_refusals(env, ns, scraper).await?;
     let name = "entry-other-source";
     let target = entry.to_string();
     let mut job = check::job(
@@ -543,7 +628,7 @@ async fn other_source_refused(
     if let Ok(logs) = outcome {
         bail!("a client Pod relayed through {entry}, another source than the requester's: {logs}");
     }
-    let after = source_refusals(env, ns).await?;
+    let after = source_refusals(env, ns, scraper).await?;
     if after <= before {
         bail!(
             "the client Pod failed, but podproxier_entry_source_refused_total stayed {before}: {outcome:?}"
@@ -563,6 +648,8 @@ async fn other_source_refused(
     ))
 }
 
+/// [`tcp_echo`] of `len` bytes through `addr`, retried until it succeeds or `limit` passes;
+/// returns its time and the tries it took.
 async fn echo_until(
     addr: SocketAddr,
     len: usize,

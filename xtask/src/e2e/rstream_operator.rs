@@ -148,7 +148,7 @@ async fn scenarios(env: &Env<'_>, report: &mut ChartReport) -> anyhow::Result<()
     super::record_metric_names(
         report,
         MANAGER_METRICS,
-        addr,
+        &super::Scrape::Open(addr),
         "rstream-operator",
         &["leader_election_master_status"],
     )
@@ -880,7 +880,7 @@ async fn tunnel_scenarios(env: &Env<'_>, report: &mut ChartReport, ns: &str) -> 
             super::record_metric_names(
                 report,
                 AGENT_METRICS,
-                addr,
+                &super::Scrape::Open(addr),
                 "rstream-agent",
                 &[
                     "rstream_agent_tunnel_online",

@@ -464,7 +464,7 @@ async fn scenarios(
         super::record_metric_names(
             report,
             &metrics_scenario(replica + 1),
-            format!("{ip}:9090").parse()?,
+            &super::Scrape::Open(format!("{ip}:9090").parse()?),
             "steward-tcp-proxy",
             &["leader_election_master_status"],
         )
@@ -655,8 +655,6 @@ pub async fn install(env: &Env<'_>, ns: &str) -> anyhow::Result<String> {
 }
 
 async fn rbac_for_lister(env: &Env<'_>, ns: &str) -> anyhow::Result<()> {
-    let client = env.plane.client().await?;
-    let params = PatchParams::apply("e2e").force();
     let objects = [
         json!({ "apiVersion": "v1", "kind": "ServiceAccount", "metadata": { "name": "lister", "namespace": ns } }),
         json!({ "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
@@ -667,28 +665,7 @@ async fn rbac_for_lister(env: &Env<'_>, ns: &str) -> anyhow::Result<()> {
             "roleRef": { "apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": format!("e2e-{ns}-list-namespaces") },
             "subjects": [{ "kind": "ServiceAccount", "name": "lister", "namespace": ns }] }),
     ];
-    for object in objects {
-        let object: kube::api::DynamicObject = serde_json::from_value(object)?;
-        let types = object.types.clone().context("no kind")?;
-        let (group, version) = types
-            .api_version
-            .split_once('/')
-            .unwrap_or(("", types.api_version.as_str()));
-        let resource = kube::discovery::ApiResource {
-            group: group.to_owned(),
-            version: version.to_owned(),
-            api_version: types.api_version.clone(),
-            kind: types.kind.clone(),
-            plural: format!("{}s", types.kind.to_ascii_lowercase()),
-        };
-        let name = object.metadata.name.clone().unwrap_or_default();
-        let api: kube::Api<kube::api::DynamicObject> = match object.metadata.namespace.as_deref() {
-            Some(ns) => kube::Api::namespaced_with(client.clone(), ns, &resource),
-            None => kube::Api::all_with(client.clone(), &resource),
-        };
-        api.patch(&name, &params, &Patch::Apply(&object)).await?;
-    }
-    Ok(())
+    super::apply_objects(env, objects).await
 }
 
 /// Runs `/testbox kube --list namespaces` in a Job with ServiceAccount `lister` and in-cluster
