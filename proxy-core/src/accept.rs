@@ -44,7 +44,7 @@ pub enum AcceptError {
     #[error(transparent)]
     Connect(#[from] ConnectError),
     /// A handshake with the client or the upstream failed.
-    #[error("handshake failed: {stage}: {cause}")]
+    #[error("handshake failed: {stage}")]
     Handshake {
         /// Which step failed (`client hello`, `TLS to the upstream`, ...).
         stage: String,

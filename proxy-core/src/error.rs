@@ -1,7 +1,8 @@
 //! Error types.
 //!
-//! A variant that wraps a lower error prints it in its message and does not also return it from
-//! `source()`, so a printed chain shows each cause once.
+//! A variant that wraps a lower error returns it from `source()` and does not print it in its
+//! message, which says only what failed at its own level: print the whole chain (each `source()`
+//! in turn) where an error is shown. `cargo xtask errors` checks this rule.
 //!
 //! Three families, one per moment a thing can go wrong:
 //!
@@ -68,11 +69,12 @@ pub enum ConfigError {
 #[non_exhaustive]
 pub enum ConnectError {
     /// The host name could not be resolved, or resolved to no address.
-    #[error("cannot resolve {target}: {cause}")]
+    #[error("cannot resolve {target}")]
     Resolve {
         /// The target as configured.
         target: String,
         /// The resolver's error.
+        #[source]
         cause: io::Error,
     },
     /// The connect did not complete within the connect timeout.
@@ -84,11 +86,12 @@ pub enum ConnectError {
         after: Duration,
     },
     /// The connect failed (refused, unreachable, ...).
-    #[error("connect to {target} failed: {cause}")]
+    #[error("connect to {target} failed")]
     Io {
         /// The target as configured.
         target: String,
         /// The socket error.
+        #[source]
         cause: io::Error,
     },
     /// Every target of an upstream set is marked unhealthy.
@@ -98,25 +101,27 @@ pub enum ConnectError {
         targets: usize,
     },
     /// Every healthy target was tried and none could be reached; `last` is the last failure.
-    #[error("all {tried} healthy targets failed, last: {last}")]
+    #[error("all {tried} healthy targets failed, the last one")]
     AllTargetsFailed {
         /// How many targets were tried.
         tried: usize,
         /// The last failure.
+        #[source]
         last: Box<ConnectError>,
     },
     /// The HTTP proxy in front of the upstream could not open a tunnel to it.
-    #[error("{cause}")]
+    #[error(transparent)]
     HttpProxy {
         /// What went wrong with the proxy.
         cause: Box<HttpConnectError>,
     },
     /// The PROXY protocol header could not be written to the upstream.
-    #[error("writing the PROXY protocol header to {target} failed: {cause}")]
+    #[error("writing the PROXY protocol header to {target} failed")]
     ProxyHeader {
         /// The upstream address.
         target: SocketAddr,
         /// The socket error.
+        #[source]
         cause: io::Error,
     },
 }
@@ -141,11 +146,12 @@ pub enum ServerError {
     #[error(transparent)]
     Config(#[from] ConfigError),
     /// The listening socket could not be created.
-    #[error("cannot listen on {addr}: {cause}")]
+    #[error("cannot listen on {addr}")]
     Bind {
         /// The address asked for.
         addr: SocketAddr,
         /// The socket error.
+        #[source]
         cause: io::Error,
     },
     /// A listener is already bound to this address by this server.
@@ -166,7 +172,7 @@ pub enum ServerError {
     #[error("the server is shutting down")]
     ShuttingDown,
     /// The accept workers' threads or runtimes could not be started.
-    #[error("cannot start the accept workers: {0}")]
+    #[error("cannot start the accept workers")]
     Workers(#[source] io::Error),
 }
 
@@ -191,19 +197,21 @@ pub enum HttpConnectError {
         reason: &'static str,
     },
     /// The proxy itself could not be reached.
-    #[error("cannot reach the HTTP proxy {proxy}: {cause}")]
+    #[error("cannot reach the HTTP proxy {proxy}")]
     Connect {
         /// The proxy.
         proxy: String,
         /// The connect failure.
+        #[source]
         cause: ConnectError,
     },
     /// The connection to the proxy broke during the exchange.
-    #[error("talking to the HTTP proxy {proxy}: {cause}")]
+    #[error("the connection to the HTTP proxy {proxy} broke")]
     Io {
         /// The proxy.
         proxy: String,
         /// The socket error.
+        #[source]
         cause: io::Error,
     },
     /// No tunnel within the timeout.
@@ -259,4 +267,17 @@ impl HttpConnectError {
             _ => false,
         }
     }
+}
+
+/// An error and its causes on one line, `": "` between them: what a log line shows, since each
+/// message leaves its cause to `source()`.
+pub(crate) fn chain(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = error.to_string();
+    let mut cause = error.source();
+    while let Some(current) = cause {
+        text.push_str(": ");
+        text.push_str(&current.to_string());
+        cause = current.source();
+    }
+    text
 }

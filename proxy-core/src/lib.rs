@@ -56,6 +56,14 @@
 //! `pipe-user-pages-soft` by default), beyond which copies stay buffered. Byte counters add up
 //! `splice` results, so they stay live.
 //!
+//! # Errors
+//!
+//! A variant with a cause returns it from `source()` and does not repeat it in its message, which
+//! says only what failed at its own level ("cannot listen on 0.0.0.0:80", not "...: address in
+//! use"). That is the convention of the Rust ecosystem, so a caller can walk or downcast the
+//! chain, and a program that prints every cause in turn shows each one once; printing the chain
+//! is the binary's job (`k8s_reconcile::app::error_chain` does it for this workspace's).
+//!
 //! # Feature flags
 //!
 //! * `testing`: the `testing` module (fixtures for tests and benchmarks: free ports, echo and

@@ -243,7 +243,7 @@ impl ReloadingCert {
                         "serving certificate reloaded"
                     ),
                     Err(err) => tracing::error!(
-                        error = %chain(&err),
+                        error = %crate::error::chain(&err),
                         "new serving certificate refused; keeping the previous one"
                     ),
                 }
@@ -266,18 +266,6 @@ impl ResolvesServerCert for ReloadingCert {
     fn resolve(&self, _hello: ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
         Some(self.current())
     }
-}
-
-/// An error and its causes on one line: a PEM error's reason is its source, not its message.
-fn chain(error: &(dyn std::error::Error + 'static)) -> String {
-    let mut text = error.to_string();
-    let mut cause = error.source();
-    while let Some(current) = cause {
-        text.push_str(": ");
-        text.push_str(&current.to_string());
-        cause = current.source();
-    }
-    text
 }
 
 fn read(path: &Path) -> Result<Vec<u8>, CertError> {

@@ -312,7 +312,7 @@ impl UpstreamSet {
             match target.addr.connect(timeout).await {
                 Ok(stream) => return Ok((stream, target.addr.clone())),
                 Err(error) => {
-                    tracing::debug!(%error, "upstream target failed, trying the next one");
+                    tracing::debug!(error = %crate::error::chain(&error), "upstream target failed, trying the next one");
                     last = Some(error);
                 }
             }

@@ -445,7 +445,7 @@ pub(super) async fn relay_accepted(
             failed(reports)
         }
         Some(Ok(Err(error))) => {
-            tracing::debug!(%error, listener = %reports.labels.listener, "accept layer refused the connection");
+            tracing::debug!(error = %crate::error::chain(&error), listener = %reports.labels.listener, "accept layer refused the connection");
             failed(reports)
         }
         Some(Ok(Ok(accepted))) => {
@@ -470,7 +470,7 @@ pub(super) struct Reports<'a> {
 
 impl Reports<'_> {
     pub(super) fn connect_failed(&self, error: &ConnectError) {
-        tracing::debug!(%error, route = %self.labels.route, listener = %self.labels.listener, "upstream unreachable, closing client");
+        tracing::debug!(error = %crate::error::chain(error), route = %self.labels.route, listener = %self.labels.listener, "upstream unreachable, closing client");
         self.observer.connect_failed(self.labels, error);
     }
 }

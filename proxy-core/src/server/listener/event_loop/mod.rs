@@ -819,7 +819,7 @@ impl Loop {
             return;
         };
         let labels = &conn.route.labels;
-        tracing::debug!(%error, route = %labels.route, listener = %labels.listener, "upstream unreachable, closing client");
+        tracing::debug!(error = %crate::error::chain(&error), route = %labels.route, listener = %labels.listener, "upstream unreachable, closing client");
         self.server.observer.connect_failed(labels, &error);
         self.close(key, Ending::ConnectFailed);
     }
