@@ -189,7 +189,7 @@ pub enum AuthError {
     },
     /// The API server could not be asked: the TokenReview or SubjectAccessReview call failed
     /// (also the `source()`, so a caller can tell a timeout from a refusal).
-    #[error("cannot check credentials with the Kubernetes API server: {0}")]
+    #[error("cannot check credentials with the Kubernetes API server")]
     Unavailable(#[source] kube::Error),
 }
 

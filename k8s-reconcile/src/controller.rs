@@ -668,7 +668,7 @@ fn error_policy<R: Reconciler>(
         namespace = object.namespace().unwrap_or_default(),
         attempt,
         retry_in = ?delay,
-        error = %error,
+        error = %crate::error::chain(error),
         "reconcile failed"
     );
     KubeAction::requeue(delay)

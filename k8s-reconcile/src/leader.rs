@@ -161,7 +161,7 @@ impl LeaderElector {
                     self.publish(LeaderState::Follower { holder });
                 }
                 Err(err) => {
-                    tracing::warn!(lease = %self.config.name, error = %err, "leader election attempt failed");
+                    tracing::warn!(lease = %self.config.name, error = %crate::error::chain(&err), "leader election attempt failed");
                     // A leader that cannot renew steps down before its Lease can expire elsewhere.
                     let lost =
                         last_renew.is_some_and(|at| at.elapsed() >= self.config.renew_deadline);
@@ -179,7 +179,7 @@ impl LeaderElector {
         if self.state.borrow().is_leader() {
             self.publish(LeaderState::Follower { holder: None });
             if let Err(err) = self.release().await {
-                tracing::warn!(lease = %self.config.name, error = %err, "could not release the Lease");
+                tracing::warn!(lease = %self.config.name, error = %crate::error::chain(&err), "could not release the Lease");
             }
         }
     }

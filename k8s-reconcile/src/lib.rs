@@ -49,6 +49,14 @@
 //! types without matching versions by hand; the binary still lists `k8s-openapi` itself to pick
 //! the version.
 //!
+//! # Errors
+//!
+//! A variant with a cause returns it from `source()` and does not repeat it in its message, which
+//! says only what failed at its own level ("cannot listen on 0.0.0.0:80", not "...: address in
+//! use"). That is the convention of the Rust ecosystem, so a caller can walk or downcast the
+//! chain, and a program that prints every cause in turn shows each one once; printing the chain
+//! is the binary's job (`k8s_reconcile::app::error_chain` does it for this workspace's).
+//!
 //! # Feature flags
 //!
 //! * `rustls-tls` (default): kube's client uses rustls with the `ring` provider, which needs no C

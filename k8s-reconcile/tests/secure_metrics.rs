@@ -231,7 +231,8 @@ async fn missing_certificate_files_stop_the_start_naming_them() {
         metrics_key_file: Some("/nonexistent/tls.key".into()),
     };
     let error = args.access(&client).unwrap_err();
-    let text = error.to_string();
+    // The file's name is in the cause (the certificate loader's error), printed by the chain.
+    let text = k8s_reconcile::app::error_chain(&error);
     assert!(
         text.contains("--metrics-cert-file") && text.contains("/nonexistent/tls.crt"),
         "{text}"

@@ -43,22 +43,12 @@ pub fn own_namespace() -> Option<String> {
         .filter(|s| !s.is_empty())
 }
 
-/// `error` and each of its causes, once each, joined by `": "`.
+/// `error` and each of its causes (`source()` in turn), joined by `": "`.
 ///
-/// A cause whose text the message so far already ends with is skipped, so an error that still
-/// prints its source in `Display` does not show it twice.
+/// Error types that follow the crate docs' rule (a message leaves its cause to `source()`) show
+/// each cause once; one that also prints its cause (some third-party errors do) shows it twice.
 pub fn error_chain(error: &(dyn StdError + 'static)) -> String {
-    let mut text = error.to_string();
-    let mut cause = error.source();
-    while let Some(current) = cause {
-        let part = current.to_string();
-        if !part.is_empty() && !text.ends_with(&part) {
-            text.push_str(": ");
-            text.push_str(&part);
-        }
-        cause = current.source();
-    }
-    text
+    crate::error::chain(error)
 }
 
 /// Prints a fatal error chain once, through the log when logging is set up (so JSON log pipelines
@@ -172,15 +162,31 @@ mod tests {
     #[error("starting")]
     struct Outer(#[source] std::io::Error);
 
-    #[derive(Debug, thiserror::Error)]
-    #[error("starting: {0}")]
-    struct Repeats(#[source] std::io::Error);
+    /// An error that prints its cause and returns it too, as some third-party ones do.
+    #[derive(Debug)]
+    struct Repeats(std::io::Error);
+
+    impl std::fmt::Display for Repeats {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            write!(f, "starting: {}", self.0)
+        }
+    }
+
+    impl StdError for Repeats {
+        fn source(&self) -> Option<&(dyn StdError + 'static)> {
+            Some(&self.0)
+        }
+    }
 
     #[test]
-    fn each_cause_is_printed_once() {
+    fn the_chain_is_each_source_in_turn() {
         let io = || std::io::Error::other("port taken");
         assert_eq!(error_chain(&Outer(io())), "starting: port taken");
-        assert_eq!(error_chain(&Repeats(io())), "starting: port taken");
+        // No matching of texts: a type that breaks the rule shows its cause twice.
+        assert_eq!(
+            error_chain(&Repeats(io())),
+            "starting: port taken: port taken"
+        );
     }
 
     #[test]

@@ -225,7 +225,7 @@ pub async fn serve_api_with<T: ApiTransport>(
 #[non_exhaustive]
 pub enum RequestError {
     /// Not `application/x-www-form-urlencoded` text.
-    #[error("malformed {what}: {source}")]
+    #[error("malformed {what}")]
     Malformed {
         /// `query` or `form`.
         what: String,
@@ -265,7 +265,7 @@ pub enum RequestError {
         limit: usize,
     },
     /// The body could not be read.
-    #[error("cannot read the request body: {}", source.body_text())]
+    #[error("cannot read the request body")]
     Unreadable {
         /// axum's rejection.
         source: BytesRejection,

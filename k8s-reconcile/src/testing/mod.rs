@@ -86,50 +86,50 @@ pub enum TestingError {
         tried: Vec<String>,
     },
     /// A file or process operation failed.
-    #[error("{context}: {cause}")]
+    #[error("{context}")]
     Io {
         /// What was being done.
         context: String,
-        /// The underlying error (also the `source()`).
+        /// The underlying error.
         #[source]
         cause: std::io::Error,
     },
     /// Certificate generation failed.
-    #[error("generating certificates: {0}")]
+    #[error("cannot generate certificates")]
     Pki(#[source] Box<dyn std::error::Error + Send + Sync>),
     /// A server did not become ready in time, or exited while starting.
     #[error("the test control plane did not start: {0}")]
     Start(String),
     /// A client could not be built from the generated kubeconfig.
-    #[error("building a client: {0}")]
+    #[error("cannot build a client")]
     Client(#[source] Box<dyn std::error::Error + Send + Sync>),
     /// An object the harness made or was given is unusable (no kind, no port, no token).
     #[error("{0}")]
     Config(String),
     /// A watch the harness waits on failed.
-    #[error("watching {what}: {cause}")]
+    #[error("watching {what} failed")]
     Watch {
         /// The watched object.
         what: String,
-        /// The watcher's error (also the `source()`).
+        /// The watcher's error.
         #[source]
         cause: kube::runtime::wait::Error,
     },
     /// An object the harness made does not decode into its type.
-    #[error("{what}: {cause}")]
+    #[error("{what} does not decode")]
     Decode {
         /// The object.
         what: String,
-        /// The decoder's error (also the `source()`).
+        /// The decoder's error.
         #[source]
         cause: serde_json::Error,
     },
     /// An API call made by the harness failed.
-    #[error("{context}: {cause}")]
+    #[error("{context}")]
     Kube {
         /// What was being done.
         context: String,
-        /// The underlying error (also the `source()`).
+        /// The underlying error.
         #[source]
         cause: kube::Error,
     },
