@@ -294,13 +294,13 @@ where
                     }
                 }
                 Ok(None) => break UdpRelayEnding::Eof,
-                Err(e) => break UdpRelayEnding::Stream(e.to_string()),
+                Err(e) => break UdpRelayEnding::Stream(crate::error::chain(&e)),
             },
             received = socket.recv(&mut buf) => match received {
                 Ok(n) => {
                     idle.as_mut().reset(Instant::now() + idle_timeout);
                     if let Err(e) = stream.send(&buf[..n]).await {
-                        break UdpRelayEnding::Stream(e.to_string());
+                        break UdpRelayEnding::Stream(crate::error::chain(&e));
                     }
                     summary.from_target += 1;
                 }

@@ -116,17 +116,17 @@ pub enum Error {
     #[error("protocol error: {0}")]
     Protocol(String),
     /// TCP or TLS connection establishment failed.
-    #[error("cannot connect to {addr}: {cause}")]
+    #[error("cannot connect to {addr}")]
     Connect {
         /// The address dialed.
         addr: String,
-        /// The cause (also the `source()`).
+        /// The cause.
         #[source]
         cause: Arc<std::io::Error>,
     },
-    /// An I/O error on an established connection.
-    #[error("I/O error: {0}")]
-    Io(#[source] Arc<std::io::Error>),
+    /// An I/O error on an established connection (transparent: the I/O error says it all).
+    #[error(transparent)]
+    Io(Arc<std::io::Error>),
     /// An operation did not complete in time.
     #[error("timed out: {0}")]
     Timeout(String),
@@ -214,10 +214,9 @@ pub enum Error {
     InvalidConfig(String),
     /// The HTTP proxy could not open a tunnel (unreachable, refused `CONNECT`, wants
     /// credentials, timed out).
-    #[error("{cause}")]
+    #[error(transparent)]
     Proxy {
-        /// What the proxy (or the way to it) did (also the `source()`).
-        #[source]
+        /// What the proxy (or the way to it) did.
         cause: Arc<proxy_core::http_connect::HttpConnectError>,
     },
 }
@@ -321,7 +320,7 @@ pub enum FrameError {
         len: usize,
     },
     /// The payload is not a valid protobuf `Message`.
-    #[error("malformed frame payload: {0}")]
+    #[error("malformed frame payload")]
     Decode(#[source] prost::DecodeError),
     /// The connection ended in the middle of a frame.
     #[error("connection closed in the middle of a frame ({got} of {expected} bytes)")]
@@ -368,7 +367,7 @@ pub enum DatagramError {
         received: usize,
     },
     /// The underlying stream failed.
-    #[error("datagram stream I/O error: {0}")]
+    #[error("datagram stream I/O failed")]
     Io(#[source] Arc<io::Error>),
 }
 
@@ -376,6 +375,19 @@ impl From<io::Error> for DatagramError {
     fn from(error: io::Error) -> Self {
         Self::Io(Arc::new(error))
     }
+}
+
+/// An error and its causes on one line, `": "` between them: what a log line or a message to
+/// the engine shows, since each message leaves its cause to `source()`.
+pub(crate) fn chain(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = error.to_string();
+    let mut cause = error.source();
+    while let Some(current) = cause {
+        text.push_str(": ");
+        text.push_str(&current.to_string());
+        cause = current.source();
+    }
+    text
 }
 
 #[cfg(test)]

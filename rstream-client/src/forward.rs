@@ -160,7 +160,7 @@ pub async fn relay_and_log(
             relayed
         }
         Err(error) => {
-            warn!(%target, %error, "cannot reach the target");
+            warn!(%target, error = %crate::error::chain(&error), "cannot reach the target");
             Relayed::Failed
         }
     }

@@ -40,6 +40,14 @@
 //! | [`error`] | [`Error`] with engine codes and [`Error::retryable`]; every error type of the crate (frame and datagram errors too), so it depends only on [`proto`]. |
 //! | `engine` | (feature `engine`) `LocalEngine` and `LocalControlPlane` for tests, examples and demos. |
 //!
+//! # Errors
+//!
+//! A variant with a cause returns it from `source()` and does not repeat it in its message, which
+//! says only what failed at its own level ("cannot listen on 0.0.0.0:80", not "...: address in
+//! use"). That is the convention of the Rust ecosystem, so a caller can walk or downcast the
+//! chain, and a program that prints every cause in turn shows each one once; printing the chain
+//! is the binary's job (`k8s_reconcile::app::error_chain` does it for this workspace's).
+//!
 //! # Feature flags
 //!
 //! * `engine`: the `engine` module, [`engine::LocalEngine`] and `LocalControlPlane`, an

@@ -412,7 +412,7 @@ async fn get_json(
         return Err(Error::ApiHttp { status, body: text });
     }
     let value: Value = serde_json::from_slice(&body)
-        .map_err(|e| invalid_response_from(format!("not JSON: {e}"), e))?;
+        .map_err(|e| invalid_response_from("not JSON".to_owned(), e))?;
     if !value.is_object() {
         return Err(invalid_response("expected a JSON object"));
     }
@@ -438,7 +438,7 @@ where
         let body = Limited::new(response.into_body(), MAX_BODY)
             .collect()
             .await
-            .map_err(|e| invalid_response_from(format!("cannot read the body: {e}"), e))?
+            .map_err(|e| invalid_response_from("cannot read the body".to_owned(), e))?
             .to_bytes();
         Ok((status, body))
     }
@@ -469,7 +469,7 @@ fn invalid_response_from(
 /// The project's engine address does not parse.
 fn unusable_engine(cause: Error) -> Error {
     Error::EngineResolution {
-        reason: cause.to_string(),
+        reason: "the project's engine address cannot be used".to_owned(),
         cause: Some(std::sync::Arc::new(cause)),
     }
 }

@@ -240,7 +240,7 @@ impl Reporter {
     fn emit(&self, state: SupervisorState) {
         match &state {
             SupervisorState::Disconnected { error, retry_in } => {
-                tracing::warn!(%error, ?retry_in, "tunnel disconnected")
+                tracing::warn!(error = %crate::error::chain(error), ?retry_in, "tunnel disconnected")
             }
             SupervisorState::Online {
                 forwarding_address, ..

@@ -97,7 +97,7 @@ impl Shared {
             )
         };
         match &error {
-            Some(e) => warn!(error = %e, "control channel failed"),
+            Some(e) => warn!(error = %crate::error::chain(e), "control channel failed"),
             None => debug!("control channel closed"),
         }
         let reason = error.unwrap_or(Error::ControlClosed);

@@ -341,8 +341,9 @@ pub(super) async fn dispatcher_task(
                 r = open_proxy_stream(&task_shared, req) => r,
             };
             let error = outcome.err().map(|e| {
+                let e = crate::error::chain(&e);
                 debug!(%stream_id, error = %e, "inbound stream failed");
-                proto::Error::new(proto::ErrorCode::InvalidStream, e.to_string())
+                proto::Error::new(proto::ErrorCode::InvalidStream, e)
             });
             task_shared.proxy_conn_rsp(stream_id, error).await;
         });
