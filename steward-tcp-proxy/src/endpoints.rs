@@ -104,11 +104,12 @@ pub enum EndpointsError {
     #[error(transparent)]
     Framework(#[from] k8s_reconcile::Error),
     /// Listing the proxy's own EndpointSlices failed.
-    #[error("listing the EndpointSlices of Service {service}: {cause}")]
+    #[error("cannot list the EndpointSlices of Service {service}")]
     ListSlices {
         /// The proxy Service.
         service: String,
         /// The API error.
+        #[source]
         cause: kube::Error,
     },
 }
@@ -457,7 +458,11 @@ impl EndpointsReconciler {
     /// at all makes it unready.
     fn report_error(&self, what: &str, err: &EndpointsError) {
         let ready = !matches!(err, EndpointsError::NoClusterIp(_));
-        self.health.set(CHECK, ready, format!("{what}: {err}"));
+        self.health.set(
+            CHECK,
+            ready,
+            format!("{what}: {}", k8s_reconcile::app::error_chain(err)),
+        );
     }
 }
 

@@ -289,7 +289,7 @@ fn spawn_upstream_check(
         loop {
             match upstream.connect(timeout).await {
                 Ok(_) => health.set(UPSTREAM_CHECK, true, format!("{name} dialable")),
-                Err(err) => health.set(UPSTREAM_CHECK, false, err.to_string()),
+                Err(err) => health.set(UPSTREAM_CHECK, false, app::error_chain(&err)),
             }
             tokio::select! {
                 () = stop.cancelled() => return,

@@ -56,11 +56,12 @@ pub enum RelayError {
     #[error("--upstream-addr")]
     Upstream(#[source] proxy_core::ConfigError),
     /// proxy-core refused the listener.
-    #[error("listening on {addr}: {cause}")]
+    #[error("cannot start the relay on {addr}")]
     Server {
         /// The address.
         addr: SocketAddr,
         /// The error.
+        #[source]
         cause: proxy_core::ServerError,
     },
 }

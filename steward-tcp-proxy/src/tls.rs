@@ -28,11 +28,12 @@ use tokio_rustls::{LazyConfigAcceptor, TlsConnector};
 #[derive(Debug, thiserror::Error)]
 pub enum TlsError {
     /// A file could not be read.
-    #[error("reading {path}: {cause}")]
+    #[error("reading {path}")]
     Read {
         /// The file.
         path: PathBuf,
         /// The I/O error.
+        #[source]
         cause: std::io::Error,
     },
     /// A file's PEM text holds no usable certificate, key or trust root.
@@ -45,7 +46,7 @@ pub enum TlsError {
         cause: proxy_core::tls::PemError,
     },
     /// rustls refused the configuration.
-    #[error("TLS configuration: {0}")]
+    #[error("rustls refused the TLS configuration")]
     Rustls(#[from] rustls::Error),
 }
 
