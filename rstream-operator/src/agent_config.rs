@@ -22,7 +22,7 @@ use crate::api::{BindSpec, DnsSpec, HttpSpec, IpFamily, TlsSpec, TransportMode};
 #[non_exhaustive]
 pub enum ConfigError {
     /// The YAML does not decode (syntax, unknown key, wrong type).
-    #[error("decoding the agent configuration: {0}")]
+    #[error("cannot decode the agent configuration")]
     Decode(#[from] serde_yaml_ng::Error),
     /// A value is missing or impossible.
     #[error("invalid agent configuration: {0}")]
@@ -439,7 +439,9 @@ mod tests {
         let yaml = sample().to_yaml().unwrap();
         assert_eq!(AgentConfig::from_yaml(&yaml).unwrap(), sample());
         let err = AgentConfig::from_yaml(&format!("{yaml}surprise: 1\n")).unwrap_err();
-        assert!(err.to_string().contains("surprise"), "{err}");
+        // serde's reason is the cause, not part of the message.
+        let chain = k8s_reconcile::app::error_chain(&err);
+        assert!(chain.contains("surprise"), "{chain}");
     }
 
     #[test]
@@ -536,8 +538,9 @@ mod tests {
         }
         assert_eq!(AgentConfig::from_yaml(&yaml).unwrap(), c);
         let err = AgentConfig::from_yaml(&yaml.replace("protocol: http", "protocol: webtty"))
-            .unwrap_err()
-            .to_string();
+            .unwrap_err();
+        // serde's reason is the cause, printed by the chain.
+        let err = k8s_reconcile::app::error_chain(&err);
         assert!(err.contains("webtty") && err.contains("dtls"), "{err}");
     }
 

@@ -36,7 +36,7 @@ pub use tunnel::TunnelReconciler;
 #[non_exhaustive]
 pub enum ManagerError {
     /// A Kubernetes API call failed.
-    #[error("Kubernetes API: {0}")]
+    #[error(transparent)]
     Kube(#[from] kube::Error),
     /// The framework (apply, finalizer) failed.
     #[error(transparent)]

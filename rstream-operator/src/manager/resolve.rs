@@ -33,7 +33,7 @@ pub enum ResolveError {
     #[error("{0}")]
     InvalidSpec(String),
     /// An API call failed (retried with backoff).
-    #[error("Kubernetes API: {0}")]
+    #[error(transparent)]
     Kube(#[from] kube::Error),
 }
 
@@ -225,7 +225,8 @@ pub async fn resolve(
         ));
     }
 
-    let invalid = |e: rstream_client::Error| ResolveError::Invalid(e.to_string());
+    let invalid =
+        |e: rstream_client::Error| ResolveError::Invalid(k8s_reconcile::app::error_chain(&e));
     let engine_text = spec
         .engine
         .as_deref()
