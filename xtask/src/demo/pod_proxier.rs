@@ -69,7 +69,7 @@ pub async fn start(env: &Env<'_>) -> anyhow::Result<Shown> {
     let entry_on_node = SocketAddr::new(NODE_IP.into(), node_port);
     pod_proxier::wait_routed(api).await?;
 
-    let token = pod_proxier::token(env, &work, DEBUGGER).await?;
+    let token = crate::e2e::token(env, &work, DEBUGGER).await?;
     let request = json!({ "pod_name": format!("{work}/{pod}"), "time": MAPPING_SECONDS });
     let (status, answer) = pod_proxier::http(
         api,

@@ -16,18 +16,14 @@ use k8s_reconcile::testing::node::{KUBERNETES_SERVICE_IP, check};
 
 /// The chart's default `replicaCount`.
 const REPLICAS: usize = 2;
-/// The chart's default `metricsPort`.
-const METRICS_PORT: u16 = 9090;
 const CONNECTIONS_METRIC: &str = "proxy_connections_total";
 
 pub async fn start(env: &Env<'_>) -> anyhow::Result<Shown> {
     let ns = env.restricted_namespace("demo-steward").await?;
+    // The scraper's binding first: the replicas then never see its token unauthorised.
+    let release = Release::new(env, &ns).await?;
     steward::install(env, &ns).await?;
     let pods = check::wait_pods_ready(env.plane, &ns, steward::SELECTOR, REPLICAS).await?;
-    let release = Release {
-        client: env.plane.client().await?,
-        ns: ns.clone(),
-    };
     release
         .wait_published("pod-ip", Duration::from_secs(30))
         .await?;
@@ -76,9 +72,13 @@ pub async fn start(env: &Env<'_>) -> anyhow::Result<Shown> {
             format!(
                 "kubectl --server https://{KUBERNETES_SERVICE_IP} get namespaces   # through kube-proxy and steward"
             ),
+            // The chart's metrics are HTTPS for a token RBAC lets read them (self-signed: -k).
             format!(
-                "curl -s http://{}:{METRICS_PORT}/metrics | grep ^{CONNECTIONS_METRIC}   # {}",
-                metrics_pod.1, metrics_pod.0
+                "curl -sk -H \"Authorization: Bearer $(kubectl -n {ns} create token {})\" https://{}:{}/metrics | grep ^{CONNECTIONS_METRIC}   # {}",
+                steward::SCRAPER,
+                metrics_pod.1,
+                steward::METRICS_PORT,
+                metrics_pod.0
             ),
         ],
     })

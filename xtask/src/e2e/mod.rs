@@ -137,7 +137,7 @@ impl Scrape {
     }
 
     /// The exposition of a 200 answer, else why there is none.
-    async fn metrics(&self) -> Result<String, String> {
+    pub async fn metrics(&self) -> Result<String, String> {
         match self {
             Scrape::Open(addr) => check::http_get(*addr, "/metrics").await,
             Scrape::Secure { addr, token } => match https_get(*addr, "/metrics", Some(token)).await
@@ -200,6 +200,45 @@ pub async fn https_get(
         .and_then(|s| s.parse().ok())
         .with_context(|| format!("no status in {head:?}"))?;
     Ok((status, body.to_owned()))
+}
+
+/// A token (valid an hour) of the ServiceAccount `ns/account`.
+pub async fn token(env: &Env<'_>, ns: &str, account: &str) -> anyhow::Result<String> {
+    let accounts: Api<k8s_openapi::api::core::v1::ServiceAccount> =
+        Api::namespaced(env.plane.client().await?, ns);
+    let request: k8s_openapi::api::authentication::v1::TokenRequest =
+        serde_json::from_value(serde_json::json!({
+            "apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
+            "spec": { "audiences": [], "expirationSeconds": 3600 },
+        }))?;
+    let answer = accounts
+        .create_token_request(account, &kube::api::PostParams::default(), &request)
+        .await?;
+    answer.status.and_then(|s| s.token).context("no token")
+}
+
+/// A ServiceAccount `ns/account` bound (ClusterRoleBinding) to the chart's metrics-reader
+/// ClusterRole `role`, as a user binds Prometheus's to read a secure `/metrics`.
+pub async fn bind_metrics_reader(
+    env: &Env<'_>,
+    ns: &str,
+    account: &str,
+    role: &str,
+) -> anyhow::Result<()> {
+    apply_objects(
+        env,
+        [
+            serde_json::json!({ "apiVersion": "v1", "kind": "ServiceAccount",
+                "metadata": { "name": account, "namespace": ns } }),
+            serde_json::json!({ "apiVersion": "rbac.authorization.k8s.io/v1",
+                "kind": "ClusterRoleBinding",
+                "metadata": { "name": format!("e2e-{ns}-{account}") },
+                "roleRef": { "apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                             "name": role },
+                "subjects": [{ "kind": "ServiceAccount", "name": account, "namespace": ns }] }),
+        ],
+    )
+    .await
 }
 
 /// Server-side applies each object (as the e2e field manager), namespaced or cluster-wide as

@@ -11,13 +11,12 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail};
 use k8s_openapi::api::apps::v1::Deployment;
-use k8s_openapi::api::authentication::v1::TokenRequest;
 use k8s_openapi::api::core::v1::{Pod, Secret, Service, ServiceAccount};
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 
-use super::{ChartReport, Env, RestartWatch};
+use super::{ChartReport, Env, RestartWatch, token};
 use k8s_reconcile::testing::node::{NODE_IP, check};
 
 pub const RELEASE: &str = "pod-proxier";
@@ -532,20 +531,7 @@ async fn metrics_access(env: &Env<'_>, ns: &str, ip: &str, denied: &str) -> anyh
             body.trim()
         );
     }
-    let binding = format!("e2e-{ns}-{SCRAPER}");
-    super::apply_objects(
-        env,
-        [
-            json!({ "apiVersion": "v1", "kind": "ServiceAccount",
-                "metadata": { "name": SCRAPER, "namespace": ns } }),
-            json!({ "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
-                "metadata": { "name": binding },
-                "roleRef": { "apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
-                             "name": format!("{RELEASE}-metrics-reader") },
-                "subjects": [{ "kind": "ServiceAccount", "name": SCRAPER, "namespace": ns }] }),
-        ],
-    )
-    .await?;
+    super::bind_metrics_reader(env, ns, SCRAPER, &format!("{RELEASE}-metrics-reader")).await?;
     let scraper = token(env, ns, SCRAPER).await?;
     let bound = Instant::now();
     let families = loop {
@@ -941,18 +927,6 @@ pub async fn debugger_accounts(env: &Env<'_>, ns: &str) -> anyhow::Result<()> {
         )
         .await?;
     Ok(())
-}
-
-pub async fn token(env: &Env<'_>, ns: &str, account: &str) -> anyhow::Result<String> {
-    let accounts: Api<ServiceAccount> = Api::namespaced(env.plane.client().await?, ns);
-    let request: TokenRequest = serde_json::from_value(json!({
-        "apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
-        "spec": { "audiences": [], "expirationSeconds": 3600 },
-    }))?;
-    let answer = accounts
-        .create_token_request(account, &PostParams::default(), &request)
-        .await?;
-    answer.status.and_then(|s| s.token).context("no token")
 }
 
 /// `GET /api/v2/mapping` of `ns/web`: the status and the answer.

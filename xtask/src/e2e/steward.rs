@@ -25,6 +25,8 @@ pub const SELECTOR: &str = "app.kubernetes.io/name=steward-tcp-proxy";
 const LISTEN_PORT: u16 = 6443;
 /// The chart's default `healthPort` (`/healthz`, `/readyz`).
 const HEALTH_PORT: u16 = 8080;
+/// The chart's `metricsPort` (HTTPS with a token: `metricsSecure` is on by default).
+pub const METRICS_PORT: u16 = 9090;
 
 const PUBLISHES: &str = "chart defaults: default/kubernetes points at the ready steward Pods (pod-ip) once the leader can publish";
 const IN_CLUSTER_CLIENT: &str = "in-cluster client (KUBERNETES_SERVICE_HOST) lists namespaces and holds a 4 s watch through steward; steward's metrics count it";
@@ -100,9 +102,33 @@ impl Published {
 pub struct Release {
     pub client: kube::Client,
     pub ns: String,
+    /// A token of [`SCRAPER`], who may read the secure `/metrics`.
+    pub scraper: String,
 }
 
+/// The ServiceAccount (in the release's namespace) bound to the chart's metrics-reader role.
+pub const SCRAPER: &str = "scraper";
+
 impl Release {
+    /// The release in `ns`, with a [`SCRAPER`] bound to the chart's metrics-reader ClusterRole
+    /// (the binding may precede the install that creates the role).
+    pub async fn new(env: &Env<'_>, ns: &str) -> anyhow::Result<Self> {
+        super::bind_metrics_reader(env, ns, SCRAPER, &format!("{RELEASE}-metrics-reader")).await?;
+        Ok(Self {
+            client: env.plane.client().await?,
+            ns: ns.to_owned(),
+            scraper: super::token(env, ns, SCRAPER).await?,
+        })
+    }
+
+    /// How [`SCRAPER`] reads the `/metrics` of the Pod at `ip`.
+    pub fn scrape(&self, ip: &str) -> anyhow::Result<super::Scrape> {
+        Ok(super::Scrape::Secure {
+            addr: format!("{ip}:{METRICS_PORT}").parse()?,
+            token: self.scraper.clone(),
+        })
+    }
+
     pub async fn published(&self) -> anyhow::Result<Published> {
         let endpoints: Api<Endpoints> = Api::namespaced(self.client.clone(), "default");
         let slices: Api<EndpointSlice> = Api::namespaced(self.client.clone(), "default");
@@ -309,9 +335,7 @@ impl Release {
     pub async fn metric_sum(&self, name: &str) -> anyhow::Result<f64> {
         let mut sum = 0.0;
         for (pod, ip) in self.ready_pods().await? {
-            let addr: SocketAddr = format!("{ip}:9090").parse()?;
-            let text = check::http_get(addr, "/metrics")
-                .await
+            let text = (self.scrape(&ip)?.metrics().await)
                 .map_err(|e| anyhow::anyhow!("{pod} /metrics: {e}"))?;
             sum += text
                 .lines()
@@ -332,10 +356,7 @@ async fn scenarios(
     report.namespace = ns.clone();
     *watch = Some(RestartWatch::start(env.plane, &[&ns]).await?);
     let client = env.plane.client().await?;
-    let cluster = Release {
-        client: client.clone(),
-        ns: ns.clone(),
-    };
+    let cluster = Release::new(env, &ns).await?;
 
     // 1. Install with the chart's defaults; the leader's first write is timed against the moment
     //    the Lease names it and the moment its first Pod is Ready. The time is reported, not
@@ -464,7 +485,7 @@ async fn scenarios(
         super::record_metric_names(
             report,
             &metrics_scenario(replica + 1),
-            &super::Scrape::Open(format!("{ip}:9090").parse()?),
+            &cluster.scrape(&ip)?,
             "steward-tcp-proxy",
             &["leader_election_master_status"],
         )
@@ -647,9 +668,6 @@ pub async fn install(env: &Env<'_>, ns: &str) -> anyhow::Result<String> {
     let values = [
         format!("upstreamAddr={}", env.apiserver),
         format!("image.repository={repository},image.tag={tag}"),
-        // The scenarios scrape /metrics as plain HTTP: they are not about who may scrape (the
-        // secure default is covered by k8s-reconcile's tests/secure_metrics.rs).
-        "metricsSecure=false".to_owned(),
     ];
     env.install_chart(RELEASE, ns, &values).await
 }
