@@ -58,9 +58,9 @@ const BUSY_BODY: &str =
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum StartError {
-    /// No usable kubeconfig, or the API server does not answer (the cause is also the
-    /// `source()`).
-    #[error("cannot reach a Kubernetes API server: {0}\n\n{LOCAL_TRIAL_HINT}")]
+    /// No usable kubeconfig, or the API server does not answer. The binary prints
+    /// [`LOCAL_TRIAL_HINT`] after it.
+    #[error("cannot reach a Kubernetes API server")]
     NoCluster(#[source] NoClusterCause),
     /// The CRD is not installed.
     #[error(
@@ -79,8 +79,8 @@ pub enum StartError {
     #[error("the API's TLS certificate")]
     Tls(#[source] ApiTlsError),
     /// A Kubernetes call failed at start.
-    #[error("Kubernetes API call failed at start: {0}")]
-    Kube(kube::Error),
+    #[error("Kubernetes API call failed at start")]
+    Kube(#[source] kube::Error),
     /// The data plane could not start.
     #[error("data plane")]
     DataPlane(#[source] DataPlaneError),

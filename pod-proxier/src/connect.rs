@@ -69,7 +69,7 @@ pub enum ConnectError {
         body: String,
     },
     /// The local port.
-    #[error("local port {addr}: {source}")]
+    #[error("cannot use the local port {addr}")]
     Local {
         /// --local.
         addr: SocketAddr,

@@ -6,6 +6,7 @@ use axum::response::{IntoResponse, Response};
 use http::StatusCode;
 use serde::Serialize;
 
+use k8s_reconcile::app::error_chain;
 use k8s_reconcile::app::rest::RequestError;
 use k8s_reconcile::auth::AuthError;
 
@@ -32,8 +33,9 @@ pub enum ApiError {
     /// The request is malformed or a value is out of range.
     #[error("{0}")]
     BadRequest(String),
-    /// Authentication or authorization failed (a refusal says what pod-proxier allows).
-    #[error("{0}{hint}", hint = if matches!(.0, AuthError::Forbidden { .. }) { FORBIDDEN_HINT } else { "" })]
+    /// Authentication or authorization failed (the answer to a refusal also says what
+    /// pod-proxier allows).
+    #[error(transparent)]
     Auth(#[from] AuthError),
     /// Allowed caller, but the target is outside what pod-proxier serves.
     #[error("{0}")]
@@ -55,7 +57,7 @@ pub enum ApiError {
     #[error("{0}")]
     Disabled(String),
     /// Query or form fields, or the body, refused (400, or 413 over the size limit).
-    #[error("{0}")]
+    #[error(transparent)]
     Request(#[from] RequestError),
     /// The body's content type is not supported.
     #[error("{0}")]
@@ -70,7 +72,7 @@ pub enum ApiError {
     #[error("the request did not complete within {0} seconds")]
     Timeout(u64),
     /// The Kubernetes API server failed.
-    #[error("Kubernetes API call failed: {0}")]
+    #[error("Kubernetes API call failed")]
     Kube(#[from] kube::Error),
 }
 
@@ -154,8 +156,13 @@ impl IntoResponse for ApiError {
             self,
             ApiError::Kube(_) | ApiError::Auth(AuthError::Unavailable(_))
         ) {
-            tracing::warn!(error = %self, "request failed on the API server side");
+            tracing::warn!(error = %error_chain(&self), "request failed on the API server side");
         }
-        envelope(self.status(), self.code(), &self.to_string(), data)
+        // The whole chain: a client sees why (the parser's reason, the API server's answer).
+        let mut msg = error_chain(&self);
+        if matches!(self, ApiError::Auth(AuthError::Forbidden { .. })) {
+            msg.push_str(FORBIDDEN_HINT);
+        }
+        envelope(self.status(), self.code(), &msg, data)
     }
 }

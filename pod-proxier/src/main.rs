@@ -56,7 +56,20 @@ fn main() -> ExitCode {
         }
         Command::Run => {
             cli.log.init();
-            app::block_on("pod-proxier", pod_proxier::app::run(settings))
+            let no_cluster = std::cell::Cell::new(false);
+            let code = app::block_on("pod-proxier", async {
+                let result = pod_proxier::app::run(settings).await;
+                no_cluster.set(matches!(
+                    result,
+                    Err(pod_proxier::app::StartError::NoCluster(_))
+                ));
+                result
+            });
+            // After the error's chain, which names the cause.
+            if no_cluster.get() {
+                eprintln!("\n{}", pod_proxier::app::LOCAL_TRIAL_HINT);
+            }
+            code
         }
     }
 }
