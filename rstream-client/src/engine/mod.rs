@@ -13,7 +13,11 @@
 //!   `127.0.0.1` (a requested free TCP `port` is honoured). Each downstream connection becomes a
 //!   `ProxyConnReq` to the owner and is spliced, raw bytes both ways. HTTP tunnels are not terminated:
 //!   a test sends a plain HTTP request to [`LocalEngine::ingress_addr`]. The reply's `hostname` is
-//!   `127.0.0.1` (or the requested stable hostname) and `port` the listener port;
+//!   `127.0.0.1` (or the requested stable hostname) and `port` the listener port. A requested
+//!   hostname (without a `port`) has one listener for the engine's life, as an edge routes by name:
+//!   the next tunnel holding that hostname is reached at the same address
+//!   ([`LocalEngine::hostname_ingress_addr`]), and a connection arriving while no tunnel holds it is
+//!   closed at once;
 //! * **datagram tunnels** (`protocol: dtls`, `type: datagram`): a published one gets a UDP socket on
 //!   `127.0.0.1` ([`LocalEngine::udp_ingress_addr`]). Each UDP peer (source address) becomes one
 //!   inbound stream to the owner, carrying its datagrams as length-prefixed records
@@ -181,6 +185,8 @@ struct ControlHandle {
 #[derive(Default)]
 struct EState {
     tunnels: HashMap<String, EngineTunnel>,
+    /// The listener of each requested hostname (bytestream tunnels without a `port`).
+    hostname_ingress: HashMap<String, SocketAddr>,
     pending: HashMap<String, PendingStream>,
     controls: HashMap<u64, ControlHandle>,
 }
@@ -449,6 +455,12 @@ impl LocalEngine {
     /// The published TCP ingress address of a bytestream tunnel.
     pub fn ingress_addr(&self, tunnel_id: &str) -> Option<SocketAddr> {
         self.ingress(tunnel_id, false)
+    }
+
+    /// The listener of a requested stable `hostname`: stays the same address whichever tunnel holds
+    /// the hostname (`None` before a tunnel first asked for it).
+    pub fn hostname_ingress_addr(&self, hostname: &str) -> Option<SocketAddr> {
+        self.shared.state().hostname_ingress.get(hostname).copied()
     }
 
     /// The published UDP ingress address of a datagram tunnel.

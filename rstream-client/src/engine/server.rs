@@ -470,6 +470,12 @@ pub(super) async fn open_tunnel(
         }
         props.port = Some(u32::from(addr.port()));
         ingress = Some((addr, cancel));
+    } else if published && props.port.is_none() && props.hostname.is_some() {
+        let hostname = props.hostname.clone().unwrap_or_default();
+        let addr = hostname_ingress(shared, &hostname)?;
+        props.port = Some(u32::from(addr.port()));
+        // Closing the tunnel cancels this token only: the hostname's listener stays.
+        ingress = Some((addr, CancellationToken::new()));
     } else if published {
         let port = props.port.and_then(|p| u16::try_from(p).ok()).unwrap_or(0);
         let listener = bind_reuse(SocketAddr::from(([127, 0, 0, 1], port)))
@@ -497,6 +503,56 @@ pub(super) async fn open_tunnel(
         },
     );
     Ok(props)
+}
+
+/// The listener of `hostname`, started on its first tunnel and kept for the engine's life.
+fn hostname_ingress(
+    shared: &Arc<EngineShared>,
+    hostname: &str,
+) -> std::result::Result<SocketAddr, proto::Error> {
+    let invalid = |m: String| proto::Error::new(ErrorCode::InvalidRequest, m);
+    if let Some(addr) = shared.state().hostname_ingress.get(hostname) {
+        return Ok(*addr);
+    }
+    let listener = bind_reuse(SocketAddr::from(([127, 0, 0, 1], 0)))
+        .map_err(|e| invalid(format!("No ingress for {hostname}: {e}")))?;
+    let addr = listener.local_addr().map_err(|e| invalid(e.to_string()))?;
+    shared
+        .state()
+        .hostname_ingress
+        .insert(hostname.to_owned(), addr);
+    shared.tracker.spawn(hostname_ingress_loop(
+        shared.clone(),
+        hostname.to_owned(),
+        listener,
+    ));
+    Ok(addr)
+}
+
+/// Routes each connection to the tunnel holding `hostname` when it arrives; none: closed.
+async fn hostname_ingress_loop(shared: Arc<EngineShared>, hostname: String, listener: TcpListener) {
+    loop {
+        let (tcp, peer) = tokio::select! {
+            _ = shared.shutdown.cancelled() => return,
+            r = listener.accept() => match r { Ok(x) => x, Err(_) => continue },
+        };
+        let holder = (shared.state().tunnels.iter())
+            .find(|(_, t)| t.props.hostname.as_deref() == Some(hostname.as_str()))
+            .map(|(id, _)| id.clone());
+        let Some(tunnel_id) = holder else {
+            debug!(%hostname, "no tunnel holds the hostname; connection closed");
+            continue;
+        };
+        let task_shared = shared.clone();
+        shared.tracker.spawn(async move {
+            let _guard = ConnGuard::new(&task_shared);
+            let cancel = task_shared.shutdown.clone();
+            tokio::select! {
+                _ = cancel.cancelled() => {}
+                _ = ingress_connection(&task_shared, &tunnel_id, tcp, peer) => {}
+            }
+        });
+    }
 }
 
 pub(super) async fn ingress_loop(
