@@ -1,5 +1,11 @@
 //! The tunnel agent: keeps one rstream tunnel up, forwards its streams to the target Service and
 //! reports the tunnel state into its RstreamTunnel's status.
+//!
+//! Several agents may run for one tunnel: the one holding it is active, the others stand by on
+//! open control channels ([`holder`]). Only the active agent writes the status, so a standby
+//! never flaps it; a standby is ready (connected) and takes over when the holder lets go.
+
+mod holder;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -17,12 +23,13 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 use rstream_client::Client;
 use rstream_client::forward::{Relayed, relay_and_log};
-use rstream_client::supervisor::{StableHostname, Supervisor, SupervisorConfig, SupervisorState};
+use rstream_client::supervisor::SupervisorConfig;
 use rstream_client::tls::{ClientIdentity, TlsOptions};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+use self::holder::{HolderHandle, HolderState};
 use crate::agent_config::{AgentConfig, ConfigError};
 use crate::api::{RstreamTunnel, RstreamTunnelStatus};
 use crate::names;
@@ -96,21 +103,27 @@ pub struct AgentOptions {
 /// Where and as whom to report.
 struct Reporter {
     api: Option<Api<RstreamTunnel>>,
+    /// The tunnel has a hostname, which the engine keeps exclusive: other agents of the tunnel
+    /// may be standing by, or holding it.
+    standbys: bool,
     tunnel: String,
     pod: String,
     target: String,
 }
 
 impl Reporter {
-    async fn report(&self, state: &SupervisorState) -> Result<(), kube::Error> {
+    /// Writes what `state` means for the status, as far as this agent may: `held` is the tunnel
+    /// this agent held last (its id), if any.
+    async fn report(&self, state: &HolderState, held: Option<&str>) -> Result<(), kube::Error> {
         let Some(api) = &self.api else {
             return Ok(());
         };
         let pod = self.pod.clone();
         let target = self.target.clone();
         match state {
-            // Later attempts keep the Disconnected report (and its error) visible.
-            SupervisorState::Connecting { attempt } if *attempt <= 1 => {
+            // A lone agent says it is connecting (later attempts keep the Disconnected report and
+            // its error visible); one that may stand by says nothing until it holds the tunnel.
+            HolderState::Connecting { attempt } if *attempt <= 1 && !self.standbys => {
                 status::update_status(api, &self.tunnel, |t, s: &mut RstreamTunnelStatus| {
                     let g = t.metadata.generation;
                     s.observed_generation = g;
@@ -131,7 +144,7 @@ impl Reporter {
                 })
                 .await?;
             }
-            SupervisorState::Online {
+            HolderState::Active {
                 properties,
                 forwarding_address,
             } => {
@@ -155,11 +168,20 @@ impl Reporter {
                 })
                 .await?;
             }
-            SupervisorState::Disconnected { error, .. }
-            | SupervisorState::Stopped { error: Some(error) } => {
+            HolderState::Disconnected { error, .. }
+            | HolderState::Stopped { error: Some(error) } => {
                 let text = error.to_string();
+                let standbys = self.standbys;
                 status::update_status(api, &self.tunnel, |t, s: &mut RstreamTunnelStatus| {
+                    // Where agents stand by, another agent's online tunnel is left alone: only the
+                    // agent that held the tunnel says it is down, or any agent while none is
+                    // online (so that a bad token or an unreachable engine is still shown).
+                    let ours = held.is_some() && s.tunnel_id.as_deref() == held;
                     let g = t.metadata.generation;
+                    let online = Conditions::of(&mut s.conditions, g).is_true(types::TUNNEL_READY);
+                    if standbys && online && !ours {
+                        return;
+                    }
                     s.observed_generation = g;
                     s.last_error = Some(text.clone());
                     Conditions::of(&mut s.conditions, g)
@@ -178,18 +200,21 @@ impl Reporter {
                 })
                 .await?;
             }
-            _ => {}
+            // A standby must not touch the active agent's status.
+            HolderState::Connecting { .. }
+            | HolderState::Standby
+            | HolderState::Stopped { error: None } => {}
         }
         Ok(())
     }
 }
 
-fn log_state(state: &SupervisorState, target: &str) {
+fn log_state(state: &HolderState, target: &str) {
     match state {
-        SupervisorState::Connecting { attempt } => {
+        HolderState::Connecting { attempt } => {
             tracing::info!(component = "runner", attempt, %target, "Connecting to rstream")
         }
-        SupervisorState::Online {
+        HolderState::Active {
             properties,
             forwarding_address,
         } => tracing::info!(
@@ -199,19 +224,23 @@ fn log_state(state: &SupervisorState, target: &str) {
             %target,
             "Tunnel online"
         ),
-        SupervisorState::Disconnected { error, retry_in } => tracing::warn!(
+        HolderState::Standby => tracing::info!(
+            component = "runner",
+            %target,
+            "Standing by: another agent holds the tunnel's hostname"
+        ),
+        HolderState::Disconnected { error, retry_in } => tracing::warn!(
             component = "runner",
             error = %error,
             retry_in = ?retry_in,
             %target,
             "Tunnel disconnected; reconnecting"
         ),
-        SupervisorState::Stopped { error } => tracing::info!(
+        HolderState::Stopped { error } => tracing::info!(
             component = "runner",
             error = error.as_ref().map(ToString::to_string).unwrap_or_default(),
             "Tunnel stopped"
         ),
-        _ => {}
     }
 }
 
@@ -231,6 +260,7 @@ struct FlowLabels {
 #[derive(Clone, Debug)]
 struct AgentMetrics {
     online: Gauge,
+    holder: Gauge,
     streams: Counter,
     active: Gauge,
     failed: Counter,
@@ -266,7 +296,12 @@ impl AgentMetrics {
             online: gauge(
                 registry,
                 "rstream_agent_tunnel_online",
-                "1 while the tunnel is online",
+                "1 while the tunnel is online: held by this agent, or (standby) by another",
+            ),
+            holder: gauge(
+                registry,
+                "rstream_agent_active",
+                "1 while this agent holds the tunnel; 0 on standby or disconnected",
             ),
             streams: family(
                 registry,
@@ -319,29 +354,38 @@ impl AgentMetrics {
     }
 }
 
-/// Follows the supervisor's state: readiness, logs and status reports (retried until they land or
-/// a newer state replaces them).
+/// Follows the holder's state: readiness, gauges, logs and status reports (retried until they
+/// land or a newer state replaces them).
 async fn follow_state(
-    mut states: watch::Receiver<SupervisorState>,
+    mut states: watch::Receiver<HolderState>,
     reporter: Reporter,
     health: Health,
-    online_gauge: Gauge,
+    metrics: AgentMetrics,
     shutdown: CancellationToken,
 ) {
+    // The tunnel this agent held last: its own status may still name it.
+    let mut held: Option<String> = None;
     loop {
         let state = states.borrow_and_update().clone();
-        let online = matches!(state, SupervisorState::Online { .. });
-        online_gauge.set(i64::from(online));
+        let active = matches!(state, HolderState::Active { .. });
+        if let HolderState::Active { properties, .. } = &state {
+            held.clone_from(&properties.id);
+        }
+        let connected = state.connected();
+        metrics.online.set(i64::from(connected));
+        metrics.holder.set(i64::from(active));
         let stopping =
-            shutdown.is_cancelled() || matches!(state, SupervisorState::Stopped { error: None });
-        health.set(
-            "tunnel",
-            online,
-            if online { "online" } else { "not online" },
-        );
+            shutdown.is_cancelled() || matches!(state, HolderState::Stopped { error: None });
+        // Ready while connected, active or standby: a standby is what a rollout waits for.
+        let text = match &state {
+            HolderState::Active { .. } => "online (active)",
+            HolderState::Standby => "online (standby)",
+            _ => "not online",
+        };
+        health.set("tunnel", connected, text);
         log_state(&state, &reporter.target);
         // A shutdown is not a disconnection: nothing is reported.
-        if !stopping && let Err(error) = reporter.report(&state).await {
+        if !stopping && let Err(error) = reporter.report(&state, held.as_deref()).await {
             tracing::warn!(component = "runner", %error, "could not report the tunnel status");
             tokio::select! {
                 () = shutdown.cancelled() => return,
@@ -508,6 +552,7 @@ pub async fn run(options: AgentOptions) -> Result<(), AgentError> {
     let health = app.health().clone();
     let shutdown = app.shutdown().clone();
 
+    let standbys = tunnel_options.hostname.is_some();
     let reporter = match config.kubernetes.as_ref().filter(|k| k.enabled) {
         Some(k) => {
             let namespace = k
@@ -524,6 +569,7 @@ pub async fn run(options: AgentOptions) -> Result<(), AgentError> {
             let kube = options.client.client().await?;
             Reporter {
                 api: Some(Api::namespaced(kube, &namespace)),
+                standbys,
                 tunnel: k.tunnel_name.clone(),
                 pod,
                 target: format!("{}:{}", config.target.host, config.target.port),
@@ -531,27 +577,23 @@ pub async fn run(options: AgentOptions) -> Result<(), AgentError> {
         }
         None => Reporter {
             api: None,
+            standbys,
             tunnel: String::new(),
             pod: String::new(),
             target: target.to_string(),
         },
     };
 
-    let hostname = match &tunnel_options.hostname {
-        Some(h) => StableHostname::Fixed(h.clone()),
-        None => StableHostname::Off,
-    };
-    let supervisor_config = SupervisorConfig::default()
-        .backoff(initial, max)
-        .stable_hostname(hostname)
-        .retry_non_retryable(true);
-    let mut handle = Supervisor::spawn(client, tunnel_options, supervisor_config);
+    // The backoff and jitter of rstream-client's supervisor; every error is retried (the
+    // manager checked the configuration, and a Secret may be fixed later).
+    let backoff = SupervisorConfig::default().backoff(initial, max);
+    let mut handle = HolderHandle::spawn(client, tunnel_options, backoff);
     let stop_reports = CancellationToken::new();
     let follower = tokio::spawn(follow_state(
         handle.watch(),
         reporter,
         health.clone(),
-        metrics.online.clone(),
+        metrics.clone(),
         stop_reports.clone(),
     ));
 
@@ -577,9 +619,11 @@ pub async fn run(options: AgentOptions) -> Result<(), AgentError> {
     }
     tracing::info!(component = "runner", "shutting down");
     health.set("tunnel", false, "shutting down");
+    // The tunnel first, so that a standby takes it over at once; then the reports stop (a
+    // shutdown is not reported as a disconnection).
+    handle.shutdown().await;
     stop_reports.cancel();
     let _ = follower.await;
-    handle.shutdown().await;
     relay_cancel.cancel();
     relays.close();
     relays.wait().await;
@@ -648,6 +692,7 @@ mod tests {
         });
         metrics.record(Relayed::Failed);
         metrics.online.set(1);
+        metrics.holder.set(1);
         let mut text = String::new();
         prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
         for line in [
@@ -657,6 +702,7 @@ mod tests {
             r#"rstream_agent_stream_datagrams_total{tunnel="web",direction="from_target"} 4"#,
             r#"rstream_agent_stream_failures_total{tunnel="web"} 1"#,
             r#"rstream_agent_tunnel_online{tunnel="web"} 1"#,
+            r#"rstream_agent_active{tunnel="web"} 1"#,
         ] {
             assert!(text.lines().any(|l| l == line), "{line} not in\n{text}");
         }

@@ -44,8 +44,11 @@ fn default_http_version() -> Option<HttpVersion> {
     Some(HttpVersion::Http11)
 }
 
+/// Agents per tunnel unless the spec says otherwise: one active, one standing by.
+pub const DEFAULT_AGENT_REPLICAS: i32 = 2;
+
 fn default_replicas() -> Option<i32> {
-    Some(1)
+    Some(DEFAULT_AGENT_REPLICAS)
 }
 
 fn default_bind_mode() -> Option<BindMode> {
@@ -427,9 +430,12 @@ pub struct AgentSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 1))]
     pub image: Option<String>,
-    /// Always 1: one agent owns the tunnel.
+    /// Agent Pods (default 2). One holds the tunnel, the others stand by and take it over on a
+    /// rollout or a lost Pod; with 2 or more a PodDisruptionBudget keeps one. Only a tunnel with a
+    /// hostname (published, not `tcp`) can have standbys, since the engine keeps a hostname
+    /// exclusive: other tunnels run 1 agent whatever this says.
     #[serde(default = "default_replicas", skip_serializing_if = "Option::is_none")]
-    #[schemars(range(min = 1, max = 1))]
+    #[schemars(range(min = 1))]
     pub replicas: Option<i32>,
     /// Container resources (default requests cpu 25m / memory 64Mi, limit memory 256Mi).
     #[serde(default, skip_serializing_if = "Option::is_none")]

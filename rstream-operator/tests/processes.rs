@@ -2,7 +2,9 @@
 //! Deployment would run it, LocalEngine as the engine: a tunnel's target changed (the agent's
 //! config and Deployment follow, traffic reaches the new Service), `--namespace` scoping (another
 //! namespace untouched, no request outside it), and failover between two managers (the leader
-//! killed, the other takes over and applies what changed meanwhile).
+//! killed, the other takes over and applies what changed meanwhile), and several agents of one
+//! tunnel (one active, the others standing by; the active one stopped or killed, a standby takes
+//! over).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
@@ -301,4 +303,161 @@ async fn the_other_manager_takes_over_when_the_leader_is_killed() {
         "took over {took_over:?} after the kill, inside the old term"
     );
     drop(b);
+}
+
+/// `rstream_agent_active` of the agent `process` (`None`: no answer).
+async fn agent_active(process: &Process) -> Option<i64> {
+    gauge(&process.metrics, "rstream_agent_active{tunnel=\"web\"}").await
+}
+
+/// What a steady request stream saw: requests sent, failed, and the time from the first failure
+/// to the last.
+struct Requests {
+    sent: u32,
+    failed: u32,
+    window: Duration,
+}
+
+/// `GET /` to `addr` every 20 ms until `stop`.
+fn steady_requests(
+    addr: std::net::SocketAddr,
+    stop: tokio_util::sync::CancellationToken,
+) -> tokio::task::JoinHandle<Requests> {
+    tokio::spawn(async move {
+        let (mut sent, mut failed) = (0, 0);
+        let mut failures: Option<(Instant, Instant)> = None;
+        while !stop.is_cancelled() {
+            sent += 1;
+            let answered = tokio::time::timeout(Duration::from_secs(10), http_get(addr)).await;
+            if !matches!(answered, Ok(Ok(r)) if r.starts_with("HTTP/1.1 200")) {
+                failed += 1;
+                let now = Instant::now();
+                failures = Some(failures.map_or((now, now), |(first, _)| (first, now)));
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let window = failures.map_or(Duration::ZERO, |(first, last)| last - first);
+        Requests {
+            sent,
+            failed,
+            window,
+        }
+    })
+}
+
+/// Waits until agent `process` is ready on standby: /readyz answers 200, it holds nothing.
+async fn stands_by(process: &Process) {
+    wait_for("the agent ready on standby", WAIT, || async {
+        let ready = http_status(&process.health, "/readyz").await == 200;
+        (ready && agent_active(process).await == Some(0)).then_some(())
+    })
+    .await;
+}
+
+const HOSTNAME: &str = "web.standby.example.test";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_standby_agent_leaves_the_status_alone_and_takes_the_tunnel_over() {
+    let plane = plane().await;
+    let ns = plane.create_namespace("standby").await.unwrap();
+    let live = Live::new(plane, &ns, &["web-a"]).await;
+    // A hostname, which the engine keeps exclusive: what lets agents stand by.
+    live.tunnels
+        .patch(
+            "web",
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({"spec": {"hostname": HOSTNAME}})),
+        )
+        .await
+        .unwrap();
+    let kubeconfig = manager_kubeconfig(&ns, MANAGER_SA).await;
+    let manager = Process::manager(
+        &kubeconfig,
+        &ns,
+        "manager-a",
+        live.dir.path(),
+        &["--namespace", &ns],
+    );
+    leads_soon(&manager).await;
+    let deployments: Api<Deployment> = Api::namespaced(live.admin.clone(), &ns);
+    wait_for("two agents in the Deployment", WAIT, || async {
+        let t = live.tunnels.get("web").await.ok()?;
+        let base = rstream_operator::names::base_name(&ns, "web", t.metadata.uid.as_deref());
+        let d = deployments.get_opt(&base).await.ok()??;
+        (d.spec.replicas == Some(2)).then_some(())
+    })
+    .await;
+
+    // The first agent holds the tunnel; the second stands by, ready, on one open channel.
+    let mut first = live.start_agent(plane, "web-agent-0").await;
+    let ingress = live.online("web-agent-0").await;
+    // The engine's address of the hostname, whichever tunnel holds it.
+    let public = live.engine.hostname_ingress_addr(HOSTNAME).unwrap();
+    assert_eq!(ingress, public);
+    assert_eq!(body_through(public).await, Ok(body_of("web-a")));
+    let mut second = live.start_agent(plane, "web-agent-1").await;
+    stands_by(&second).await;
+    assert_eq!(agent_active(&first).await, Some(1));
+    let logins = live.engine.control_logins().len();
+    let held = live.tunnels.get("web").await.unwrap();
+    // Several of the standby's retries (1 s apart) later: the status still names the first
+    // agent and its tunnel, and the standby never logged in again.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let t = live.tunnels.get("web").await.unwrap();
+    let (status, reason, message) = condition(&t, "TunnelReady").unwrap();
+    assert_eq!((status.as_str(), reason.as_str()), ("True", "TunnelOnline"));
+    assert!(message.contains("web-agent-0"), "{message}");
+    assert_eq!(
+        t.status.as_ref().unwrap().tunnel_id,
+        held.status.as_ref().unwrap().tunnel_id
+    );
+    assert_eq!(
+        t.metadata.resource_version, held.metadata.resource_version,
+        "the tunnel was written while nothing changed"
+    );
+    assert_eq!(live.engine.control_logins().len(), logins);
+    assert_eq!(live.engine.tunnels().len(), 1);
+    assert_eq!(agent_active(&second).await, Some(0));
+
+    // SIGTERM to the active agent (a rollout, a drain): it lets go, the standby takes over, and
+    // the hostname's address answers again.
+    let stop = tokio_util::sync::CancellationToken::new();
+    let stream = steady_requests(public, stop.clone());
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let stopped = Instant::now();
+    assert!(first.terminate().await, "{}", first.logs());
+    assert_eq!(live.online("web-agent-1").await, public);
+    let after_term = stopped.elapsed();
+    assert_eq!(body_through(public).await, Ok(body_of("web-a")));
+    assert_eq!(agent_active(&second).await, Some(1));
+    stop.cancel();
+    let term = stream.await.unwrap();
+
+    // SIGKILL (a lost Pod): the engine drops the tunnel with its channel, a third agent on
+    // standby takes over.
+    let third = live.start_agent(plane, "web-agent-2").await;
+    stands_by(&third).await;
+    let stop = tokio_util::sync::CancellationToken::new();
+    let stream = steady_requests(public, stop.clone());
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let killed = Instant::now();
+    second.kill9();
+    assert_eq!(live.online("web-agent-2").await, public);
+    let after_kill = killed.elapsed();
+    assert_eq!(body_through(public).await, Ok(body_of("web-a")));
+    stop.cancel();
+    let kill = stream.await.unwrap();
+    // Figures, not bounds: the gap is about one standby retry (1 s, jittered).
+    eprintln!(
+        "hand-over after SIGTERM: status names the standby after {after_term:?}; requests \
+         failed {}/{} over {:?}. After SIGKILL: {after_kill:?}; failed {}/{} over {:?}",
+        term.failed, term.sent, term.window, kill.failed, kill.sent, kill.window
+    );
+    drop(third);
+    drop(manager);
+    let base = live.base().await;
+    for user in [sa_user(&ns, MANAGER_SA), sa_user(&ns, &base)] {
+        let forbidden = forbidden_requests(plane, &user).await;
+        assert!(forbidden.is_empty(), "{user} was denied: {forbidden:?}");
+    }
 }

@@ -393,3 +393,118 @@ async fn invalid_specs_and_missing_connections_are_reported() {
         "the manager was denied: {forbidden:?}"
     );
 }
+
+#[tokio::test]
+async fn a_tunnel_with_a_hostname_runs_standby_agents_kept_through_rollouts_and_drains() {
+    use k8s_openapi::api::policy::v1::PodDisruptionBudget;
+    use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+
+    let env = manager_env("standby-agents").await;
+    let (t, base) = env.resolved_tunnel().await;
+    let deployments: Api<Deployment> = Api::namespaced(env.admin.clone(), &env.ns);
+    let budgets: Api<PodDisruptionBudget> = Api::namespaced(env.admin.clone(), &env.ns);
+    let replicas_become = |n: i32| {
+        let deployments = deployments.clone();
+        let base = base.clone();
+        async move {
+            wait_for(&format!("{n} agents"), WAIT, || async {
+                let d = deployments.get(&base).await.ok()?;
+                (d.spec.replicas == Some(n)).then_some(d)
+            })
+            .await
+        }
+    };
+    let budget_is = |present: bool| {
+        let budgets = budgets.clone();
+        let base = base.clone();
+        async move {
+            wait_for(&format!("budget present: {present}"), WAIT, || async {
+                let b = budgets.get_opt(&base).await.ok()?;
+                (b.is_some() == present).then_some(b)
+            })
+            .await
+        }
+    };
+    let merge = |spec: serde_json::Value| {
+        let tunnels = env.tunnels.clone();
+        async move {
+            tunnels
+                .patch(
+                    "web",
+                    &PatchParams::default(),
+                    &Patch::Merge(serde_json::json!({ "spec": spec })),
+                )
+                .await
+                .unwrap();
+        }
+    };
+
+    // No hostname (the engine is an IP, none is generated): each agent would open a tunnel of
+    // its own, so one agent, replaced by Recreate, and no budget.
+    let d = replicas_become(1).await;
+    let strategy = d.spec.strategy.clone().unwrap();
+    assert_eq!(strategy.type_.as_deref(), Some("Recreate"));
+    assert!(budget_is(false).await.is_none());
+
+    // A hostname: two agents by default, rolled one extra at a time with none unavailable,
+    // spread over nodes, and a budget keeping one.
+    merge(serde_json::json!({"hostname": "web.example.test"})).await;
+    let d = replicas_become(2).await;
+    let spec = d.spec;
+    let strategy = spec.strategy.unwrap();
+    assert_eq!(strategy.type_.as_deref(), Some("RollingUpdate"));
+    let rolling = strategy.rolling_update.unwrap();
+    assert_eq!(rolling.max_unavailable, Some(IntOrString::Int(0)));
+    assert_eq!(rolling.max_surge, Some(IntOrString::Int(1)));
+    let pod = spec.template.spec.unwrap();
+    let preferred = pod
+        .affinity
+        .and_then(|a| a.pod_anti_affinity)
+        .and_then(|a| a.preferred_during_scheduling_ignored_during_execution)
+        .expect("no preferred pod anti-affinity");
+    assert_eq!(preferred.len(), 1);
+    let term = &preferred[0].pod_affinity_term;
+    assert_eq!(term.topology_key, "kubernetes.io/hostname");
+    let agents = spec.selector.match_labels.clone();
+    assert_eq!(term.label_selector.as_ref().unwrap().match_labels, agents);
+    let budget = budget_is(true).await.unwrap();
+    let owners = budget.owner_references();
+    assert_eq!(owners.len(), 1);
+    assert_eq!(owners[0].uid, t.uid().unwrap());
+    assert_eq!(owners[0].controller, Some(true));
+    let bspec = budget.spec.unwrap();
+    assert_eq!(bspec.min_available, Some(IntOrString::Int(1)));
+    assert_eq!(bspec.selector.unwrap().match_labels, agents);
+    assert_eq!(
+        bspec.unhealthy_pod_eviction_policy.as_deref(),
+        Some("AlwaysAllow")
+    );
+
+    // Down to one agent: still rolled without a gap, and no budget (it would block drains).
+    merge(serde_json::json!({"agent": {"replicas": 1}})).await;
+    let d = replicas_become(1).await;
+    let strategy = d.spec.strategy.unwrap();
+    assert_eq!(strategy.type_.as_deref(), Some("RollingUpdate"));
+    budget_is(false).await;
+    merge(serde_json::json!({"agent": {"replicas": 3}})).await;
+    replicas_become(3).await;
+    budget_is(true).await;
+
+    // A tcp tunnel takes no hostname: back to one agent, Recreate, no budget.
+    merge(serde_json::json!({"hostname": null, "protocol": "tcp", "http": null})).await;
+    let d = replicas_become(1).await;
+    let strategy = d.spec.strategy.unwrap();
+    assert_eq!(strategy.type_.as_deref(), Some("Recreate"));
+    budget_is(false).await;
+
+    // Deleting the tunnel deletes its budget too (no garbage collector runs here).
+    merge(serde_json::json!({"hostname": "web.example.test", "protocol": "http"})).await;
+    budget_is(true).await;
+    env.tunnels
+        .delete("web", &DeleteParams::default())
+        .await
+        .unwrap();
+    budget_is(false).await;
+
+    env.finish_without_403().await;
+}

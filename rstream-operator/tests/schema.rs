@@ -164,7 +164,7 @@ fn invalid_specs() -> Vec<(&'static str, serde_json::Value, &'static str)> {
         ),
         (
             "RstreamTunnel",
-            serde_json::json!({"target": target, "agent": {"replicas": 2}}),
+            serde_json::json!({"target": target, "agent": {"replicas": 0}}),
             "spec.agent.replicas",
         ),
     ]
@@ -249,13 +249,15 @@ async fn valid_objects_pass_with_the_schema_defaults() {
             &object(
                 "RstreamTunnel",
                 "web",
-                serde_json::json!({"target": target, "http": {}}),
+                serde_json::json!({"target": target, "http": {}, "agent": {}}),
             ),
         )
         .await
         .unwrap();
     assert_eq!(ok.data["spec"]["protocol"], "http");
     assert_eq!(ok.data["spec"]["http"]["version"], "http/1.1");
+    // One agent holds the tunnel, one stands by.
+    assert_eq!(ok.data["spec"]["agent"]["replicas"], 2);
 }
 
 #[tokio::test]

@@ -24,7 +24,7 @@ struct Args {
         default_value = "/etc/rstream-agent/config.yaml"
     )]
     config: PathBuf,
-    /// Address of /healthz, /readyz (ready only while the tunnel is online) and /metrics; "0" disables it.
+    /// Address of /healthz, /readyz (ready while connected to the engine, holding the tunnel or on standby) and /metrics; "0" disables it.
     #[arg(
         long,
         env = "RSTREAM_AGENT_HEALTH_BIND_ADDRESS",

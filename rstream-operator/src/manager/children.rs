@@ -1,16 +1,22 @@
-//! The objects created per RstreamTunnel: ConfigMap, ServiceAccount, Role, RoleBinding, Deployment.
+//! The objects created per RstreamTunnel: ConfigMap, ServiceAccount, Role, RoleBinding, Deployment
+//! and, when several agents run, a PodDisruptionBudget.
 
 use std::collections::BTreeMap;
 
-use k8s_openapi::api::apps::v1::{Deployment, DeploymentSpec, DeploymentStrategy};
-use k8s_openapi::api::core::v1::{
-    ConfigMap, ConfigMapVolumeSource, Container, ContainerPort, KeyToPath, LocalObjectReference,
-    PodSpec, PodTemplateSpec, Probe, ProjectedVolumeSource, ResourceRequirements, ServiceAccount,
-    Volume, VolumeMount, VolumeProjection,
+use k8s_openapi::api::apps::v1::{
+    Deployment, DeploymentSpec, DeploymentStrategy, RollingUpdateDeployment,
 };
+use k8s_openapi::api::core::v1::{
+    Affinity, ConfigMap, ConfigMapVolumeSource, Container, ContainerPort, KeyToPath,
+    LocalObjectReference, PodAffinityTerm, PodAntiAffinity, PodSpec, PodTemplateSpec, Probe,
+    ProjectedVolumeSource, ResourceRequirements, ServiceAccount, Volume, VolumeMount,
+    VolumeProjection, WeightedPodAffinityTerm,
+};
+use k8s_openapi::api::policy::v1::{PodDisruptionBudget, PodDisruptionBudgetSpec};
 use k8s_openapi::api::rbac::v1::{PolicyRule, Role, RoleBinding, RoleRef, Subject};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, OwnerReference};
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use k8s_reconcile::pod;
 use kube::api::ObjectMeta;
 use sha2::{Digest as _, Sha256};
@@ -164,10 +170,110 @@ fn pull_secrets(
     (!secrets.is_empty()).then_some(secrets)
 }
 
-/// The agent Deployment: one replica, Recreate, restricted pod security, token from the Secret.
+/// How many agents run for a tunnel and how they are replaced.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AgentLayout {
+    /// Agent Pods.
+    pub replicas: i32,
+    /// Whether agents can stand by: the tunnel has a hostname, which the engine keeps exclusive,
+    /// so one agent holds it and the others wait for it.
+    pub standby: bool,
+}
+
+impl AgentLayout {
+    /// `spec.agent.replicas` (default 2) for a tunnel with a hostname; 1 otherwise, since without
+    /// one every agent would open a tunnel of its own (a TCP tunnel's public port, a private
+    /// tunnel's name) and the status would follow whichever wrote last.
+    pub fn of(spec: &RstreamTunnelSpec, has_hostname: bool) -> Self {
+        let wanted = (spec.agent.as_ref())
+            .and_then(|a| a.replicas)
+            .unwrap_or(crate::api::DEFAULT_AGENT_REPLICAS)
+            .max(1);
+        Self {
+            replicas: if has_hostname { wanted } else { 1 },
+            standby: has_hostname,
+        }
+    }
+
+    /// Whether a PodDisruptionBudget keeps one agent through voluntary disruptions.
+    pub fn disruption_budget(&self) -> bool {
+        self.replicas >= 2
+    }
+}
+
+/// The PodDisruptionBudget of several agents: one stays available through a drain. Unready
+/// agents may always be evicted, so a broken one never blocks a drain.
+pub fn disruption_budget(cx: &ChildContext) -> PodDisruptionBudget {
+    PodDisruptionBudget {
+        metadata: cx.meta(cx.base.clone(), "agent"),
+        spec: Some(PodDisruptionBudgetSpec {
+            min_available: Some(IntOrString::Int(1)),
+            selector: Some(LabelSelector {
+                match_labels: Some(cx.labels("agent")),
+                match_expressions: None,
+            }),
+            unhealthy_pod_eviction_policy: Some("AlwaysAllow".to_owned()),
+            ..PodDisruptionBudgetSpec::default()
+        }),
+        status: None,
+    }
+}
+
+/// The spec's affinity, plus (when agents stand by and the spec sets no pod anti-affinity) a
+/// preference for one agent per node, so that a lost node leaves a standby elsewhere.
+fn agent_affinity(
+    spec: Option<Affinity>,
+    layout: AgentLayout,
+    selector: &BTreeMap<String, String>,
+) -> Option<Affinity> {
+    let has_own = spec.as_ref().is_some_and(|a| a.pod_anti_affinity.is_some());
+    if !layout.standby || has_own {
+        return spec;
+    }
+    let mut affinity = spec.unwrap_or_default();
+    affinity.pod_anti_affinity = Some(PodAntiAffinity {
+        preferred_during_scheduling_ignored_during_execution: Some(vec![WeightedPodAffinityTerm {
+            weight: 100,
+            pod_affinity_term: PodAffinityTerm {
+                label_selector: Some(LabelSelector {
+                    match_labels: Some(selector.clone()),
+                    match_expressions: None,
+                }),
+                topology_key: "kubernetes.io/hostname".to_owned(),
+                ..PodAffinityTerm::default()
+            },
+        }]),
+        ..PodAntiAffinity::default()
+    });
+    Some(affinity)
+}
+
+/// The strategy: a rolling update (a new agent stands by before an old one goes: none is
+/// unavailable, one extra at most) when agents can stand by; else Recreate, since two agents
+/// would hold two tunnels (or fight for a TCP port) at once.
+fn strategy(layout: AgentLayout) -> DeploymentStrategy {
+    if layout.standby {
+        DeploymentStrategy {
+            type_: Some("RollingUpdate".to_owned()),
+            rolling_update: Some(RollingUpdateDeployment {
+                max_unavailable: Some(IntOrString::Int(0)),
+                max_surge: Some(IntOrString::Int(1)),
+            }),
+        }
+    } else {
+        DeploymentStrategy {
+            type_: Some("Recreate".to_owned()),
+            rolling_update: None,
+        }
+    }
+}
+
+/// The agent Deployment: `layout`'s replicas and strategy, restricted pod security, token from
+/// the Secret.
 pub fn deployment(
     cx: &ChildContext,
     spec: &RstreamTunnelSpec,
+    layout: AgentLayout,
     connection: &RstreamConnection,
     image: &str,
     image_pull_secrets: &[String],
@@ -302,15 +408,12 @@ pub fn deployment(
     Deployment {
         metadata: cx.meta(cx.base.clone(), "agent"),
         spec: DeploymentSpec {
-            replicas: Some(agent.replicas.unwrap_or(1).clamp(1, 1)),
+            replicas: Some(layout.replicas),
             selector: LabelSelector {
-                match_labels: Some(selector),
+                match_labels: Some(selector.clone()),
                 match_expressions: None,
             },
-            strategy: Some(DeploymentStrategy {
-                type_: Some("Recreate".to_owned()),
-                rolling_update: None,
-            }),
+            strategy: Some(strategy(layout)),
             template: PodTemplateSpec {
                 metadata: Some(ObjectMeta {
                     labels: Some(pod_labels),
@@ -323,7 +426,7 @@ pub fn deployment(
                     security_context: Some(pod::restricted_pod_security_context()),
                     node_selector: agent.node_selector.clone(),
                     tolerations: agent.tolerations.clone(),
-                    affinity: agent.affinity.clone(),
+                    affinity: agent_affinity(agent.affinity.clone(), layout, &selector),
                     priority_class_name: agent.priority_class_name.clone(),
                     image_pull_secrets: pull_secrets(connection, image_pull_secrets),
                     containers: vec![container],
@@ -340,6 +443,57 @@ pub fn deployment(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::api::AgentSpec;
+
+    #[test]
+    fn several_agents_only_for_a_tunnel_with_a_hostname() {
+        let mut spec: RstreamTunnelSpec = serde_json::from_value(
+            serde_json::json!({"target": {"service": {"name": "web", "port": 80}}}),
+        )
+        .unwrap();
+        let two = AgentLayout::of(&spec, true);
+        assert_eq!(
+            (two.replicas, two.standby, two.disruption_budget()),
+            (2, true, true)
+        );
+        assert_eq!(AgentLayout::of(&spec, false).replicas, 1);
+        spec.agent = Some(AgentSpec {
+            replicas: Some(1),
+            ..AgentSpec::default()
+        });
+        let one = AgentLayout::of(&spec, true);
+        assert_eq!((one.replicas, one.disruption_budget()), (1, false));
+        assert_eq!(strategy(one).type_.as_deref(), Some("RollingUpdate"));
+        let recreate = strategy(AgentLayout::of(&spec, false));
+        assert_eq!(recreate.type_.as_deref(), Some("Recreate"));
+    }
+
+    #[test]
+    fn a_spec_anti_affinity_wins() {
+        let layout = AgentLayout {
+            replicas: 2,
+            standby: true,
+        };
+        let selector = BTreeMap::from([("a".to_owned(), "b".to_owned())]);
+        let ours = agent_affinity(None, layout, &selector).unwrap();
+        let term = &ours
+            .pod_anti_affinity
+            .unwrap()
+            .preferred_during_scheduling_ignored_during_execution
+            .unwrap()[0];
+        assert_eq!(
+            term.pod_affinity_term.topology_key,
+            "kubernetes.io/hostname"
+        );
+        let own = Affinity {
+            pod_anti_affinity: Some(PodAntiAffinity::default()),
+            ..Affinity::default()
+        };
+        assert_eq!(
+            agent_affinity(Some(own.clone()), layout, &selector),
+            Some(own)
+        );
+    }
 
     #[test]
     fn hash_follows_config_and_secret_versions() {

@@ -13,6 +13,7 @@ use std::time::Duration;
 use futures::StreamExt as _;
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{ConfigMap, Service, ServiceAccount};
+use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
 use k8s_reconcile::ControllerBuilder;
 use k8s_reconcile::cache::Caches;
@@ -177,6 +178,7 @@ pub async fn run(
     .health(health.scoped("tunnels"))
     .metrics(metrics.clone())
     .owns(api::<Deployment>(&client, ns), owned.clone())
+    .owns(api::<PodDisruptionBudget>(&client, ns), owned.clone())
     .owns(api::<ConfigMap>(&client, ns), owned.clone())
     .owns(api::<ServiceAccount>(&client, ns), owned.clone())
     .owns(api::<Role>(&client, ns), owned.clone())

@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{ConfigMap, Service, ServiceAccount};
+use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use k8s_reconcile::cache::Caches;
@@ -16,7 +17,7 @@ use kube::api::{Api, DeleteParams};
 use rstream_client::tunnel::generate_stable_hostname;
 
 use super::ManagerError;
-use super::children::{self, ChildContext};
+use super::children::{self, AgentLayout, ChildContext};
 use super::resolve::{ResolveError, Resolved, resolve_by_name};
 use crate::agent_config::{
     AgentConfig, ConnectionConfig, KubernetesConfig, MtlsFiles, ProxyConfig, RetryConfig,
@@ -444,16 +445,33 @@ impl Reconciler for TunnelReconciler {
 
         // 5. The children, each owned by the tunnel.
         let cx = child_context(&tunnel);
+        let layout = AgentLayout::of(&tunnel.spec, hostname.is_some());
         let applier = ctx.applier();
+        let budgets: Api<PodDisruptionBudget> = Api::namespaced(ctx.client().clone(), &namespace);
         let applied = async {
             applier.apply(&children::configmap(&cx, &yaml)).await?;
             applier.apply(&children::service_account(&cx)).await?;
             applier.apply(&children::role(&cx)).await?;
             applier.apply(&children::role_binding(&cx)).await?;
+            if layout.disruption_budget() {
+                applier.apply(&children::disruption_budget(&cx)).await?;
+            } else if ctx
+                .caches()
+                .get_or_read(&budgets, &namespace, &cx.base)
+                .await
+                .map_err(k8s_reconcile::Error::Kube)?
+                .is_some()
+            {
+                // Down to one agent: a budget of one would block every drain.
+                delete::<PodDisruptionBudget>(ctx.client(), &namespace, &cx.base)
+                    .await
+                    .map_err(k8s_reconcile::Error::Kube)?;
+            }
             applier
                 .apply(&children::deployment(
                     &cx,
                     &tunnel.spec,
+                    layout,
                     &resolved.connection,
                     &self.agent_image,
                     &self.agent_image_pull_secrets,
@@ -576,6 +594,7 @@ impl Reconciler for TunnelReconciler {
         let cx = child_context(&tunnel);
         let client = ctx.client().clone();
         delete::<Deployment>(&client, &namespace, &cx.base).await?;
+        delete::<PodDisruptionBudget>(&client, &namespace, &cx.base).await?;
         delete::<ConfigMap>(&client, &namespace, &cx.configmap_name()).await?;
         delete::<RoleBinding>(&client, &namespace, &cx.base).await?;
         delete::<Role>(&client, &namespace, &cx.base).await?;

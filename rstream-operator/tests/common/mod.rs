@@ -329,6 +329,13 @@ pub async fn http_status(addr: &str, path: &str) -> u16 {
 /// The value of `leader_election_master_status{name="<controller>"}` on `http://addr/metrics`, if
 /// it answers.
 pub async fn leader_gauge(addr: &str, controller: &str) -> Option<i64> {
+    let prefix = format!("leader_election_master_status{{name=\"{controller}\"}}");
+    gauge(addr, &prefix).await
+}
+
+/// The value of the first sample starting with `prefix` (name and labels) on
+/// `http://addr/metrics`, if it answers.
+pub async fn gauge(addr: &str, prefix: &str) -> Option<i64> {
     let Ok(mut s) = tokio::net::TcpStream::connect(addr).await else {
         return None;
     };
@@ -339,9 +346,8 @@ pub async fn leader_gauge(addr: &str, controller: &str) -> Option<i64> {
         .await
         .ok()?
         .ok()?;
-    let prefix = format!("leader_election_master_status{{name=\"{controller}\"}}");
     out.lines()
-        .find(|l| l.starts_with(&prefix))
+        .find(|l| l.starts_with(prefix))
         .and_then(|l| l.split_whitespace().last())
         .and_then(|v| v.parse().ok())
 }
