@@ -9,6 +9,7 @@
 //! * `bench`: benchmarks against baselines measured in the same run; `loc`: each binary's own
 //!   logic in lines.
 //! * `modules`: no import circles between a library's modules.
+//! * `errors`: every error type returns its cause from `source()` and does not print it.
 //! * `audit`: Cargo.lock against a local copy of the RustSec advisory database.
 //! * `test`: everything CI checks.
 
@@ -24,6 +25,7 @@ mod debian;
 mod demo;
 mod e2e;
 mod envtest;
+mod errors;
 mod flag_conventions;
 mod image;
 mod loc;
@@ -87,6 +89,9 @@ enum Task {
     /// Fail on import circles between the modules of any crate (globs seen through; a short list
     /// of known circles is a ratchet that only shrinks).
     Modules,
+    /// Fail on an error variant whose cause is not its source() or is printed in its message
+    /// (every crate; the rule is in xtask/src/errors.rs).
+    Errors,
 }
 
 /// Runs the task; an error ends the output with its cause chain on one line and exit status 1,
@@ -128,6 +133,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Task::Consumers => consumers::run(),
         Task::Audit(args) => audit::run(&args),
         Task::Modules => modules::run(),
+        Task::Errors => errors::run(),
     }
 }
 

@@ -120,6 +120,11 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
             vec![],
         ),
         (
+            "one rule for errors (cause in source(), not in the message)",
+            vec!["run", "--quiet", "-p", "xtask", "--", "errors"],
+            vec![],
+        ),
+        (
             "outside crates on k8s 1.33, 1.35",
             vec!["run", "--quiet", "-p", "xtask", "--", "consumers"],
             vec![],
