@@ -18,9 +18,9 @@ use tokio_util::sync::CancellationToken;
 /// Flags of `pod-proxier connect`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct ConnectArgs {
-    /// The pod to reach, as <namespace>/<pod>.
+    /// The pod to reach, as NAMESPACE/POD.
     pub pod: String,
-    /// pod-proxier's API, e.g. https://pod-proxier.example:3343.
+    /// pod-proxier's API URL: https, its host and port (the chart's NOTES print it).
     #[arg(long, env = "POD_PROXIER_SERVER")]
     pub server: String,
     /// PEM CA certificate that signed the API's certificate; without it, the system's roots.
