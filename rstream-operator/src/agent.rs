@@ -12,7 +12,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use k8s_reconcile::app::{App, ClientArgs};
+use k8s_reconcile::app::{App, ClientArgs, error_chain};
 use k8s_reconcile::conditions::Conditions;
 use k8s_reconcile::ops::Health;
 use kube::api::Api;
@@ -43,11 +43,12 @@ const REPORT_RETRY: Duration = Duration::from_secs(2);
 #[non_exhaustive]
 pub enum AgentError {
     /// The configuration file cannot be read.
-    #[error("reading {path}: {cause}")]
+    #[error("reading {path}")]
     ReadConfig {
         /// The file.
         path: PathBuf,
         /// The cause.
+        #[source]
         cause: std::io::Error,
     },
     /// The configuration is invalid.
@@ -63,7 +64,7 @@ pub enum AgentError {
     #[error("{0}")]
     Proxy(String),
     /// The Kubernetes client cannot be built.
-    #[error("Kubernetes client: {0}")]
+    #[error("building the Kubernetes client")]
     Kube(#[from] kube::Error),
     /// The health server cannot start, or the Kubernetes client cannot be configured.
     #[error(transparent)]
@@ -170,7 +171,8 @@ impl Reporter {
             }
             HolderState::Disconnected { error, .. }
             | HolderState::Stopped { error: Some(error) } => {
-                let text = error.to_string();
+                // The whole chain: the cause of a failed connect is only in source().
+                let text = error_chain(error);
                 let standbys = self.standbys;
                 status::update_status(api, &self.tunnel, |t, s: &mut RstreamTunnelStatus| {
                     // Where agents stand by, another agent's online tunnel is left alone: only the
@@ -231,7 +233,7 @@ fn log_state(state: &HolderState, target: &str) {
         ),
         HolderState::Disconnected { error, retry_in } => tracing::warn!(
             component = "runner",
-            error = %error,
+            error = %error_chain(error),
             retry_in = ?retry_in,
             %target,
             "Tunnel disconnected; reconnecting"
@@ -415,7 +417,7 @@ fn client_with_token(
     options: &AgentOptions,
     token: Option<String>,
 ) -> Result<Client, AgentError> {
-    let bad = |e: rstream_client::Error| AgentError::Credentials(e.to_string());
+    let bad = |e: rstream_client::Error| AgentError::Credentials(error_chain(&e));
     let mut tls = TlsOptions::new();
     let mut proxy = None;
     let mut ip_family = None;
