@@ -2,8 +2,8 @@
 //! reports the tunnel state into its RstreamTunnel's status.
 //!
 //! Several agents may run for one tunnel: the one holding it is active, the others stand by on
-//! open control channels ([`holder`]). Only the active agent writes the status, so a standby
-//! never flaps it; a standby is ready (connected) and takes over when the holder lets go.
+//! open control channels (the `holder` module). Only the active agent writes the status, so a
+//! standby never flaps it; a standby is ready (connected) and takes over when the holder lets go.
 
 mod holder;
 
