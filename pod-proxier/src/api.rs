@@ -2,16 +2,17 @@
 //! delete, V2 introspection and an OpenAPI document. Every answer carries a correct HTTP status
 //! and the `{"code","msg","data"}` envelope; bad input is refused before anything changes.
 
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use axum::Router;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
-use axum::extract::{DefaultBodyLimit, MatchedPath, RawQuery, Request, State};
+use axum::extract::{ConnectInfo, DefaultBodyLimit, MatchedPath, RawQuery, Request, State};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
-use axum::{Extension, Router};
 use http::HeaderMap;
 use k8s_openapi::jiff::Timestamp;
 use serde_json::Value;
@@ -23,7 +24,6 @@ use crate::forwarding::Mappings;
 use crate::metrics::{Metrics, RequestLabels};
 use crate::names;
 use crate::pod_mappings::{DEFAULT_TTL_SECONDS, MappingView, Requester, V1};
-use crate::serve::ClientAddr;
 use crate::settings::{MappingPolicy, Settings, V2Policy};
 use k8s_reconcile::app::rest::{self, Fields};
 use k8s_reconcile::auth::{Authenticator, Caller, ResourceAccess};
@@ -393,7 +393,7 @@ fn admitted_sources(
 
 async fn post_mapping(
     State(state): Shared,
-    Extension(ClientAddr(client)): Extension<ClientAddr>,
+    ConnectInfo(client): ConnectInfo<SocketAddr>,
     headers: HeaderMap,
     RawQuery(query): RawQuery,
     body: Result<Bytes, BytesRejection>,

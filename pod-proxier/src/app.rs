@@ -25,7 +25,6 @@ use crate::expiry::sweep_expired;
 use crate::forwarding::spawn_sync_loop;
 use crate::metrics::Metrics;
 use crate::pod_mappings::V1;
-use crate::serve::serve_api;
 use crate::service_ports::{V2Inputs, V2Reconciler};
 use crate::settings::Settings;
 use k8s_reconcile::auth::Authenticator;
@@ -314,14 +313,14 @@ pub async fn run(settings: Settings) -> Result<(), StartError> {
         drain_timeout: settings.api.request_timeout,
     };
     let api_task = match tls {
-        Some(acceptor) => tokio::spawn(serve_api(
+        Some(acceptor) => tokio::spawn(rest::serve_api_with(
             listener,
             router(state),
             limits,
             shutdown.clone(),
             Tls(acceptor),
         )),
-        None => tokio::spawn(serve_api(
+        None => tokio::spawn(rest::serve_api_with(
             listener,
             router(state),
             limits,

@@ -11,7 +11,7 @@
 //! * [`pod_mappings`] (V1): one entry port to one Pod for a TTL; [`service_ports`] (V2): a port of
 //!   the range for every Service port named `--port-name`.
 //! * [`expiry`]: the Lease holder removes expired mappings (the leader wiring is in [`app`]).
-//! * [`api`], [`serve`], [`error`], [`openapi`]: the HTTP API (callers are checked with
+//! * [`api`], [`error`], [`openapi`]: the HTTP API (callers are checked with
 //!   [`k8s_reconcile::auth`]); [`access`]: whom a V1 entry port admits.
 //! * [`connect`]: `pod-proxier connect`, a client forwarding a local port through a mapping.
 //! * [`app`]: wiring, leader work and shutdown.
@@ -30,7 +30,6 @@ pub mod metrics;
 pub mod names;
 pub mod openapi;
 pub mod pod_mappings;
-pub mod serve;
 pub mod service_ports;
 pub mod settings;
 pub mod ttl;

@@ -12,9 +12,10 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::Router;
 use axum::body::Bytes;
+use axum::extract::ConnectInfo;
 use axum::extract::rejection::BytesRejection;
+use axum::{Extension, Router};
 use http::StatusCode;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulShutdown;
@@ -145,7 +146,9 @@ pub async fn serve_api(
 
 /// [`serve_api`] over `transport`: each accepted connection goes through its handshake (in its
 /// own task, under the connection limit and the header timeout) before HTTP/1.1 is served on
-/// the resulting stream. A failed or timed-out handshake closes the connection.
+/// the resulting stream. A failed or timed-out handshake closes the connection. Every request
+/// carries its client's address: handlers extract it as
+/// [`ConnectInfo<SocketAddr>`](axum::extract::ConnectInfo).
 pub async fn serve_api_with<T: ApiTransport>(
     listener: TcpListener,
     router: Router,
@@ -202,6 +205,9 @@ pub async fn serve_api_with<T: ApiTransport>(
                         return;
                     }
                 };
+            // Handlers may ask who is calling (`ConnectInfo<SocketAddr>`), e.g. to bind what a
+            // request creates to its client's address.
+            let router = router.layer(Extension(ConnectInfo(peer)));
             let connection = watcher.watch(
                 http.serve_connection(TokioIo::new(stream), TowerToHyperService::new(router)),
             );
@@ -422,6 +428,40 @@ mod tests {
         let answer = read_all(&mut normal).await;
         assert!(
             answer.starts_with("HTTP/1.1 200") && answer.ends_with("hello"),
+            "{answer}"
+        );
+        shutdown.cancel();
+        server.await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn handlers_see_their_clients_address() {
+        use tokio::io::AsyncWriteExt as _;
+        let listener = bind_api("127.0.0.1:0".parse().unwrap()).await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let router = Router::new().route(
+            "/",
+            axum::routing::get(|ConnectInfo(peer): ConnectInfo<SocketAddr>| async move {
+                peer.to_string()
+            }),
+        );
+        let limits = ApiLimits {
+            header_read_timeout: Duration::from_secs(5),
+            max_connections: 4,
+            busy_body: r#"{"error":"busy"}"#,
+            drain_timeout: Duration::from_secs(1),
+        };
+        let shutdown = CancellationToken::new();
+        let server = tokio::spawn(serve_api(listener, router, limits, shutdown.clone()));
+        let mut client = TcpStream::connect(addr).await.unwrap();
+        let me = client.local_addr().unwrap();
+        client
+            .write_all(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            .await
+            .unwrap();
+        let answer = read_all(&mut client).await;
+        assert!(
+            answer.starts_with("HTTP/1.1 200") && answer.ends_with(&me.to_string()),
             "{answer}"
         );
         shutdown.cancel();
