@@ -164,8 +164,6 @@ pub async fn https_get(
     let request = format!("GET {path} HTTP/1.0\r\nHost: {addr}\r\n{auth}\r\n");
     // rustls on a blocking socket (xtask has no tokio-rustls), each read and write bounded.
     let exchange = move || -> anyhow::Result<String> {
-        use std::io::{Read as _, Write as _};
-        let limit = Duration::from_secs(10);
         let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
         let config = rustls::ClientConfig::builder_with_provider(provider.clone())
             .with_safe_default_protocol_versions()?
@@ -174,23 +172,9 @@ pub async fn https_get(
                 proxy_core::tls::AcceptAnyCert::new(provider),
             ))
             .with_no_client_auth();
-        let tcp = std::net::TcpStream::connect_timeout(&addr, limit)?;
-        tcp.set_read_timeout(Some(limit))?;
-        tcp.set_write_timeout(Some(limit))?;
         let name = rustls::pki_types::ServerName::try_from("metrics")?;
-        let connection = rustls::ClientConnection::new(std::sync::Arc::new(config), name)?;
-        let mut stream = rustls::StreamOwned::new(connection, tcp);
-        stream
-            .write_all(request.as_bytes())
-            .context("TLS handshake or request")?;
-        let mut response = Vec::new();
-        match stream.read_to_end(&mut response) {
-            Ok(_) => {}
-            // HTTP/1.0: the server may close without close_notify once it answered.
-            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof && !response.is_empty() => {}
-            Err(e) => return Err(e).context("reading the TLS answer"),
-        }
-        Ok(String::from_utf8_lossy(&response).into_owned())
+        let limit = Duration::from_secs(10);
+        tls_exchange(addr, &request, limit, std::sync::Arc::new(config), name)
     };
     let text = tokio::task::spawn_blocking(exchange)
         .await
@@ -239,6 +223,34 @@ pub async fn bind_metrics_reader(
         ],
     )
     .await
+}
+
+/// `request` over TLS (`config`, verifying the server as `name`) on a blocking socket whose
+/// reads and writes each time out after `limit`; the whole answer.
+pub fn tls_exchange(
+    addr: SocketAddr,
+    request: &str,
+    limit: Duration,
+    config: std::sync::Arc<rustls::ClientConfig>,
+    name: rustls::pki_types::ServerName<'static>,
+) -> anyhow::Result<String> {
+    use std::io::{Read as _, Write as _};
+    let tcp = std::net::TcpStream::connect_timeout(&addr, limit)?;
+    tcp.set_read_timeout(Some(limit))?;
+    tcp.set_write_timeout(Some(limit))?;
+    let connection = rustls::ClientConnection::new(config, name)?;
+    let mut stream = rustls::StreamOwned::new(connection, tcp);
+    stream
+        .write_all(request.as_bytes())
+        .context("TLS handshake or request")?;
+    let mut response = Vec::new();
+    match stream.read_to_end(&mut response) {
+        Ok(_) => {}
+        // HTTP/1.0: the server may close without close_notify once it answered.
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof && !response.is_empty() => {}
+        Err(e) => return Err(e).context("reading the TLS answer"),
+    }
+    Ok(String::from_utf8_lossy(&response).into_owned())
 }
 
 /// Server-side applies each object (as the e2e field manager), namespaced or cluster-wide as

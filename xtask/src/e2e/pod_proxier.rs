@@ -1480,9 +1480,11 @@ async fn exchange(
                 .context("timed out")??
         }
         // rustls on a blocking socket (xtask has no tokio-rustls): a few small requests.
-        Some(tls) => tokio::task::spawn_blocking(move || tls_exchange(addr, &request, limit, tls))
-            .await
-            .context("the TLS request's thread")??,
+        Some(tls) => tokio::task::spawn_blocking(move || {
+            super::tls_exchange(addr, &request, limit, tls.config, tls.name)
+        })
+        .await
+        .context("the TLS request's thread")??,
     };
     let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
     let status = head
@@ -1491,32 +1493,6 @@ async fn exchange(
         .and_then(|s| s.parse().ok())
         .with_context(|| format!("no status in {head:?}"))?;
     Ok((status, serde_json::from_str(body).unwrap_or(Value::Null)))
-}
-
-/// `request` over TLS on a blocking socket whose reads and writes each time out after `limit`.
-fn tls_exchange(
-    addr: SocketAddr,
-    request: &str,
-    limit: Duration,
-    tls: ApiTls,
-) -> anyhow::Result<String> {
-    use std::io::{Read as _, Write as _};
-    let tcp = std::net::TcpStream::connect_timeout(&addr, limit)?;
-    tcp.set_read_timeout(Some(limit))?;
-    tcp.set_write_timeout(Some(limit))?;
-    let connection = rustls::ClientConnection::new(tls.config, tls.name)?;
-    let mut stream = rustls::StreamOwned::new(connection, tcp);
-    stream
-        .write_all(request.as_bytes())
-        .context("TLS handshake or request")?;
-    let mut response = Vec::new();
-    match stream.read_to_end(&mut response) {
-        Ok(_) => {}
-        // HTTP/1.0: the server may close without close_notify once it answered.
-        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof && !response.is_empty() => {}
-        Err(e) => return Err(e).context("reading the TLS answer"),
-    }
-    Ok(String::from_utf8_lossy(&response).into_owned())
 }
 
 /// Sends `len` bytes to a TCP echo server at `addr` and checks they come back intact.
