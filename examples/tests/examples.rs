@@ -19,14 +19,14 @@ fn example(name: &str) -> PathBuf {
     path
 }
 
-use proxy_core::testing::KillOnDrop as Running;
+use netkit_testenv::fixtures::KillOnDrop as Running;
 
 async fn echo_server() -> SocketAddr {
-    proxy_core::testing::echo_server().await.unwrap()
+    netkit_testenv::fixtures::echo_server().await.unwrap()
 }
 
 fn free_port() -> u16 {
-    proxy_core::testing::free_port().unwrap()
+    netkit_testenv::fixtures::free_port().unwrap()
 }
 
 /// Sends `payload`, half-closes, and returns everything echoed back.

@@ -686,7 +686,7 @@ pub fn backoff_delay(min: Duration, max: Duration, attempt: u32, seed: &str) -> 
     (base + jitter).min(max)
 }
 
-#[cfg(all(test, feature = "testing"))]
+#[cfg(test)]
 mod stale_finalizer_tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -720,7 +720,7 @@ mod stale_finalizer_tests {
     /// fails nothing and runs the reconciler with the live object.
     #[tokio::test]
     async fn a_stale_copy_without_the_finalizer_reconciles_without_a_422() {
-        let plane = crate::testing::ControlPlane::shared().await.unwrap();
+        let plane = netkit_testenv::ControlPlane::shared().await.unwrap();
         let client = plane.client().await.unwrap();
         let api: Api<ConfigMap> = Api::namespaced(client.clone(), "default");
         let name = format!("stale-finalizer-{}", rand_suffix());
@@ -789,7 +789,7 @@ mod stale_finalizer_tests {
     }
 }
 
-#[cfg(all(test, feature = "testing"))]
+#[cfg(test)]
 mod reconcile_on_tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -817,7 +817,7 @@ mod reconcile_on_tests {
     /// change to it and long before the resync period.
     #[tokio::test]
     async fn a_trigger_stream_reconciles_the_objects_it_names() {
-        let plane = crate::testing::ControlPlane::shared().await.unwrap();
+        let plane = netkit_testenv::ControlPlane::shared().await.unwrap();
         let client = plane.client().await.unwrap();
         let ns = plane.create_namespace("reconcile-on").await.unwrap();
         let api: Api<ConfigMap> = Api::namespaced(client.clone(), &ns);
@@ -851,7 +851,7 @@ mod reconcile_on_tests {
             .run(stop.clone());
         let run = tokio::spawn(run);
         let reconciles = || *count.lock().unwrap();
-        crate::testing::eventually("the first reconcile", Duration::from_secs(30), || async {
+        netkit_testenv::eventually("the first reconcile", Duration::from_secs(30), || async {
             reconciles() >= 1
         })
         .await;
@@ -859,7 +859,7 @@ mod reconcile_on_tests {
         let before = reconciles();
         tx.unbounded_send(ObjectRef::<ConfigMap>::new("watched").within(&ns))
             .unwrap();
-        crate::testing::eventually(
+        netkit_testenv::eventually(
             "a reconcile from the trigger stream",
             Duration::from_secs(30),
             || async { reconciles() > before },

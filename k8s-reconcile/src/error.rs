@@ -1,4 +1,4 @@
-//! The error type of this crate (except the [`testing`](crate::testing) module's own).
+//! The error type of this crate.
 //!
 //! A variant that wraps a lower error returns it from `source()` and does not print it in its
 //! message, which says only what failed at this level; `app::error_chain` prints the whole chain

@@ -32,8 +32,6 @@
 //!   Secret files, HTTP probes.
 //! * [`ops`]: readiness checks and shutdown on SIGTERM; with `app`, the server of `/healthz`,
 //!   `/readyz` and `/metrics`.
-//! * [`testing`] (feature `testing`): a real kube-apiserver + etcd for integration tests, with
-//!   clients for any identity and kubeconfig files for child processes.
 //!
 //! # Kubernetes versions
 //!
@@ -64,13 +62,16 @@
 //! * `app`: the [`app`] module and the operations server ([`app::ops_server`]): flags
 //!   (clap), logging set-up (tracing-subscriber), a bounded REST API server (axum, hyper-util).
 //!   What a binary needs; a library that only reconciles leaves it off.
-//! * `testing`: the [`testing`] module, a real kube-apiserver + etcd (and on request a node);
-//!   pulls in `rcgen` and `tempfile`, and `rustls-tls`.
 //!
 //! kube's `unstable-runtime` feature is always on: [`ControllerBuilder::owns`] uses
 //! `Controller::owns_stream`, so each owned kind is watched once and that watch fills the cache
-//! the [`Applier`] reads. The test binaries are found as envtest finds them: `KUBEBUILDER_ASSETS`
-//! (a directory from `setup-envtest use`), or `TEST_ASSET_KUBE_APISERVER` and `TEST_ASSET_ETCD`.
+//! the [`Applier`] reads.
+//!
+//! # Testing
+//!
+//! The workspace's tests run against a real kube-apiserver and etcd (and a real node) started by
+//! its unpublished test-environment crate, `netkit-testenv` (`xtask/testenv` in the repository);
+//! nothing of it ships in this crate.
 //!
 //! # Example
 //!
@@ -99,10 +100,6 @@ pub mod ops;
 pub mod permissions;
 pub mod pod;
 pub mod watch_set;
-
-#[cfg(feature = "testing")]
-#[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
-pub mod testing;
 
 /// The Kubernetes API types this crate is built on (the version is the final binary's choice).
 pub use k8s_openapi;

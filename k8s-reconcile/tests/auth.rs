@@ -6,8 +6,8 @@ use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
 use k8s_openapi::api::core::v1::ServiceAccount;
 use k8s_openapi::api::rbac::v1::{PolicyRule, Role, RoleBinding, RoleRef, Subject};
 use k8s_reconcile::auth::{AuthError, Authenticator, ResourceAccess};
-use k8s_reconcile::testing::{ControlPlane, Identity};
 use kube::api::{Api, PostParams};
+use netkit_testenv::{ControlPlane, Identity};
 
 fn bearer(token: &str) -> HeaderMap {
     let mut headers = HeaderMap::new();

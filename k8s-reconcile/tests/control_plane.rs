@@ -7,9 +7,9 @@ use futures::{StreamExt as _, TryStreamExt as _};
 use k8s_openapi::api::core::v1::{ConfigMap, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::api::rbac::v1::{PolicyRule, Role, RoleBinding, RoleRef, Subject};
-use k8s_reconcile::testing::{ControlPlane, Identity, KUBERNETES_VERSION};
 use kube::api::{Api, ListParams, Patch, PatchParams, PostParams, WatchEvent, WatchParams};
 use kube::{CustomResource, CustomResourceExt as _, ResourceExt as _};
+use netkit_testenv::{ControlPlane, Identity, KUBERNETES_VERSION};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 

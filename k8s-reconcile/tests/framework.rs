@@ -16,10 +16,10 @@ use k8s_reconcile::endpointslice::{
 use k8s_reconcile::leader::{LeaderElector, LeaderState, LeaseConfig};
 use k8s_reconcile::metrics::ControllerMetrics;
 use k8s_reconcile::ops::Health;
-use k8s_reconcile::testing::{ControlPlane, Identity, eventually};
 use k8s_reconcile::{Action, Applier, Context, ControllerBuilder, Reconciler};
 use kube::api::{Api, ListParams, ObjectMeta, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt as _};
+use netkit_testenv::{ControlPlane, Identity, eventually};
 use tokio_util::sync::CancellationToken;
 
 /// A client authenticated as its own user (in system:masters), so its writes can be counted.

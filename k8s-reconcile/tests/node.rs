@@ -7,9 +7,9 @@ use std::path::PathBuf;
 
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding};
-use k8s_reconcile::testing::ControlPlane;
-use k8s_reconcile::testing::node::{self, check};
 use kube::api::{Api, DeleteParams, PostParams};
+use netkit_testenv::ControlPlane;
+use netkit_testenv::node::{self, check};
 use serde_json::json;
 
 async fn plane() -> &'static ControlPlane {

@@ -5,8 +5,8 @@
 
 use std::time::{Duration, Instant};
 
-use k8s_reconcile::testing::ControlPlane;
-use k8s_reconcile::testing::node;
+use netkit_testenv::ControlPlane;
+use netkit_testenv::node;
 
 #[tokio::test]
 async fn a_killed_test_binary_leaves_nothing_behind() {

@@ -11,8 +11,8 @@ use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
 use k8s_openapi::api::core::v1::ServiceAccount;
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, PolicyRule, RoleRef, Subject};
 use k8s_reconcile::app::{App, MetricsArgs};
-use k8s_reconcile::testing::{ControlPlane, Identity, eventually};
 use kube::api::{Api, ObjectMeta, PostParams};
+use netkit_testenv::{ControlPlane, Identity, eventually};
 use tokio::io::{AsyncRead, AsyncReadExt as _, AsyncWrite, AsyncWriteExt as _};
 
 /// A free loopback port.

@@ -68,7 +68,7 @@ fn values_schema_restricts_the_cloud_provider() {
 }
 
 fn helm() -> PathBuf {
-    k8s_reconcile::testing::helm().unwrap()
+    netkit_testenv::helm().unwrap()
 }
 
 fn template(helm: &Path, sets: &[&str]) -> Result<Vec<Value>, String> {

@@ -37,8 +37,6 @@
 //! * [`copy`]: one direction of bytes: the adaptive buffered path (any stream) and the Linux
 //!   splice path (TCP to TCP), with live [`copy::RelayCounters`].
 //! * [`socket`]: socket options for both legs (`TCP_NODELAY`, keepalive) and half-close.
-//! * `testing` (feature `testing`): fixtures for tests: free ports, echo and HTTP servers,
-//!   kill-on-drop children.
 //! * `tls` (feature `tls`): the one certificate verifier that accepts any certificate, PEM
 //!   certificates and keys, and trust roots from a PEM bundle or the system.
 //! * [`error`]: typed errors: configuration, connect, server.
@@ -66,8 +64,6 @@
 //!
 //! # Feature flags
 //!
-//! * `testing`: the `testing` module (fixtures for tests and benchmarks: free ports, echo and
-//!   HTTP servers, kill-on-drop children, pinned Python virtualenvs).
 //! * `tls`: the [`tls`](mod@tls) module (rustls helpers). The splice path is compiled on Linux
 //!   only; elsewhere every connection uses the buffered path.
 //!
@@ -110,9 +106,6 @@ pub mod relay;
 pub mod server;
 pub mod socket;
 pub mod target;
-#[cfg(feature = "testing")]
-#[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
-pub mod testing;
 #[cfg(feature = "tls")]
 #[cfg_attr(docsrs, doc(cfg(feature = "tls")))]
 pub mod tls;

@@ -8,13 +8,13 @@ use std::net::{Ipv4Addr, SocketAddr};
 use std::sync::Arc;
 use std::time::Duration;
 
+use netkit_testenv::fixtures::{Tinyproxy, TinyproxyConfig, echo_server};
 use prometheus_client::registry::Registry;
 use proxy_core::ConnectError;
 use proxy_core::http_connect::{HttpConnectError, HttpProxy};
 use proxy_core::metrics::PrometheusObserver;
 use proxy_core::relay::Route;
 use proxy_core::server::{ListenerConfig, ProxyServer};
-use proxy_core::testing::{Tinyproxy, TinyproxyConfig, echo_server};
 use proxy_core::upstream::{TargetAddr, Upstream};
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::{TcpListener, TcpStream};
@@ -175,7 +175,7 @@ async fn a_refused_target_is_a_clear_error() {
 
 #[tokio::test]
 async fn an_unreachable_proxy_is_a_connect_error() {
-    let nowhere = proxy_core::testing::free_addr().unwrap();
+    let nowhere = netkit_testenv::fixtures::free_addr().unwrap();
     let err = proxy(&format!("http://{nowhere}"))
         .connect(&"127.0.0.1:1".parse().unwrap(), TIMEOUT)
         .await

@@ -9,7 +9,9 @@ use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use common::*;
-use proxy_core::testing::{MAX_UDP_PAYLOAD, tagged_datagram, tagged_datagram_len, udp_echo_server};
+use netkit_testenv::fixtures::{
+    MAX_UDP_PAYLOAD, tagged_datagram, tagged_datagram_len, udp_echo_server,
+};
 use rstream_client::Error;
 use rstream_client::datagram::{DatagramError, DatagramStream, MAX_DATAGRAM_LEN};
 use rstream_client::forward;

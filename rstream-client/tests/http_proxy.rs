@@ -8,8 +8,8 @@ mod common;
 use std::net::SocketAddr;
 
 use common::*;
+use netkit_testenv::fixtures::{Tinyproxy, TinyproxyConfig};
 use proxy_core::http_connect::HttpConnectError;
-use proxy_core::testing::{Tinyproxy, TinyproxyConfig};
 use rstream_client::engine::LocalControlPlane;
 use rstream_client::resolve::ControlPlaneOptions;
 use rstream_client::tunnel::TunnelOptions;

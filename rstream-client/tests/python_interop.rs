@@ -15,7 +15,7 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use common::*;
-use proxy_core::testing::{cache_dir, python_venv};
+use netkit_testenv::fixtures::{cache_dir, python_venv};
 use rstream_client::forward;
 use rstream_client::tunnel::{HttpVersion, TunnelOptions};
 use serde_json::{Value, json};

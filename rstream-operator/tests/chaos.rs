@@ -16,9 +16,9 @@ use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{ConfigMap, Secret};
 use k8s_openapi::api::rbac::v1::ClusterRole;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
-use k8s_reconcile::testing::{AuditEvent, ControlPlane};
 use kube::ResourceExt as _;
 use kube::api::{Api, Patch, PatchParams, PostParams};
+use netkit_testenv::{AuditEvent, ControlPlane};
 use rstream_operator::api::RstreamTunnel;
 use rstream_operator::names;
 

@@ -11,10 +11,10 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use k8s_openapi::api::core::v1::ConfigMap;
-use k8s_reconcile::testing::Identity;
 use kube::ResourceExt as _;
 use kube::api::Api;
-use proxy_core::testing::{KillOnDrop, tagged_datagram, udp_echo_server};
+use netkit_testenv::Identity;
+use netkit_testenv::fixtures::{KillOnDrop, tagged_datagram, udp_echo_server};
 use rstream_client::engine::LocalEngine;
 use rstream_operator::agent_config::AgentConfig;
 use rstream_operator::api::{RstreamTunnel, TunnelType};
@@ -24,7 +24,7 @@ use tokio::net::UdpSocket;
 /// A namespace with the connection, a UDP echo Service and a TCP Service, the given tunnels and
 /// the manager running as a process under its own ServiceAccount.
 struct Setup {
-    plane: &'static k8s_reconcile::testing::ControlPlane,
+    plane: &'static netkit_testenv::ControlPlane,
     ns: String,
     admin: kube::Client,
     dir: tempfile::TempDir,

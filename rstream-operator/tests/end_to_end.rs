@@ -10,9 +10,9 @@ use std::time::Duration;
 use common::*;
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::ConfigMap;
-use k8s_reconcile::testing::Identity;
 use kube::api::{Api, Patch, PatchParams};
 use kube::{Client, ResourceExt as _};
+use netkit_testenv::Identity;
 use rstream_operator::api::RstreamTunnel;
 use rstream_operator::names;
 

@@ -5,9 +5,9 @@
 mod common;
 
 use common::*;
-use k8s_reconcile::testing::Identity;
 use kube::ResourceExt as _;
 use kube::api::{Api, Patch, PatchParams};
+use netkit_testenv::Identity;
 use rstream_operator::api::RstreamTunnel;
 use rstream_operator::names;
 use serde::Deserialize as _;
@@ -117,7 +117,7 @@ async fn agent_identity_can_patch_only_its_own_tunnel_status() {
 }
 
 fn helm() -> std::path::PathBuf {
-    k8s_reconcile::testing::helm().unwrap()
+    netkit_testenv::helm().unwrap()
 }
 
 fn render_chart(extra: &[&str]) -> Vec<serde_json::Value> {

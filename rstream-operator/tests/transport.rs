@@ -6,9 +6,9 @@
 mod common;
 
 use common::*;
-use k8s_reconcile::testing::Identity;
 use kube::ResourceExt as _;
-use proxy_core::testing::{Tinyproxy, TinyproxyConfig};
+use netkit_testenv::Identity;
+use netkit_testenv::fixtures::{Tinyproxy, TinyproxyConfig};
 use rstream_operator::agent_config::AgentConfig;
 use rstream_operator::names;
 

@@ -14,8 +14,8 @@ use k8s_openapi::api::core::v1::ConfigMap;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
-use k8s_reconcile::testing::{AuditEvent, ControlPlane, Identity, eventually};
 use kube::api::{Api, Patch, PatchParams, PostParams};
+use netkit_testenv::{AuditEvent, ControlPlane, Identity, eventually};
 use support::{Proxy, create_proxy_service, published};
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::TcpStream;
@@ -46,7 +46,7 @@ async fn setup(identity: &str, extra: &[&str]) -> Setup {
         .unwrap()
         .cluster_ip
         .unwrap();
-    let echo = proxy_core::testing::echo_server().await.unwrap();
+    let echo = netkit_testenv::fixtures::echo_server().await.unwrap();
     let kubeconfig = plane
         .kubeconfig_as(&Identity::User {
             name: USER.into(),
@@ -468,7 +468,7 @@ async fn a_verb_taken_away_is_reported_backed_off_and_recovered() {
         })
         .await
         .unwrap();
-    let echo = proxy_core::testing::echo_server().await.unwrap();
+    let echo = netkit_testenv::fixtures::echo_server().await.unwrap();
     let proxy = Proxy::start(
         &kubeconfig,
         &echo.to_string(),

@@ -5,8 +5,8 @@ use std::net::{Ipv4Addr, SocketAddr};
 use std::process::Command;
 use std::time::Duration;
 
-use k8s_reconcile::testing::eventually;
 use kube::api::{Api, ListParams};
+use netkit_testenv::eventually;
 
 mod support;
 

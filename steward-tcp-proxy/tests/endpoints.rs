@@ -7,9 +7,9 @@ use std::time::{Duration, Instant};
 use k8s_openapi::api::core::v1::Endpoints;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::api::events::v1::Event;
-use k8s_reconcile::testing::{ControlPlane, Identity, eventually};
 use kube::ResourceExt as _;
 use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
+use netkit_testenv::{ControlPlane, Identity, eventually};
 
 mod support;
 

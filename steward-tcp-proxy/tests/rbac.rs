@@ -9,8 +9,8 @@ use std::time::{Duration, Instant};
 use k8s_openapi::api::core::v1::Endpoints;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
-use k8s_reconcile::testing::{Identity, eventually};
 use kube::api::{Api, Patch, PatchParams, PostParams};
+use netkit_testenv::{Identity, eventually};
 
 mod support;
 
@@ -136,9 +136,9 @@ async fn runs_under_the_charts_rbac_alone() {
 }
 
 fn helm_template(ns: &str, upstream: &str) -> String {
-    let helm = k8s_reconcile::testing::helm().unwrap();
+    let helm = netkit_testenv::helm().unwrap();
     let chart = Path::new(env!("CARGO_MANIFEST_DIR")).join("chart");
-    proxy_core::testing::stdout_of(
+    netkit_testenv::fixtures::stdout_of(
         Command::new(helm)
             .args(["template", "steward-tcp-proxy"])
             .arg(&chart)

@@ -8,9 +8,9 @@ use std::time::{Duration, Instant};
 
 use futures::StreamExt as _;
 use k8s_openapi::api::core::v1::{ConfigMap, Namespace};
-use k8s_reconcile::testing::{ControlPlane, eventually};
 use kube::ResourceExt as _;
 use kube::api::{Api, ListParams, PostParams, WatchParams};
+use netkit_testenv::{ControlPlane, eventually};
 
 mod support;
 
@@ -198,7 +198,7 @@ fn apiserver_port(plane: &ControlPlane) -> u16 {
 
 #[tokio::test]
 async fn the_upstream_is_reached_through_an_http_proxy() {
-    use proxy_core::testing::{Tinyproxy, TinyproxyConfig};
+    use netkit_testenv::fixtures::{Tinyproxy, TinyproxyConfig};
     let plane = plane().await;
     let ns = plane.create_namespace("steward-egress").await.unwrap();
     let port = apiserver_port(plane);
@@ -289,7 +289,7 @@ async fn the_upstream_is_reached_through_an_http_proxy() {
 
 #[tokio::test]
 async fn https_proxy_and_no_proxy_are_honoured_for_the_upstream() {
-    use proxy_core::testing::{Tinyproxy, TinyproxyConfig};
+    use netkit_testenv::fixtures::{Tinyproxy, TinyproxyConfig};
     let plane = plane().await;
     let ns = plane.create_namespace("steward-env-proxy").await.unwrap();
     let port = apiserver_port(plane);

@@ -9,7 +9,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use k8s_reconcile::testing::{ControlPlane, eventually};
+use netkit_testenv::{ControlPlane, eventually};
 use support::{Ca, Proxy};
 use tokio::io::{AsyncBufReadExt as _, AsyncReadExt as _, AsyncWriteExt as _, BufReader};
 use tokio::net::{TcpSocket, TcpStream};
@@ -61,7 +61,7 @@ async fn closed_within(stream: &mut TcpStream, limit: Duration) -> Option<Durati
 
 #[tokio::test]
 async fn max_connections_rejects_the_one_over_and_admits_again_after_a_close() {
-    let echo = proxy_core::testing::echo_server().await.unwrap();
+    let echo = netkit_testenv::fixtures::echo_server().await.unwrap();
     // With --max-connections=3 the third connection would be admitted and this test fails.
     let proxy = relay(&echo.to_string(), &["--max-connections=2"]).await;
     let mut first = TcpStream::connect(proxy.listen).await.unwrap();
@@ -103,7 +103,7 @@ async fn max_connections_rejects_the_one_over_and_admits_again_after_a_close() {
 
 #[tokio::test]
 async fn idle_timeout_closes_a_quiet_connection_and_spares_a_talking_one() {
-    let echo = proxy_core::testing::echo_server().await.unwrap();
+    let echo = netkit_testenv::fixtures::echo_server().await.unwrap();
     // With --idle-timeout=0 (never) the quiet connection stays and this test fails. 3 s: the
     // talking connection's pauses (300 ms) stay far below it even on a busy machine.
     let proxy = relay(&echo.to_string(), &["--idle-timeout=3s"]).await;

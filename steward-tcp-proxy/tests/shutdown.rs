@@ -5,8 +5,8 @@ use std::time::{Duration, Instant};
 
 use futures::{StreamExt as _, TryStreamExt as _};
 use k8s_openapi::api::core::v1::ConfigMap;
-use k8s_reconcile::testing::{ControlPlane, eventually};
 use kube::api::{Api, ListParams, PostParams, WatchEvent, WatchParams};
+use netkit_testenv::{ControlPlane, eventually};
 
 mod support;
 

@@ -65,7 +65,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
 
 /// The pinned cargo-audit, built once into the cache.
 fn ensure_cargo_audit() -> anyhow::Result<PathBuf> {
-    let dir = proxy_core::testing::cache_dir(&format!("cargo-audit-{CARGO_AUDIT_VERSION}"));
+    let dir = netkit_testenv::fixtures::cache_dir(&format!("cargo-audit-{CARGO_AUDIT_VERSION}"));
     let binary = dir.join("bin/cargo-audit");
     if binary.is_file() {
         return Ok(binary);

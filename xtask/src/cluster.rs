@@ -4,8 +4,8 @@
 use std::time::Instant;
 
 use anyhow::Context as _;
-use k8s_reconcile::testing::ControlPlane;
-use k8s_reconcile::testing::node::{self, check};
+use netkit_testenv::ControlPlane;
+use netkit_testenv::node::{self, check};
 
 #[derive(clap::Args, Default)]
 pub struct Args {

@@ -15,8 +15,8 @@ use std::time::{Duration, Instant};
 use anyhow::{Context as _, bail};
 use k8s_openapi::ByteString;
 use k8s_openapi::api::core::v1::{ConfigMap, Secret};
-use k8s_reconcile::testing::ControlPlane;
 use kube::api::{Api, Patch, PatchParams, PostParams};
+use netkit_testenv::ControlPlane;
 
 /// The `k8s-openapi` features the outside crates are built with, and what each means.
 const VERSIONS: [(&str, &str); 2] = [("earliest", "1.33"), ("v1_35", "1.35")];

@@ -28,9 +28,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, anyhow, bail};
 use k8s_openapi::api::core::v1::Pod;
-use k8s_reconcile::testing::ControlPlane;
-use k8s_reconcile::testing::node::{self, check};
 use kube::api::{Api, ListParams};
+use netkit_testenv::ControlPlane;
+use netkit_testenv::node::{self, check};
 use rstream_client::engine::LocalEngine;
 use tokio::signal::unix::{Signal, SignalKind, signal};
 

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use anyhow::{Context as _, bail};
-use k8s_reconcile::testing::{ASSETS_DIR_ENV, KUBERNETES_VERSION, default_assets_dir};
+use netkit_testenv::{ASSETS_DIR_ENV, KUBERNETES_VERSION, default_assets_dir};
 use sha2::{Digest as _, Sha256};
 
 #[derive(clap::Args, Default)]

@@ -9,7 +9,7 @@ use std::process::Command;
 use anyhow::{Context as _, bail};
 use sha2::{Digest as _, Sha256};
 
-use k8s_reconcile::testing::node::{COREDNS_IMAGE, PAUSE_IMAGE, TESTBOX_IMAGE};
+use netkit_testenv::node::{COREDNS_IMAGE, PAUSE_IMAGE, TESTBOX_IMAGE};
 
 use crate::image::{ImageContents, NONROOT, write_image};
 

@@ -5,7 +5,7 @@ use std::process::Command;
 
 use anyhow::{Context as _, bail};
 
-pub use k8s_reconcile::testing::{HELM_ENV, HELM_VERSION};
+pub use netkit_testenv::{HELM_ENV, HELM_VERSION};
 
 /// Installs Helm if missing and returns its path.
 pub fn ensure_helm() -> anyhow::Result<PathBuf> {
@@ -16,8 +16,8 @@ pub fn ensure_helm() -> anyhow::Result<PathBuf> {
         }
         bail!("{HELM_ENV}={} does not exist", path.display());
     }
-    let helm = k8s_reconcile::testing::default_helm_path()
-        .context("cannot choose a cache directory: set HOME")?;
+    let helm =
+        netkit_testenv::default_helm_path().context("cannot choose a cache directory: set HOME")?;
     let dir = helm
         .parent()
         .context("helm path has no directory")?

@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 use std::process::Command;
 
-use proxy_core::testing::{cache_dir, python_venv};
+use netkit_testenv::fixtures::{cache_dir, python_venv};
 
 use crate::support::{Env, Proxier};
 

@@ -253,7 +253,7 @@ async fn v1_maps_replaces_extends_expires_and_deletes() {
     // The bench helper: a mapping carries its first byte after the POST (the time is a bench
     // figure, printed; the helper's own 30 s limit only bounds a hang).
     let body = json!({"pod_name": format!("{ns}/pod-a"), "time": 60}).to_string();
-    let latency = proxy_core::testing::post_to_first_byte(
+    let latency = netkit_testenv::fixtures::post_to_first_byte(
         px.api,
         "/api/v1/mapping",
         &body,

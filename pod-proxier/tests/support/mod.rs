@@ -15,9 +15,9 @@ use k8s_openapi::api::core::v1::{Pod, ServiceAccount};
 use k8s_openapi::api::rbac::v1::{
     ClusterRole, ClusterRoleBinding, PolicyRule, Role, RoleBinding, RoleRef, Subject,
 };
-use k8s_reconcile::testing::{ControlPlane, Identity};
 use kube::api::{Api, ObjectMeta, Patch, PatchParams, PostParams};
 use kube::{Client, CustomResourceExt as _};
+use netkit_testenv::{ControlPlane, Identity};
 use pod_proxier::crd::PortMapping;
 use serde::Deserialize;
 use serde_json::{Value, json};
@@ -378,12 +378,12 @@ pub fn get_services_rule() -> PolicyRule {
 
 /// A free loopback port (from the ephemeral range; the V2 ranges stay below it).
 pub fn free_port() -> u16 {
-    proxy_core::testing::free_port().unwrap()
+    netkit_testenv::fixtures::free_port().unwrap()
 }
 
 /// `count` consecutive ports free on 127.0.0.1.
 pub fn free_range(count: u16) -> (u16, u16) {
-    proxy_core::testing::free_port_range(count).unwrap()
+    netkit_testenv::fixtures::free_port_range(count).unwrap()
 }
 
 /// The pod-proxier binary as a child process.
@@ -410,7 +410,7 @@ impl Proxier {
 
     /// The configuration `pod-proxier haproxy-config` prints for these flags.
     pub fn haproxy_config(&self) -> String {
-        proxy_core::testing::stdout_of(
+        netkit_testenv::fixtures::stdout_of(
             Command::new(env!("CARGO_BIN_EXE_pod-proxier"))
                 .arg("haproxy-config")
                 .args(&self.args),
@@ -759,7 +759,7 @@ pub async fn greeting(addr: SocketAddr) -> Option<String> {
     Some(String::from_utf8_lossy(&buf).into_owned())
 }
 
-pub use k8s_reconcile::testing::eventually;
+pub use netkit_testenv::eventually;
 
 /// How a port met one connection: the greeting of whoever answered, a refusal (refused, or
 /// closed before any byte), or neither (a timeout: proves nothing either way).

@@ -29,12 +29,12 @@ pub fn client(engine: &LocalEngine) -> Client {
 
 /// A TCP echo server; returns its address.
 pub async fn echo_server() -> SocketAddr {
-    proxy_core::testing::echo_server().await.unwrap()
+    netkit_testenv::fixtures::echo_server().await.unwrap()
 }
 
 /// A minimal HTTP/1.1 server answering every request with `body`.
 pub async fn http_server(body: &'static str) -> SocketAddr {
-    proxy_core::testing::http_server([127, 0, 0, 1].into(), body)
+    netkit_testenv::fixtures::http_server([127, 0, 0, 1].into(), body)
         .await
         .unwrap()
 }

@@ -8,7 +8,7 @@ use k8s_openapi::api::core::v1::{ConfigMap, ServiceAccount};
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
 use kube::Client;
 use kube::api::Api;
-use proxy_core::testing::KillOnDrop;
+use netkit_testenv::fixtures::KillOnDrop;
 use rstream_operator::api::{RstreamConnection, RstreamTunnel};
 use rstream_operator::names;
 use tokio_util::sync::CancellationToken;

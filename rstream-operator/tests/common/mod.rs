@@ -9,9 +9,9 @@ use k8s_openapi::api::core::v1::{Secret, Service};
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, Role, RoleBinding};
 use k8s_reconcile::metrics::ControllerMetrics;
 use k8s_reconcile::ops::Health;
-use k8s_reconcile::testing::{ControlPlane, Identity};
 use kube::api::{Api, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt as _};
+use netkit_testenv::{ControlPlane, Identity};
 use prometheus_client::registry::Registry;
 use rstream_operator::api::{RstreamConnection, RstreamTunnel};
 use rstream_operator::manager::{self, ManagerOptions};
@@ -294,19 +294,19 @@ where
 
 /// An HTTP/1.1 server on loopback answering every request with `body`.
 pub async fn http_server(body: &'static str) -> std::net::SocketAddr {
-    proxy_core::testing::http_server([127, 0, 0, 1].into(), body)
+    netkit_testenv::fixtures::http_server([127, 0, 0, 1].into(), body)
         .await
         .unwrap()
 }
 
 /// Sends `GET /` to `addr` and returns the whole response.
 pub async fn http_get(addr: std::net::SocketAddr) -> std::io::Result<String> {
-    proxy_core::testing::http_get(addr, "/").await
+    netkit_testenv::fixtures::http_get(addr, "/").await
 }
 
 /// A free loopback port.
 pub fn free_port() -> u16 {
-    proxy_core::testing::free_port().unwrap()
+    netkit_testenv::fixtures::free_port().unwrap()
 }
 
 /// The status code of `GET http://addr/path`, or 0 when nothing answers.
@@ -354,7 +354,7 @@ pub async fn gauge(addr: &str, prefix: &str) -> Option<i64> {
 
 /// A child process (the manager or the agent binary) killed on drop, with its log file.
 pub struct Process {
-    child: Option<proxy_core::testing::KillOnDrop>,
+    child: Option<netkit_testenv::fixtures::KillOnDrop>,
     /// Where it writes stdout and stderr.
     pub log: std::path::PathBuf,
     /// Its /healthz and /readyz address.
@@ -373,7 +373,7 @@ impl Process {
     ) -> Self {
         let file = std::fs::File::create(&log).unwrap();
         cmd.stdout(file.try_clone().unwrap()).stderr(file);
-        let child = proxy_core::testing::KillOnDrop::spawn(cmd).unwrap();
+        let child = netkit_testenv::fixtures::KillOnDrop::spawn(cmd).unwrap();
         Self {
             child: Some(child),
             log,

@@ -8,13 +8,13 @@ use std::process::{Child, Command, Stdio};
 
 use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
-use k8s_reconcile::testing::ControlPlane;
 use kube::api::{Api, PostParams};
+use netkit_testenv::ControlPlane;
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_steward-tcp-proxy");
 
 pub fn free_port() -> u16 {
-    proxy_core::testing::free_port().unwrap()
+    netkit_testenv::fixtures::free_port().unwrap()
 }
 
 pub fn apiserver_addr(plane: &ControlPlane) -> String {

@@ -18,8 +18,8 @@ use k8s_openapi::NamespaceResourceScope;
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{ConfigMap, Secret, Service, ServiceAccount};
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
-use k8s_reconcile::testing::{AuditEvent, ControlPlane, Identity};
 use kube::api::{Api, ListParams, PostParams};
+use netkit_testenv::{AuditEvent, ControlPlane, Identity};
 use rstream_operator::api::{RstreamConnection, RstreamTunnel};
 use serde::de::DeserializeOwned;
 

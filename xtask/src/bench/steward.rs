@@ -13,10 +13,10 @@ use futures::StreamExt as _;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{ConfigMap, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
-use k8s_reconcile::testing::ControlPlane;
 use kube::api::{Api, Patch, PatchParams, PostParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::runtime::watcher;
+use netkit_testenv::ControlPlane;
 use tokio::sync::mpsc;
 
 use super::report::{Metric, Recorder, notes_from};

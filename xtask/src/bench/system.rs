@@ -223,9 +223,9 @@ pub fn fd_count(pid: u32) -> anyhow::Result<usize> {
 }
 
 /// A free TCP port on 127.0.0.1, from below the kernel's ephemeral range (see
-/// [`proxy_core::testing::free_port`]).
+/// [`netkit_testenv::fixtures::free_port`]).
 pub fn free_port() -> anyhow::Result<u16> {
-    proxy_core::testing::free_port().context("finding a free port")
+    netkit_testenv::fixtures::free_port().context("finding a free port")
 }
 
 /// A child process whose output goes to a log file; killed and reaped on drop, so every exit path

@@ -4,10 +4,10 @@
 use anyhow::{Context as _, bail};
 use k8s_openapi::api::core::v1::{Namespace, Pod};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
-use k8s_reconcile::testing::ControlPlane;
 use kube::api::{Api, DynamicObject, Patch, PatchParams, PostParams};
 use kube::core::GroupVersionKind;
 use kube::discovery::{Discovery, Scope};
+use netkit_testenv::ControlPlane;
 
 use super::cases::RESTRICTED;
 
@@ -118,7 +118,7 @@ pub(super) async fn dry_run_all(
     }
     println!(
         "charts: {total} rendered objects accepted by kube-apiserver {}; {pods_checked} Pods of Deployments accepted under Pod Security restricted",
-        k8s_reconcile::testing::KUBERNETES_VERSION
+        netkit_testenv::KUBERNETES_VERSION
     );
     Ok(())
 }

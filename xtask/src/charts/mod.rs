@@ -45,7 +45,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
         let out = Command::new(&helm)
             .arg("lint")
             .arg(&dir)
-            .args(["--kube-version", k8s_reconcile::testing::KUBERNETES_VERSION])
+            .args(["--kube-version", netkit_testenv::KUBERNETES_VERSION])
             .args(lint_sets(chart))
             .output()?;
         if !out.status.success() {

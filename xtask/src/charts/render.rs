@@ -31,7 +31,7 @@ pub(super) fn template(
         .arg(chart_dir(root, chart))
         .args(["--namespace", namespace])
         // Helm built from source defaults to Kubernetes v1.20 (its version comes from ldflags).
-        .args(["--kube-version", k8s_reconcile::testing::KUBERNETES_VERSION]);
+        .args(["--kube-version", netkit_testenv::KUBERNETES_VERSION]);
     // The CRDs are templates; a `crds/` folder (refused by `cargo xtask crds`) would show here.
     cmd.arg("--include-crds");
     for set in sets {

@@ -14,7 +14,7 @@ use serde_json::json;
 use super::{Shown, describe_pods};
 use crate::e2e::Env;
 use crate::e2e::pod_proxier::{self, API_PORT, ENTRY_PORT};
-use k8s_reconcile::testing::node::{NODE_IP, check};
+use netkit_testenv::node::{NODE_IP, check};
 
 /// The workload pod-proxier maps.
 const WORKLOAD: &str = "profiled";

@@ -10,7 +10,7 @@ use rstream_client::engine::LocalEngine;
 use super::{Shown, describe_pods};
 use crate::e2e::Env;
 use crate::e2e::rstream_operator::{self, http_tunnel_spec};
-use k8s_reconcile::testing::node::check;
+use netkit_testenv::node::check;
 
 const TUNNEL: &str = "web";
 

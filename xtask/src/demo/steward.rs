@@ -12,7 +12,7 @@ use kube::api::{Api, ListParams};
 use super::{Shown, describe_pods};
 use crate::e2e::Env;
 use crate::e2e::steward::{self, Release};
-use k8s_reconcile::testing::node::{KUBERNETES_SERVICE_IP, check};
+use netkit_testenv::node::{KUBERNETES_SERVICE_IP, check};
 
 /// The chart's default `replicaCount`.
 const REPLICAS: usize = 2;

@@ -34,9 +34,9 @@ use std::time::{Duration, Instant};
 use anyhow::{Context as _, bail};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{Pod, PodSpec};
-use k8s_reconcile::testing::ControlPlane;
-use k8s_reconcile::testing::node::{self, TESTBOX_IMAGE, check};
 use kube::api::{Api, ListParams};
+use netkit_testenv::ControlPlane;
+use netkit_testenv::node::{self, TESTBOX_IMAGE, check};
 
 use crate::chart_repo::{Packaged, REPO_NAME, Server};
 use crate::image::Built;

@@ -22,7 +22,7 @@ use kube::api::Api;
 use super::pod_proxier::{http_within, tcp_echo};
 use super::steward::{Release, service_client};
 use super::{ChartReport, Env, url_port};
-use k8s_reconcile::testing::node::{NODE_NAME, check};
+use netkit_testenv::node::{NODE_NAME, check};
 
 /// A scenario this module records (its chart lists it).
 pub const POD_PROXIER_CUT: &str = "node cut off from the API server for 30 s (nftables in the node's namespace): V1 and V2 mappings keep relaying, a connection held open through the V1 entry echoes before, during and after the cut, the API answers 503 instead of hanging, and after the link returns the API and kubelet's lease converge";

@@ -17,7 +17,7 @@ use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 
 use super::{ChartReport, Env, RestartWatch, token};
-use k8s_reconcile::testing::node::{NODE_IP, check};
+use netkit_testenv::node::{NODE_IP, check};
 
 pub const RELEASE: &str = "pod-proxier";
 pub const SELECTOR: &str = "app.kubernetes.io/name=pod-proxier";
@@ -594,7 +594,7 @@ async fn other_source_refused(
     let target = entry.to_string();
     let mut job = check::job(
         name,
-        k8s_reconcile::testing::node::TESTBOX_IMAGE,
+        netkit_testenv::node::TESTBOX_IMAGE,
         &[
             "/testbox",
             "tcp-check",

@@ -29,7 +29,7 @@ use rstream_operator::names;
 use serde_json::json;
 
 use super::{ChartReport, Env, RestartWatch};
-use k8s_reconcile::testing::node::{self, check};
+use netkit_testenv::node::{self, check};
 
 pub const RELEASE: &str = "rstream-operator";
 pub const SELECTOR: &str = "app.kubernetes.io/instance=rstream-operator";

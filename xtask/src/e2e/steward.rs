@@ -18,7 +18,7 @@ use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams, W
 use serde_json::json;
 
 use super::{ChartReport, Env, RestartWatch};
-use k8s_reconcile::testing::node::{self, KUBERNETES_SERVICE_IP, TESTBOX_IMAGE, check};
+use netkit_testenv::node::{self, KUBERNETES_SERVICE_IP, TESTBOX_IMAGE, check};
 
 pub const RELEASE: &str = "steward-tcp-proxy";
 pub const SELECTOR: &str = "app.kubernetes.io/name=steward-tcp-proxy";

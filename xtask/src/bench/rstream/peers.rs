@@ -8,7 +8,7 @@ use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail};
-use proxy_core::testing;
+use netkit_testenv::fixtures;
 use rstream_client::Client;
 use rstream_client::engine::LocalEngine;
 use rstream_client::tunnel::TunnelOptions;
@@ -173,8 +173,8 @@ pub(super) async fn open_tunnel(
 pub(super) fn ensure_sdk() -> anyhow::Result<PathBuf> {
     let dir = std::env::var_os("NETKIT_PYTHON_VENV")
         .map(PathBuf::from)
-        .unwrap_or_else(|| testing::cache_dir("python").join(format!("rstream-{SDK_VERSION}")));
-    testing::python_venv(
+        .unwrap_or_else(|| fixtures::cache_dir("python").join(format!("rstream-{SDK_VERSION}")));
+    fixtures::python_venv(
         &dir,
         &[
             ("rstreamlabs-rstream", SDK_VERSION),

@@ -43,7 +43,7 @@ use k8s_openapi::api::core::v1::Node as NodeObject;
 use kube::api::{Api, DynamicObject, Patch, PatchParams};
 use kube::discovery::ApiResource;
 
-pub(in crate::testing) use network::NodeNetwork;
+pub(crate) use network::NodeNetwork;
 use network::{CGROUP_ROOT, io, netns_path, write};
 pub use network::{
     CLUSTER_CIDR, DNS_SERVICE_IP, HOST_IP, KUBERNETES_SERVICE_IP, MACHINE_LOCK, NETNS, NODE_IP,

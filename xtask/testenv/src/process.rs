@@ -215,9 +215,9 @@ impl Guardian {
 }
 
 /// A free TCP port on 127.0.0.1 for a server this module starts (see
-/// [`proxy_core::testing::free_port`] for why it is not the kernel's pick).
+/// [`crate::fixtures::free_port`] for why it is not the kernel's pick).
 pub(crate) fn free_port() -> Result<u16, TestingError> {
-    proxy_core::testing::free_port().map_err(|source| TestingError::Io {
+    crate::fixtures::free_port().map_err(|source| TestingError::Io {
         context: "finding a free port".to_owned(),
         cause: source,
     })

@@ -1,4 +1,4 @@
-//! Test fixtures shared by the workspace's tests, examples and `cargo xtask` (feature `testing`):
+//! The plain tier: fixtures shared by the workspace's tests, examples and `cargo xtask`:
 //! free loopback ports, TCP and UDP echo servers with tagged datagrams to send them, a little HTTP
 //! server and client, pinned Python environments, a "request to first byte"
 //! timer, child processes that are killed when dropped, and a real HTTP proxy ([`Tinyproxy`]). Not

@@ -64,7 +64,7 @@ const RUNTIME_DIRS: [&str; 7] = [
 ];
 
 /// The node's network and its teardown; dropping it tears everything down.
-pub(in crate::testing) struct NodeNetwork {
+pub(crate) struct NodeNetwork {
     pub(super) dir: PathBuf,
     // Holds the machine lock from before the node exists until its teardown has run.
     guardian: Guardian,
@@ -78,7 +78,7 @@ const LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(20 * 60);
 impl NodeNetwork {
     /// Creates the node directory, the teardown script and its guardian, then the namespace, link,
     /// routes and guard rules. On error everything made so far is removed.
-    pub(in crate::testing) fn create() -> Result<Self, TestingError> {
+    pub(crate) fn create() -> Result<Self, TestingError> {
         let dir = tempfile::Builder::new()
             .prefix("kube-netkit-node-")
             .tempdir()

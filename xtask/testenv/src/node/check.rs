@@ -14,7 +14,7 @@ use serde_json::json;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 
 use super::{NODE_IP, TESTBOX_IMAGE};
-use crate::testing::{ControlPlane, TestingError};
+use crate::{ControlPlane, TestingError};
 
 /// One proven step and how long it took.
 #[derive(Debug, Clone)]
@@ -228,12 +228,12 @@ pub async fn restrict_namespace(plane: &ControlPlane, ns: &str) -> Result<(), Te
 
 /// The security context of every Pod here: what Pod Security `restricted` asks for.
 pub fn restricted_pod_security() -> serde_json::Value {
-    serde_json::to_value(crate::pod::restricted_pod_security_context()).unwrap_or_default()
+    serde_json::to_value(k8s_reconcile::pod::restricted_pod_security_context()).unwrap_or_default()
 }
 
 /// The security context of every container here.
 pub fn restricted_container_security() -> serde_json::Value {
-    serde_json::to_value(crate::pod::restricted_security_context()).unwrap_or_default()
+    serde_json::to_value(k8s_reconcile::pod::restricted_security_context()).unwrap_or_default()
 }
 
 /// A Deployment of the testbox echo server (`serve`), `app=<name>`, ready by its HTTP probe.

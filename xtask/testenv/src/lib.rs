@@ -1,5 +1,15 @@
-//! A real kube-apiserver and etcd for integration tests (feature `testing`), and on request a real
-//! node that runs Pods.
+//! The workspace's test environment, in three tiers. Not published: no library of the workspace
+//! depends on it except as a dev-dependency, so their packages carry only product code.
+//!
+//! | Tier | What | Needs |
+//! |---|---|---|
+//! | plain | [`fixtures`]: free ports, echo and HTTP servers, kill-on-drop children, pinned Python environments, tinyproxy | nothing (Python and tinyproxy only for the tests that name them) |
+//! | control plane | [`ControlPlane`]: a real kube-apiserver + etcd | `cargo xtask envtest` (Go builds kube-apiserver) |
+//! | node | [`node`]: kubelet, containerd, kube-proxy, CoreDNS running Pods | root, `cargo xtask envtest --node` |
+//!
+//! The crate's layout: [`fixtures`] (plain tier); the crate root with its private `assets`,
+//! `audit`, `faults`, `kubeconfig`, `pki` and `process` modules (control-plane tier); [`node`]
+//! (node tier, on top of the control plane).
 //!
 //! This is the Rust counterpart of controller-runtime's envtest: it starts the real binaries on
 //! loopback with freshly generated certificates, so a test talks to the genuine API server with its
@@ -22,7 +32,7 @@
 //!
 //! ```no_run
 //! use k8s_openapi::api::core::v1::ConfigMap;
-//! use k8s_reconcile::testing::ControlPlane;
+//! use netkit_testenv::ControlPlane;
 //! use kube::api::{Api, PostParams};
 //!
 //! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
@@ -35,9 +45,12 @@
 //! # Ok(()) }
 //! ```
 
+#![cfg_attr(test, allow(clippy::unwrap_used, clippy::expect_used))]
+
 mod assets;
 mod audit;
 mod faults;
+pub mod fixtures;
 mod kubeconfig;
 pub mod node;
 mod pki;
