@@ -27,7 +27,7 @@ pub struct Args {
 }
 
 pub fn run(args: &Args) -> anyhow::Result<()> {
-    let root = crate::workspace_root();
+    let root = netkit_testenv::workspace::root();
     let db = match &args.db {
         Some(db) => db.clone(),
         None => root.join("../shared/advisory-db"),

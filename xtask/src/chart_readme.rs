@@ -25,9 +25,9 @@ pub struct Args {
 }
 
 pub fn run(args: &Args) -> anyhow::Result<()> {
-    let root = crate::workspace_root();
+    let root = netkit_testenv::workspace::root();
     let mut stale = Vec::new();
-    for chart in crate::chart_repo::CHARTS {
+    for chart in netkit_testenv::charts::CHARTS {
         let dir = root.join(chart).join("chart");
         let values = std::fs::read_to_string(dir.join("values.yaml"))?;
         let table = values_table(&values).with_context(|| format!("{chart}/chart/values.yaml"))?;

@@ -25,7 +25,7 @@ const VERSIONS: [(&str, &str); 2] = [("earliest", "1.33"), ("v1_35", "1.35")];
 const EXAMPLE: &str = "k8s-reconcile/examples/secret_mirror.rs";
 
 pub fn run() -> anyhow::Result<()> {
-    let root = crate::workspace_root();
+    let root = netkit_testenv::workspace::root();
     let base = std::env::temp_dir().join("kube-netkit-consumers");
     if base.starts_with(&root) {
         bail!("{} is inside the workspace", base.display());

@@ -34,8 +34,8 @@ use netkit_testenv::node::{self, check};
 use rstream_client::engine::LocalEngine;
 use tokio::signal::unix::{Signal, SignalKind, signal};
 
-use crate::e2e::Env;
-use crate::image::Built;
+use netkit_testenv::e2e::Env;
+use netkit_testenv::images::Built;
 use progress::Progress;
 
 #[derive(clap::Args)]
@@ -185,7 +185,7 @@ impl Session {
             .step(
                 "starting the control plane and its node",
                 CLUSTER_LIMIT,
-                crate::e2e::start_cluster(),
+                netkit_testenv::e2e::start_cluster(),
             )
             .await?;
         let plane = &*self.plane.insert(plane);

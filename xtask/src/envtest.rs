@@ -34,7 +34,7 @@ pub fn ensure(args: &Args) -> anyhow::Result<PathBuf> {
     install_etcd(&dir)?;
     install_kube_apiserver(&dir, args.force)?;
     if args.node {
-        crate::debian::install_packages(&NODE_PACKAGES, "the test node")?;
+        netkit_testenv::debian::install_packages(&NODE_PACKAGES, "the test node")?;
         build_kubernetes(&dir, &NODE_BINARIES, args.force)?;
         crate::node_images::ensure(&dir)?;
     }
@@ -115,7 +115,9 @@ fn install_kube_apiserver(dir: &Path, force: bool) -> anyhow::Result<()> {
 /// unless each is there with a stamp of the module it was built from (a changed `go.sum` forces a
 /// rebuild). One `go build` for all of them, so shared packages compile once.
 fn build_kubernetes(dir: &Path, programs: &[&str], force: bool) -> anyhow::Result<()> {
-    let module = crate::workspace_root().join("xtask").join("kubernetes");
+    let module = netkit_testenv::workspace::root()
+        .join("xtask")
+        .join("kubernetes");
     let go_sum = std::fs::read(module.join("go.sum")).context("reading xtask/kubernetes/go.sum")?;
     let go_mod = std::fs::read(module.join("go.mod")).context("reading xtask/kubernetes/go.mod")?;
     let mut hasher = Sha256::new();

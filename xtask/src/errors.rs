@@ -25,7 +25,7 @@ use syn::visit::Visit;
 const KNOWN: [&str; 0] = [];
 
 pub fn run() -> anyhow::Result<()> {
-    let root = crate::workspace_root();
+    let root = netkit_testenv::workspace::root();
     let mut offences = Vec::new();
     let mut known = Vec::new();
     for member in workspace_members(&root)? {

@@ -15,6 +15,8 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use anyhow::{Context as _, bail};
+use netkit_testenv::images::Built;
+use netkit_testenv::workspace::{target_dir, without_run_env};
 use sha2::{Digest as _, Sha256};
 
 /// The default registry path, as the charts reference it.
@@ -66,16 +68,6 @@ pub const IMAGES: &[ImageSpec] = &[
     },
 ];
 
-/// What was written for one image.
-#[derive(Debug, Clone)]
-pub struct Built {
-    pub name: String,
-    pub reference: String,
-    pub manifest_digest: String,
-    pub layout: PathBuf,
-    pub tarball: PathBuf,
-}
-
 pub fn run(args: &Args) -> anyhow::Result<Vec<Built>> {
     let specs = selected(&args.which)?;
     if !args.skip_build {
@@ -114,7 +106,7 @@ pub fn selected(which: &str) -> anyhow::Result<Vec<&'static ImageSpec>> {
 /// environment `cargo run` gave this process.
 pub fn release_build(specs: &[&ImageSpec]) -> Command {
     let mut cmd = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned()));
-    cmd.current_dir(crate::workspace_root())
+    cmd.current_dir(netkit_testenv::workspace::root())
         .args(["build", "--release"]);
     without_run_env(&mut cmd);
     for spec in specs {
@@ -130,7 +122,7 @@ pub fn package(
     repository: &str,
     tag: Option<&str>,
 ) -> anyhow::Result<Vec<Built>> {
-    let root = crate::workspace_root();
+    let root = netkit_testenv::workspace::root();
     let tag = tag.unwrap_or(env!("CARGO_PKG_VERSION"));
     specs
         .iter()
@@ -440,37 +432,9 @@ fn shared_libraries(binary: &Path) -> anyhow::Result<Vec<PathBuf>> {
     Ok(libraries)
 }
 
-/// Drops what `cargo run` sets for the running xtask (CARGO_PKG_*, CARGO_MANIFEST_DIR, ...) from a
-/// nested cargo: ring's build script reruns when those differ, so a release build from here
-/// would otherwise rebuild ring and everything above it after every build from a shell.
-pub(crate) fn without_run_env(cmd: &mut Command) {
-    const SET_BY_RUN: [&str; 8] = [
-        "CARGO_MANIFEST_DIR",
-        "CARGO_MANIFEST_LINKS",
-        "CARGO_MANIFEST_PATH",
-        "CARGO_CRATE_NAME",
-        "CARGO_BIN_NAME",
-        "CARGO_PRIMARY_PACKAGE",
-        "CARGO_TARGET_TMPDIR",
-        "CARGO_RUSTC_CURRENT_DIR",
-    ];
-    for (name, _) in std::env::vars_os() {
-        let name = name.to_string_lossy();
-        if name.starts_with("CARGO_PKG_") || SET_BY_RUN.contains(&name.as_ref()) {
-            cmd.env_remove(name.as_ref());
-        }
-    }
-}
-
 /// Where `cargo xtask image` writes the release images: `<target>/images`.
 pub fn images_dir(root: &Path) -> PathBuf {
     target_dir(root).join("images")
-}
-
-pub(crate) fn target_dir(root: &Path) -> PathBuf {
-    std::env::var_os("CARGO_TARGET_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| root.join("target"))
 }
 
 fn source_date_epoch() -> u64 {

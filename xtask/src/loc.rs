@@ -16,7 +16,7 @@ const BINARIES: [(&str, usize); 3] = [
 ];
 
 pub fn run() -> anyhow::Result<()> {
-    let root = crate::workspace_root();
+    let root = netkit_testenv::workspace::root();
     for (name, goal) in BINARIES {
         let lines = count_dir(&root.join(name).join("src"))?;
         let verdict = if lines <= goal { "ok" } else { "over" };

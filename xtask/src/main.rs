@@ -14,14 +14,11 @@
 //! * `test`: everything CI checks.
 
 mod audit;
-mod bench;
 mod chart_readme;
-mod chart_repo;
 mod charts;
 mod cluster;
 mod consumers;
 mod crds;
-mod debian;
 mod demo;
 mod e2e;
 mod envtest;
@@ -78,7 +75,7 @@ enum Task {
     /// Run every check CI runs: fmt, clippy, tests, docs.
     Test(test::Args),
     /// Benchmark the relays on loopback (proxy-core vs HAProxy, steward, rstream); see bench/mod.rs.
-    Bench(bench::Args),
+    Bench(netkit_testenv::bench::Args),
     /// Count each binary's own logic in lines (no blanks, comments or tests) against its goal.
     Loc,
     /// Builds outside crates on k8s-openapi `earliest` (1.33) and `v1_35` against
@@ -86,8 +83,7 @@ enum Task {
     Consumers,
     /// Check Cargo.lock against a local copy of the RustSec advisory database (cargo-audit).
     Audit(audit::Args),
-    /// Fail on import circles between the modules of any crate (globs seen through; a short list
-    /// of known circles is a ratchet that only shrinks).
+    /// Fail on an import circle between the modules of any crate (globs seen through).
     Modules,
     /// Fail on an error variant whose cause is not its source() or is printed in its message
     /// (every crate; the rule is in xtask/src/errors.rs).
@@ -128,29 +124,11 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Task::VerifyImages(args) => image::verify(&args),
         Task::E2e(args) => e2e::run(&args),
         Task::Test(args) => test::run(&args),
-        Task::Bench(args) => bench::run(&args),
+        Task::Bench(args) => netkit_testenv::bench::run(&args),
         Task::Loc => loc::run(),
         Task::Consumers => consumers::run(),
         Task::Audit(args) => audit::run(&args),
         Task::Modules => modules::run(),
         Task::Errors => errors::run(),
     }
-}
-
-/// The workspace root (xtask lives one level below it).
-fn workspace_root() -> std::path::PathBuf {
-    let manifest = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
-    manifest.parent().unwrap_or(manifest).to_path_buf()
-}
-
-/// A `cargo` command for the workspace, as a shell would run it: without what `cargo run` set for
-/// this xtask process (ring's build script reruns when `CARGO_MANIFEST_DIR` differs, so a nested
-/// build would otherwise rebuild ring and everything above it, and the next build from a shell
-/// would rebuild them back).
-fn cargo() -> std::process::Command {
-    let mut cmd =
-        std::process::Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned()));
-    cmd.current_dir(workspace_root());
-    image::without_run_env(&mut cmd);
-    cmd
 }

@@ -19,42 +19,23 @@ use anyhow::{Context as _, bail};
 /// A module path inside a crate, e.g. `["engine", "udp"]`.
 type ModPath = Vec<String>;
 
-/// Circles found when the check grew from the libraries to every crate, still to be taken apart
-/// (issue 38). A ratchet: any other circle fails, and so does one of these once it is gone (take
-/// it off the list), so the list only shrinks.
-const KNOWN_CIRCLES: [&str; 1] = ["xtask: e2e::partition <-> e2e::pod_proxier <-> e2e::steward"];
-
 pub fn run() -> anyhow::Result<()> {
-    let root = crate::workspace_root();
+    let root = netkit_testenv::workspace::root();
     let mut circles = Vec::new();
-    let mut known = Vec::new();
     for member in workspace_members(&root)? {
         let files = module_files(&root.join(&member).join("src"))?;
         let found = find_circles(&files);
         if found.is_empty() {
             println!("ok   {member}: {} modules, no import circles", files.len());
         }
-        for circle in found {
-            let circle = format!("{member}: {}", circle.join(" <-> "));
-            if KNOWN_CIRCLES.contains(&circle.as_str()) {
-                println!("open {circle} (known, to be taken apart)");
-                known.push(circle);
-            } else {
-                circles.push(circle);
-            }
-        }
+        circles.extend(
+            found
+                .into_iter()
+                .map(|circle| format!("{member}: {}", circle.join(" <-> "))),
+        );
     }
-    let gone: Vec<_> = KNOWN_CIRCLES
-        .iter()
-        .filter(|c| !known.iter().any(|k| k == *c))
-        .collect();
     if !circles.is_empty() {
         bail!("import circles:\n  {}", circles.join("\n  "));
-    }
-    if !gone.is_empty() {
-        bail!(
-            "known circles no longer found: take them off KNOWN_CIRCLES (xtask/src/modules.rs): {gone:?}"
-        );
     }
     Ok(())
 }

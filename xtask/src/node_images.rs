@@ -139,23 +139,25 @@ fn contents_hash(reference: &str, contents: &ImageContents) -> anyhow::Result<St
 
 /// `cargo build --release -p netkit-testbox`; returns the directory holding both binaries.
 fn build_testbox() -> anyhow::Result<PathBuf> {
-    let root = crate::workspace_root();
+    let root = netkit_testenv::workspace::root();
     let mut cmd = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned()));
     cmd.current_dir(&root)
         .args(["build", "--release", "-p", "netkit-testbox"]);
-    crate::image::without_run_env(&mut cmd);
+    netkit_testenv::workspace::without_run_env(&mut cmd);
     let status = cmd
         .status()
         .context("running cargo build --release -p netkit-testbox")?;
     if !status.success() {
         bail!("release build of netkit-testbox failed ({status})");
     }
-    Ok(crate::image::target_dir(&root).join("release"))
+    Ok(netkit_testenv::workspace::target_dir(&root).join("release"))
 }
 
 /// Builds CoreDNS into `<assets>/coredns` unless the stamp (version, go.mod, go.sum) matches.
 fn install_coredns(assets: &Path) -> anyhow::Result<PathBuf> {
-    let module = crate::workspace_root().join("xtask").join("coredns");
+    let module = netkit_testenv::workspace::root()
+        .join("xtask")
+        .join("coredns");
     let go_mod = std::fs::read(module.join("go.mod")).context("reading xtask/coredns/go.mod")?;
     let go_sum = std::fs::read(module.join("go.sum")).context("reading xtask/coredns/go.sum")?;
     let mut hasher = Sha256::new();
@@ -207,8 +209,11 @@ const HAPROXY_BINARY: &str = "/usr/sbin/haproxy";
 /// installed if missing, as `cargo xtask test` installs it; the tag is the installed package's
 /// version (`+`/`~` made `-`), also in the image's labels, so the image names the exact build
 /// it holds.
-pub fn haproxy_image() -> anyhow::Result<crate::image::Built> {
-    crate::debian::install_packages(&[HAPROXY_PACKAGE], "the e2e's HAProxy sidecar image")?;
+pub fn haproxy_image() -> anyhow::Result<netkit_testenv::images::Built> {
+    netkit_testenv::debian::install_packages(
+        &[HAPROXY_PACKAGE],
+        "the e2e's HAProxy sidecar image",
+    )?;
     let output = Command::new("dpkg-query")
         .args(["-W", "-f", "${Version}", HAPROXY_PACKAGE])
         .output()
@@ -237,7 +242,7 @@ pub fn haproxy_image() -> anyhow::Result<crate::image::Built> {
         format!("{HAPROXY_PACKAGE}={version}"),
     );
     let reference = format!("localhost/kube-netkit/haproxy:{tag}");
-    let out = crate::image::images_dir(&crate::workspace_root());
+    let out = crate::image::images_dir(&netkit_testenv::workspace::root());
     std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
     write_image("haproxy", &reference, &haproxy, &out)
 }

@@ -29,7 +29,7 @@ const TABLES: &[(&str, &str, &str)] = &[
 ];
 
 pub fn run() -> anyhow::Result<()> {
-    let root = crate::workspace_root();
+    let root = netkit_testenv::workspace::root();
     // The release binaries the images ship, built by the same command as the image step (a
     // no-op after it), so this check neither rebuilds them nor checks other builds than users run.
     let status = crate::image::release_build(&crate::image::selected("all")?)
@@ -39,7 +39,7 @@ pub fn run() -> anyhow::Result<()> {
     if !status.success() {
         bail!("building the release binaries failed");
     }
-    let bin_dir = crate::image::target_dir(&root).join("release");
+    let bin_dir = netkit_testenv::workspace::target_dir(&root).join("release");
     let mut problems = Vec::new();
     for (binary, readme, heading) in TABLES {
         let help = Command::new(bin_dir.join(binary))
@@ -100,7 +100,7 @@ fn check_example_commands(root: &std::path::Path) -> anyhow::Result<Vec<String>>
                 ));
                 continue;
             }
-            let help = crate::cargo()
+            let help = netkit_testenv::workspace::cargo()
                 .args([
                     "run",
                     "--quiet",

@@ -29,12 +29,12 @@ struct Step {
 const TEST_PACKAGES: [&str; 3] = ["haproxy", "umoci", "tinyproxy"];
 
 pub fn run(args: &Args) -> anyhow::Result<()> {
-    let root = crate::workspace_root();
+    let root = netkit_testenv::workspace::root();
     let mut steps: Vec<Step> = Vec::new();
 
     let started = Instant::now();
     // Before anything slow: a machine that cannot get these stops here, naming them.
-    let packages = crate::debian::install_packages(&TEST_PACKAGES, "cargo xtask test");
+    let packages = netkit_testenv::debian::install_packages(&TEST_PACKAGES, "cargo xtask test");
     steps.push(Step {
         name: "Debian packages",
         duration: started.elapsed(),
@@ -184,7 +184,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
     for (name, cmd_args, envs) in plan {
         eprintln!("\n==> {name}");
         let started = Instant::now();
-        let mut cmd = crate::cargo();
+        let mut cmd = netkit_testenv::workspace::cargo();
         cmd.args(&cmd_args)
             .envs(envs)
             .env("KUBEBUILDER_ASSETS", &assets)
@@ -208,7 +208,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
                 && totals.unfinished() == 0
         } else if cmd_args.contains(&"e2e") {
             let run = run_e2e(&mut cmd)?;
-            let expected = crate::e2e::expected_scenario_count();
+            let expected = netkit_testenv::e2e::expected_scenario_count();
             let counted = run.counts.map_or(0, |(passed, failed)| passed + failed);
             // The e2e already fails a chart that skipped a listed scenario; this also catches a
             // run that counted fewer than the lists hold (a chart left out, a closing line lost).
@@ -216,7 +216,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
             if !complete {
                 e2e.failures.push(format!(
                     "{}the run counted {counted} scenarios, fewer than the {expected} the charts list",
-                    crate::e2e::FAILURE_PREFIX
+                    netkit_testenv::e2e::FAILURE_PREFIX
                 ));
             }
             e2e.add_e2e(run.status.success() && complete, run.counts);
@@ -364,7 +364,7 @@ fn run_e2e(cmd: &mut Command) -> anyhow::Result<E2eRun> {
             println!("{line}");
             if let Some(counts) = parse_e2e_line(&line) {
                 result = Some(counts);
-            } else if line.starts_with(crate::e2e::FAILURE_PREFIX) {
+            } else if line.starts_with(netkit_testenv::e2e::FAILURE_PREFIX) {
                 failures.push(line);
             }
         }

@@ -43,7 +43,7 @@ pub fn run(
     totals: &mut TestTotals,
 ) -> anyhow::Result<bool> {
     let base = || {
-        let mut cmd = crate::cargo();
+        let mut cmd = netkit_testenv::workspace::cargo();
         cmd.args(["test", "--workspace", "--all-features"])
             .envs(env.iter().copied());
         cmd
@@ -93,7 +93,7 @@ pub fn run(
         command: doc,
     });
 
-    let durations_file = crate::image::target_dir(root).join("test-durations.json");
+    let durations_file = netkit_testenv::workspace::target_dir(root).join("test-durations.json");
     let last: BTreeMap<String, f64> = std::fs::read(&durations_file)
         .ok()
         .and_then(|bytes| serde_json::from_slice(&bytes).ok())

@@ -36,9 +36,9 @@ pub struct Args {
 pub fn run(args: &Args) -> anyhow::Result<()> {
     let helm = crate::tools::ensure_helm()?;
     if args.package {
-        return crate::chart_repo::run(&helm);
+        return netkit_testenv::charts::run(&helm);
     }
-    let root = crate::workspace_root();
+    let root = netkit_testenv::workspace::root();
     let mut rendered = Vec::new();
     for chart in ["steward-tcp-proxy", "pod-proxier", "rstream-operator"] {
         let dir = chart_dir(&root, chart);

@@ -12,8 +12,9 @@ use kube::api::{Api, PostParams};
 use serde_json::json;
 
 use super::{Shown, describe_pods};
-use crate::e2e::Env;
-use crate::e2e::pod_proxier::{self, API_PORT, ENTRY_PORT};
+use netkit_testenv::e2e::Env;
+use netkit_testenv::e2e::pod_proxier::{self, API_PORT, ENTRY_PORT};
+use netkit_testenv::e2e::pod_proxier_api;
 use netkit_testenv::node::{NODE_IP, check};
 
 /// The workload pod-proxier maps.
@@ -69,9 +70,9 @@ pub async fn start(env: &Env<'_>) -> anyhow::Result<Shown> {
     let entry_on_node = SocketAddr::new(NODE_IP.into(), node_port);
     pod_proxier::wait_routed(api).await?;
 
-    let token = crate::e2e::token(env, &work, DEBUGGER).await?;
+    let token = netkit_testenv::e2e::token(env, &work, DEBUGGER).await?;
     let request = json!({ "pod_name": format!("{work}/{pod}"), "time": MAPPING_SECONDS });
-    let (status, answer) = pod_proxier::http(
+    let (status, answer) = pod_proxier_api::http(
         api,
         "POST",
         "/api/v1/mapping",

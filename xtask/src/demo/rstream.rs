@@ -8,8 +8,8 @@ use anyhow::ensure;
 use rstream_client::engine::LocalEngine;
 
 use super::{Shown, describe_pods};
-use crate::e2e::Env;
-use crate::e2e::rstream_operator::{self, http_tunnel_spec};
+use netkit_testenv::e2e::Env;
+use netkit_testenv::e2e::rstream_operator::{self, http_tunnel_spec};
 use netkit_testenv::node::check;
 
 const TUNNEL: &str = "web";

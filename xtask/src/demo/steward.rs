@@ -10,8 +10,8 @@ use k8s_openapi::api::core::v1::Namespace;
 use kube::api::{Api, ListParams};
 
 use super::{Shown, describe_pods};
-use crate::e2e::Env;
-use crate::e2e::steward::{self, Release};
+use netkit_testenv::e2e::Env;
+use netkit_testenv::e2e::steward::{self, Release};
 use netkit_testenv::node::{KUBERNETES_SERVICE_IP, check};
 
 /// The chart's default `replicaCount`.

@@ -49,12 +49,18 @@
 
 mod assets;
 mod audit;
+pub mod bench;
+pub mod charts;
+pub mod debian;
+pub mod e2e;
 mod faults;
 pub mod fixtures;
+pub mod images;
 mod kubeconfig;
 pub mod node;
 mod pki;
 mod process;
+pub mod workspace;
 
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;

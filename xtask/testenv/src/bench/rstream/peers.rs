@@ -7,8 +7,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
+use crate::fixtures;
 use anyhow::{Context as _, bail};
-use netkit_testenv::fixtures;
 use rstream_client::Client;
 use rstream_client::engine::LocalEngine;
 use rstream_client::tunnel::TunnelOptions;

@@ -26,6 +26,7 @@ use anyhow::{Context as _, bail};
 use report::{Figure, Goal, Machine, Report};
 
 #[derive(clap::Args)]
+/// `cargo xtask bench`'s arguments.
 pub struct Args {
     /// Which bench to run.
     #[arg(value_enum)]
@@ -97,6 +98,7 @@ const BENCHES: [(&str, Which, Bench, Contenders); 5] = [
 /// Set in the release build of xtask that a debug build hands the bench to.
 const RELEASE_ENV: &str = "NETKIT_BENCH_RELEASE";
 
+/// Runs the chosen benches and writes their JSON and `summary.md` (see the module docs).
 pub fn run(args: &Args) -> anyhow::Result<()> {
     // A generator or sink process started by a bench (see `procs`).
     if procs::run_role()? {
@@ -112,7 +114,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
         profile: args.profile,
         fd_limit: system::raise_fd_limit(),
     };
-    let out = crate::workspace_root().join(&args.out);
+    let out = crate::workspace::root().join(&args.out);
     eprintln!(
         "bench: open-file limit {}, {}",
         settings.fd_limit,

@@ -13,12 +13,12 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+use crate::{ControlPlane, Identity};
 use anyhow::{Context as _, bail};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
 use kube::CustomResourceExt as _;
 use kube::api::{Api, Patch, PatchParams, PostParams};
-use netkit_testenv::{ControlPlane, Identity};
 use pod_proxier::crd::PortMapping;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::{TcpListener, TcpStream};
@@ -258,7 +258,7 @@ async fn map_and_time(
     }
     wait_idle(proxier.entry).await?;
     let body = serde_json::json!({"pod_name": banners.pod_name(next), "time": TTL_SECONDS});
-    let elapsed = netkit_testenv::fixtures::post_to_first_byte(
+    let elapsed = crate::fixtures::post_to_first_byte(
         proxier.api,
         "/api/v1/mapping",
         &body.to_string(),

@@ -24,7 +24,7 @@ const PROFILED: [&str; 4] = [
 /// What bounds each figure, read from the committed `--profile` files (each note names its
 /// file); a relay without a profile gets no note.
 pub(super) fn bounds(figures: &[Figure]) -> Vec<String> {
-    let root = crate::workspace_root();
+    let root = crate::workspace::root();
     // Only the relays of this run: a file left by an earlier run with other contenders (a
     // baseline build, say) says nothing about this one.
     let measured = |contender: &str| {
@@ -158,7 +158,7 @@ pub(super) fn profile(
     notes: &mut Vec<String>,
 ) -> anyhow::Result<()> {
     crate::debian::install_packages(&["linux-perf", "strace"], "bench --profile")?;
-    let dir = crate::workspace_root().join(PROFILE_DIR);
+    let dir = crate::workspace::root().join(PROFILE_DIR);
     std::fs::create_dir_all(&dir)?;
     let scratch = tempfile::tempdir()?;
     for contender in contenders.iter_mut() {
@@ -191,7 +191,7 @@ pub(super) fn profile(
             let data = scratch
                 .path()
                 .join(format!("{}-{kind}.data", slug(contender.name)));
-            let output = crate::workspace_root().join(profile_file(contender.name, kind));
+            let output = crate::workspace::root().join(profile_file(contender.name, kind));
             let strace = kind.ends_with("strace");
             let mut attached = None;
             let mut hook = |opening: bool| -> anyhow::Result<()> {

@@ -19,10 +19,9 @@ use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Node as NodeObject;
 use kube::api::Api;
 
-use super::pod_proxier::{http_within, tcp_echo};
-use super::steward::{Release, service_client};
+use super::pod_proxier_api::{http_within, tcp_echo};
 use super::{ChartReport, Env, url_port};
-use netkit_testenv::node::{NODE_NAME, check};
+use crate::node::{NODE_NAME, check};
 
 /// A scenario this module records (its chart lists it).
 pub const POD_PROXIER_CUT: &str = "node cut off from the API server for 30 s (nftables in the node's namespace): V1 and V2 mappings keep relaying, a connection held open through the V1 entry echoes before, during and after the cut, the API answers 503 instead of hanging, and after the link returns the API and kubelet's lease converge";
@@ -31,13 +30,13 @@ pub const STEWARD_CUT: &str = "node cut off from the API server for 30 s (nftabl
 /// How long the link stays cut: more than the API's request timeout (10 s) and a token's cache
 /// life (10 s), so the API must meet the cut; less than the node-monitor grace period (50 s),
 /// so the Node's Ready condition is only observed.
-const CUT: Duration = Duration::from_secs(30);
+pub(crate) const CUT: Duration = Duration::from_secs(30);
 /// How often the data plane is tried during the cut.
-const PROBE_EVERY: Duration = Duration::from_secs(2);
+pub(crate) const PROBE_EVERY: Duration = Duration::from_secs(2);
 /// How long the client waits for the API during the cut: its own request timeout (10 s) plus room.
 const API_WAIT: Duration = Duration::from_secs(25);
 /// After the link returns, how long kubelet and pod-proxier have to converge.
-const CONVERGE_LIMIT: Duration = Duration::from_secs(60);
+pub(crate) const CONVERGE_LIMIT: Duration = Duration::from_secs(60);
 
 /// What pod-proxier serves when the link is cut.
 pub struct Served<'a> {
@@ -293,72 +292,4 @@ async fn round_trip(stream: &mut tokio::net::TcpStream, n: usize) -> Result<(), 
         Ok(Ok(back)) if back == line.as_bytes() => Ok(()),
         Ok(Ok(back)) => Err(format!("echoed {:?}", String::from_utf8_lossy(&back))),
     }
-}
-
-/// Cuts the link for [`CUT`] under steward and records the scenario.
-pub async fn steward(env: &Env<'_>, report: &mut ChartReport, release: &Release) {
-    let started = Instant::now();
-    let outcome = steward_converges(env, release).await;
-    report.record(
-        STEWARD_CUT,
-        outcome.is_ok(),
-        started,
-        outcome.unwrap_or_else(|e| format!("{e:#}")),
-    );
-}
-
-async fn steward_converges(env: &Env<'_>, release: &Release) -> anyhow::Result<String> {
-    let node = env.plane.node().context("the control plane has no node")?;
-    let port = url_port(env.plane.server_url())?;
-    let through_steward = service_client(env).await?;
-    let ask = || async {
-        tokio::time::timeout(Duration::from_secs(5), through_steward.apiserver_version())
-            .await
-            .map_err(|_| anyhow::anyhow!("no answer within 5 s"))?
-            .map_err(anyhow::Error::from)
-    };
-    ask().await.context("through steward before the cut")?;
-    node.cut_apiserver_link(port)?;
-    let cut_at = Instant::now();
-    // During the cut steward has no upstream: a request through it must fail (else the cut did
-    // not cut). Pods are read through the host's own link, which the cut leaves alone.
-    let during = ask().await;
-    let mut ready_counts = Vec::new();
-    let mut read = Ok(());
-    while cut_at.elapsed() < CUT {
-        match release.ready_pods().await {
-            Ok(ready) => ready_counts.push(ready.len()),
-            Err(e) => {
-                read = Err(e);
-                break;
-            }
-        }
-        tokio::time::sleep(PROBE_EVERY).await;
-    }
-    node.restore_apiserver_link()?;
-    let returned_at = Instant::now();
-    read?;
-    if let Ok(version) = during {
-        anyhow::bail!(
-            "during the cut a request through steward was answered ({}): the link was not cut",
-            version.git_version
-        );
-    }
-    let mut back = None;
-    while back.is_none() && returned_at.elapsed() < CONVERGE_LIMIT {
-        match ask().await {
-            Ok(_) => back = Some(returned_at.elapsed()),
-            Err(_) => tokio::time::sleep(Duration::from_millis(250)).await,
-        }
-    }
-    let back = back.with_context(|| {
-        format!("no answer through steward within {CONVERGE_LIMIT:?} of the link's return")
-    })?;
-    release.wait_published("pod-ip", CONVERGE_LIMIT).await?;
-    let published = returned_at.elapsed();
-    Ok(format!(
-        "during the cut a request through 10.96.0.1:443 failed ({}), ready steward Pods every {PROBE_EVERY:?}: {ready_counts:?}; after the link returned: answered through steward after {back:.1?}, default/kubernetes as pod-ip says by {published:.1?}; now {}",
-        during.err().map(|e| format!("{e:#}")).unwrap_or_default(),
-        release.published().await?.describe()
-    ))
 }

@@ -18,19 +18,28 @@ pub struct Scenario {
 /// A container's restart count at the end of its chart's run.
 #[derive(Debug, Clone, Serialize)]
 pub struct Restarts {
+    /// The Pod.
     pub pod: String,
+    /// The container.
     pub container: String,
+    /// Its restart count.
     pub restarts: i32,
 }
 
 /// Everything measured for one chart.
 #[derive(Debug, Clone, Serialize, Default)]
 pub struct ChartReport {
+    /// The chart's name.
     pub chart: String,
+    /// The namespace it was installed in.
     pub namespace: String,
+    /// From `helm install` to every Pod Ready.
     pub install_to_ready_ms: Option<u128>,
+    /// Each scenario with its result.
     pub scenarios: Vec<Scenario>,
+    /// Every container's restart count at the end.
     pub restarts: Vec<Restarts>,
+    /// Why the chart's run stopped before its scenarios, if it did.
     pub error: Option<String>,
 }
 

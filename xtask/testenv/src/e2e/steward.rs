@@ -17,10 +17,13 @@ use kube::api::WatchParams;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams, WatchEvent};
 use serde_json::json;
 
-use super::{ChartReport, Env, RestartWatch};
-use netkit_testenv::node::{self, KUBERNETES_SERVICE_IP, TESTBOX_IMAGE, check};
+use super::partition::{CONVERGE_LIMIT, CUT, PROBE_EVERY, STEWARD_CUT};
+use super::{ChartReport, Env, RestartWatch, url_port};
+use crate::node::{self, KUBERNETES_SERVICE_IP, TESTBOX_IMAGE, check};
 
+/// The chart's release name in the e2e.
 pub const RELEASE: &str = "steward-tcp-proxy";
+/// The label selector of the chart's Pods.
 pub const SELECTOR: &str = "app.kubernetes.io/name=steward-tcp-proxy";
 const LISTEN_PORT: u16 = 6443;
 /// The chart's default `healthPort` (`/healthz`, `/readyz`).
@@ -56,7 +59,7 @@ pub fn expected_scenarios() -> Vec<String> {
             POD_IP_AGAIN,
             LEADER_DELETED,
             ROLLING_UPGRADE,
-            super::partition::STEWARD_CUT,
+            STEWARD_CUT,
             super::HELM_TEST_SCENARIO,
         ]
         .map(str::to_owned),
@@ -64,6 +67,7 @@ pub fn expected_scenarios() -> Vec<String> {
     names
 }
 
+/// Installs the chart and runs its scenarios.
 pub async fn run(env: &Env<'_>) -> ChartReport {
     let mut report = ChartReport::new("steward-tcp-proxy");
     let mut watch = None;
@@ -83,6 +87,7 @@ impl Published {
         !want.is_empty() && &self.endpoints == want && &self.slices == want
     }
 
+    /// One line for the report.
     pub fn describe(&self) -> String {
         let show = |set: &BTreeSet<(String, i32)>| {
             set.iter()
@@ -100,7 +105,9 @@ impl Published {
 
 /// The chart installed in `ns`, and what it publishes.
 pub struct Release {
+    /// An admin client.
     pub client: kube::Client,
+    /// The release's namespace.
     pub ns: String,
     /// A token of [`SCRAPER`], who may read the secure `/metrics`.
     pub scraper: String,
@@ -129,6 +136,7 @@ impl Release {
         })
     }
 
+    /// What `default/kubernetes` publishes now (Endpoints and EndpointSlice).
     pub async fn published(&self) -> anyhow::Result<Published> {
         let endpoints: Api<Endpoints> = Api::namespaced(self.client.clone(), "default");
         let slices: Api<EndpointSlice> = Api::namespaced(self.client.clone(), "default");
@@ -206,6 +214,7 @@ impl Release {
             .items)
     }
 
+    /// The leader election Lease's holder and its transitions.
     pub async fn lease(&self) -> anyhow::Result<(Option<String>, i32)> {
         let leases: Api<Lease> = Api::namespaced(self.client.clone(), &self.ns);
         let lease = leases.get_opt(RELEASE).await?;
@@ -651,7 +660,7 @@ async fn scenarios(
     );
 
     // 6. The node cut off from the API server for 30 s; steward converges when it returns.
-    super::partition::steward(env, report, &cluster).await;
+    partition(env, report, &cluster).await;
 
     // 7. The chart as users meet it: NOTES.txt says what to check next; `helm test` passes.
     //    It runs once the release serves again, as a user would run it: right after the cut,
@@ -1112,6 +1121,75 @@ impl Stop {
         let mut rx = self.0.subscribe();
         let _ = rx.wait_for(|v| *v).await;
     }
+}
+
+/// Cuts the node's link to the API server for [`CUT`] under steward and records
+/// [`STEWARD_CUT`].
+async fn partition(env: &Env<'_>, report: &mut ChartReport, release: &Release) {
+    let started = Instant::now();
+    let outcome = partition_converges(env, release).await;
+    report.record(
+        STEWARD_CUT,
+        outcome.is_ok(),
+        started,
+        outcome.unwrap_or_else(|e| format!("{e:#}")),
+    );
+}
+
+async fn partition_converges(env: &Env<'_>, release: &Release) -> anyhow::Result<String> {
+    let node = env.plane.node().context("the control plane has no node")?;
+    let port = url_port(env.plane.server_url())?;
+    let through_steward = service_client(env).await?;
+    let ask = || async {
+        tokio::time::timeout(Duration::from_secs(5), through_steward.apiserver_version())
+            .await
+            .map_err(|_| anyhow::anyhow!("no answer within 5 s"))?
+            .map_err(anyhow::Error::from)
+    };
+    ask().await.context("through steward before the cut")?;
+    node.cut_apiserver_link(port)?;
+    let cut_at = Instant::now();
+    // During the cut steward has no upstream: a request through it must fail (else the cut did
+    // not cut). Pods are read through the host's own link, which the cut leaves alone.
+    let during = ask().await;
+    let mut ready_counts = Vec::new();
+    let mut read = Ok(());
+    while cut_at.elapsed() < CUT {
+        match release.ready_pods().await {
+            Ok(ready) => ready_counts.push(ready.len()),
+            Err(e) => {
+                read = Err(e);
+                break;
+            }
+        }
+        tokio::time::sleep(PROBE_EVERY).await;
+    }
+    node.restore_apiserver_link()?;
+    let returned_at = Instant::now();
+    read?;
+    if let Ok(version) = during {
+        anyhow::bail!(
+            "during the cut a request through steward was answered ({}): the link was not cut",
+            version.git_version
+        );
+    }
+    let mut back = None;
+    while back.is_none() && returned_at.elapsed() < CONVERGE_LIMIT {
+        match ask().await {
+            Ok(_) => back = Some(returned_at.elapsed()),
+            Err(_) => tokio::time::sleep(Duration::from_millis(250)).await,
+        }
+    }
+    let back = back.with_context(|| {
+        format!("no answer through steward within {CONVERGE_LIMIT:?} of the link's return")
+    })?;
+    release.wait_published("pod-ip", CONVERGE_LIMIT).await?;
+    let published = returned_at.elapsed();
+    Ok(format!(
+        "during the cut a request through 10.96.0.1:443 failed ({}), ready steward Pods every {PROBE_EVERY:?}: {ready_counts:?}; after the link returned: answered through steward after {back:.1?}, default/kubernetes as pod-ip says by {published:.1?}; now {}",
+        during.err().map(|e| format!("{e:#}")).unwrap_or_default(),
+        release.published().await?.describe()
+    ))
 }
 
 #[cfg(test)]

@@ -8,6 +8,7 @@ use std::net::{Ipv4Addr, SocketAddr};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
+use crate::ControlPlane;
 use anyhow::{Context as _, bail};
 use futures::StreamExt as _;
 use k8s_openapi::api::coordination::v1::Lease;
@@ -16,7 +17,6 @@ use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::api::{Api, Patch, PatchParams, PostParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::runtime::watcher;
-use netkit_testenv::ControlPlane;
 use tokio::sync::mpsc;
 
 use super::report::{Metric, Recorder, notes_from};

@@ -15,11 +15,12 @@
 //! points `default/kubernetes` at the API server once, as the operator of a hosted control plane
 //! does (the API server's own reconciler is off); steward then takes the objects over.
 //!
-//! `cargo xtask demo` runs on the same cluster: [`ensure_tools`], [`start_cluster`], [`Env::new`],
+//! `cargo xtask demo` runs on the same cluster: `ensure_tools` (xtask), [`start_cluster`], [`Env::new`],
 //! each chart's `install` and the steps the demo shows are shared from here, so they exist once.
 
 pub mod partition;
 pub mod pod_proxier;
+pub mod pod_proxier_api;
 mod report;
 pub mod rstream_operator;
 pub mod steward;
@@ -31,26 +32,15 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use crate::ControlPlane;
+use crate::node::{self, TESTBOX_IMAGE, check};
 use anyhow::{Context as _, bail};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{Pod, PodSpec};
 use kube::api::{Api, ListParams};
-use netkit_testenv::ControlPlane;
-use netkit_testenv::node::{self, TESTBOX_IMAGE, check};
 
-use crate::chart_repo::{Packaged, REPO_NAME, Server};
-use crate::image::Built;
-
-#[derive(clap::Args, Default)]
-pub struct Args {
-    /// Use the images already under target/images/ instead of building them.
-    #[arg(long)]
-    pub skip_build: bool,
-    /// Run only these charts (repeatable: steward-tcp-proxy, pod-proxier, rstream-operator);
-    /// all three when not given. A run of fewer charts says so in its report and closing line.
-    #[arg(long = "chart", value_name = "RELEASE")]
-    pub charts: Vec<String>,
-}
+use crate::charts::{Packaged, REPO_NAME, Server};
+use crate::images::Built;
 
 /// What dashboards look for in every binary's `/metrics`: the process metrics (the build info
 /// is the binary's own, `<binary>_build_info`).
@@ -126,7 +116,12 @@ pub enum Scrape {
     /// Plain HTTP, as anyone (the chart's metrics are open).
     Open(SocketAddr),
     /// HTTPS with a ServiceAccount's token (the chart's secure default).
-    Secure { addr: SocketAddr, token: String },
+    Secure {
+        /// The HTTPS address.
+        addr: SocketAddr,
+        /// The bearer token.
+        token: String,
+    },
 }
 
 impl Scrape {
@@ -289,7 +284,9 @@ pub async fn apply_objects(
 
 /// What every chart's run needs.
 pub struct Env<'a> {
+    /// The control plane with its node.
     pub plane: &'a ControlPlane,
+    /// Helm's path.
     pub helm: PathBuf,
     /// `host:port` of the API server as Pods reach it.
     pub apiserver: String,
@@ -303,7 +300,9 @@ pub struct Env<'a> {
 /// HTTP on loopback and added with `helm repo add`, in a Helm home of its own (the user's Helm
 /// configuration is neither read nor changed).
 pub struct ChartRepo {
+    /// Every chart, packaged.
     pub charts: Vec<Packaged>,
+    /// The repository served on loopback.
     pub server: Server,
     home: tempfile::TempDir,
 }
@@ -312,8 +311,8 @@ impl ChartRepo {
     /// Packages every chart, serves the repository and adds it to a fresh Helm home as
     /// [`REPO_NAME`].
     pub fn start(helm: &Path) -> anyhow::Result<Self> {
-        let charts = crate::chart_repo::package(helm)?;
-        let server = Server::start(&crate::chart_repo::repo_dir())?;
+        let charts = crate::charts::package(helm)?;
+        let server = Server::start(&crate::charts::repo_dir())?;
         let repo = Self {
             charts,
             server,
@@ -369,16 +368,6 @@ impl HelmEnv for tokio::process::Command {
 /// How long the control plane and its node may take to start (a cold containerd and CoreDNS on a
 /// busy small machine).
 const CLUSTER_START_LIMIT: Duration = Duration::from_secs(240);
-
-/// What the charts' runs need on the machine: the envtest binaries with the node's (kubelet & co.,
-/// containerd, the node images), and Helm; returns Helm's path.
-pub fn ensure_tools() -> anyhow::Result<PathBuf> {
-    crate::envtest::ensure(&crate::envtest::Args {
-        node: true,
-        ..crate::envtest::Args::default()
-    })?;
-    crate::tools::ensure_helm()
-}
 
 /// The control plane the charts run on, with its node: the API server without its endpoint
 /// reconciler, as a hosted control plane runs it (the node points `default/kubernetes` at the
@@ -553,20 +542,15 @@ pub fn expected_scenario_count() -> u64 {
     u64::try_from(count).unwrap_or(u64::MAX)
 }
 
-pub fn run(args: &Args) -> anyhow::Result<()> {
+/// Runs the charts' scenarios (`charts`: only these releases, all three when empty) on a fresh
+/// control plane with its node, with Helm at `helm` and the release images `built` (pod-proxier's
+/// HAProxy sidecar among them when pod-proxier runs); writes `target/e2e/report.{json,md}`.
+pub fn run(charts: &[String], helm: PathBuf, built: &[Built]) -> anyhow::Result<()> {
     let wall = Instant::now();
-    let helm = ensure_tools()?;
-    let mut built = crate::image::run(&crate::image::Args {
-        which: "all".to_owned(),
-        repository: crate::image::DEFAULT_REPOSITORY.to_owned(),
-        tag: None,
-        skip_build: args.skip_build,
-    })?;
-    println!("tools and images ready in {:.1?}", wall.elapsed());
-    let out_dir = crate::workspace_root().join("target/e2e");
+    let out_dir = crate::workspace::root().join("target/e2e");
     std::fs::create_dir_all(&out_dir)?;
 
-    for chart in &args.charts {
+    for chart in charts {
         if ![
             steward::RELEASE,
             pod_proxier::RELEASE,
@@ -577,18 +561,14 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
             bail!("no chart {chart}: steward-tcp-proxy, pod-proxier or rstream-operator");
         }
     }
-    let wanted = |release: &str| args.charts.is_empty() || args.charts.iter().any(|c| c == release);
-    if wanted(pod_proxier::RELEASE) {
-        // pod-proxier's HAProxy backend runs it as a sidecar; no registry has it for the node.
-        built.push(crate::node_images::haproxy_image()?);
-    }
+    let wanted = |release: &str| charts.is_empty() || charts.iter().any(|c| c == release);
     let runtime = tokio::runtime::Runtime::new()?;
     let report = runtime.block_on(async {
         let started = Instant::now();
         let plane = start_cluster().await?;
         let cluster_start = started.elapsed();
         println!("control plane and node ready in {cluster_start:.1?}");
-        let env = Env::new(&plane, helm, &built)?;
+        let env = Env::new(&plane, helm, built)?;
         let node = plane.node().context("the control plane has no node")?;
         let mut charts = Vec::new();
         if wanted(steward::RELEASE) {
@@ -641,13 +621,13 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
     let passed = scenarios.clone().filter(|s| s.ok).count();
     let failed = scenarios.filter(|s| !s.ok).count()
         + report.charts.iter().filter(|c| c.error.is_some()).count();
-    if args.charts.is_empty() {
+    if charts.is_empty() {
         println!("e2e: {passed} passed, {failed} failed");
     } else {
         // Not the line `cargo xtask test` reads: a partial run is not the e2e's result.
         println!(
             "e2e (only {}): {passed} passed, {failed} failed",
-            args.charts.join(", ")
+            charts.join(", ")
         );
     }
     if !report.passed {
@@ -727,6 +707,7 @@ pub struct RestartWatch {
 }
 
 impl RestartWatch {
+    /// Starts watching the containers of `namespaces` for restarts.
     pub async fn start(plane: &ControlPlane, namespaces: &[&str]) -> anyhow::Result<Self> {
         let (stop, mut stopped) = tokio::sync::watch::channel(false);
         let client = plane.client().await?;

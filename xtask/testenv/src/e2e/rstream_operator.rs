@@ -29,9 +29,11 @@ use rstream_operator::names;
 use serde_json::json;
 
 use super::{ChartReport, Env, RestartWatch};
-use netkit_testenv::node::{self, check};
+use crate::node::{self, check};
 
+/// The chart's release name in the e2e.
 pub const RELEASE: &str = "rstream-operator";
+/// The label selector of the chart's Pods.
 pub const SELECTOR: &str = "app.kubernetes.io/instance=rstream-operator";
 const CRDS: [&str; 2] = [
     "rstreamconnections.tunnels.rstream.io",
@@ -39,19 +41,19 @@ const CRDS: [&str; 2] = [
 ];
 
 // The scenarios this chart records, by name (`expected_scenarios` lists them for the run).
-pub const INSTALLED: &str = "chart installed with its CRDs; the manager Ready by its own probe under Pod Security restricted";
-pub const MANAGER_METRICS: &str = "the manager's /metrics through the chart's metrics Service (what the optional ServiceMonitor scrapes) has process_*, the build info, controller-runtime's names and no retired ones";
-pub const HTTP_TUNNEL: &str = "HTTP tunnel (Quick Start): agent Available by its probe, tunnel Ready, a request through the engine reaches the workload Pod via the Service name";
-pub const TCP_TUNNEL: &str =
+pub(crate) const INSTALLED: &str = "chart installed with its CRDs; the manager Ready by its own probe under Pod Security restricted";
+pub(crate) const MANAGER_METRICS: &str = "the manager's /metrics through the chart's metrics Service (what the optional ServiceMonitor scrapes) has process_*, the build info, controller-runtime's names and no retired ones";
+pub(crate) const HTTP_TUNNEL: &str = "HTTP tunnel (Quick Start): agent Available by its probe, tunnel Ready, a request through the engine reaches the workload Pod via the Service name";
+pub(crate) const TCP_TUNNEL: &str =
     "TCP tunnel carries 64 MiB to the workload's echo port and back, intact";
-pub const AGENT_METRICS: &str = "the echo tunnel's agent Pod /metrics has process_*, its build info and the tunnel and stream metrics";
-pub const TOKEN_ROTATED: &str = "token rotated in the Secret, then the old one revoked in the engine: both agents log in again with the new token (the engine's record of each login), a login with the old token is refused, the agent Deployment rolled (config hash), both tunnels carry traffic";
-pub const AGENT_KILLED: &str = "the echo tunnel's agent Pod killed (grace 0) while Ready: a new agent Pod, the tunnel Ready again with a new tunnel id, 1 MiB through it";
-pub const ENGINE_KILLED: &str = "engine process SIGKILLed: web TunnelReady=False and Ready=False while it is down; started again on the same address: the agents open new control connections with the token in force, both tunnels Ready again and carry traffic (recovery time reported)";
-pub const TUNNEL_DELETED: &str =
+pub(crate) const AGENT_METRICS: &str = "the echo tunnel's agent Pod /metrics has process_*, its build info and the tunnel and stream metrics";
+pub(crate) const TOKEN_ROTATED: &str = "token rotated in the Secret, then the old one revoked in the engine: both agents log in again with the new token (the engine's record of each login), a login with the old token is refused, the agent Deployment rolled (config hash), both tunnels carry traffic";
+pub(crate) const AGENT_KILLED: &str = "the echo tunnel's agent Pod killed (grace 0) while Ready: a new agent Pod, the tunnel Ready again with a new tunnel id, 1 MiB through it";
+pub(crate) const ENGINE_KILLED: &str = "engine process SIGKILLed: web TunnelReady=False and Ready=False while it is down; started again on the same address: the agents open new control connections with the token in force, both tunnels Ready again and carry traffic (recovery time reported)";
+pub(crate) const TUNNEL_DELETED: &str =
     "RstreamTunnel deleted: agent Pods, ServiceAccount, Role, RoleBinding and ConfigMap gone";
-pub const CRD_UPGRADE: &str = "helm upgrade to the next chart version, whose RstreamConnection CRD adds an optional spec field: the field is served after the upgrade (pruned before), the existing RstreamConnection survives";
-pub const UNINSTALLED: &str = "helm uninstall with crds.keep (the default): the manager Pod gone; the CRDs and the RstreamConnection stay";
+pub(crate) const CRD_UPGRADE: &str = "helm upgrade to the next chart version, whose RstreamConnection CRD adds an optional spec field: the field is served after the upgrade (pruned before), the existing RstreamConnection survives";
+pub(crate) const UNINSTALLED: &str = "helm uninstall with crds.keep (the default): the manager Pod gone; the CRDs and the RstreamConnection stay";
 
 /// The live-stream outage scenario's name (it names [`LIVE_END_LIMIT`]).
 pub fn engine_killed_live() -> String {
@@ -88,6 +90,7 @@ pub fn expected_scenarios() -> Vec<String> {
     names
 }
 
+/// Installs the chart and runs its scenarios.
 pub async fn run(env: &Env<'_>) -> ChartReport {
     let mut report = ChartReport::new("rstream-operator");
     // Its restart watch is finished inside the scenarios (the agents' namespace is made there).
@@ -284,7 +287,7 @@ async fn crd_upgrade(env: &Env<'_>, ns: &str) -> anyhow::Result<String> {
 
     let dir = tempfile::tempdir()?;
     let version = next_chart(env, dir.path())?;
-    let server = crate::chart_repo::Server::start(&dir.path().join("repo"))?;
+    let server = crate::charts::Server::start(&dir.path().join("repo"))?;
     env.repo.add(&env.helm, NEXT_REPO, &server.url())?;
     let upgraded = Instant::now();
     env.helm(&[
@@ -419,12 +422,12 @@ fn next_chart(env: &Env<'_>, out: &std::path::Path) -> anyhow::Result<String> {
     }
     std::fs::write(
         template,
-        crate::crds::chart_template(&serde_yaml_ng::to_string(&crd)?, "rstream-operator.labels")?,
+        crate::charts::chart_template(&serde_yaml_ng::to_string(&crd)?, "rstream-operator.labels")?,
     )?;
     let repo = out.join("repo");
     std::fs::create_dir_all(&repo)?;
-    crate::chart_repo::package_dir(&env.helm, &chart, &repo)?;
-    crate::chart_repo::index(&env.helm, &repo)?;
+    crate::charts::package_dir(&env.helm, &chart, &repo)?;
+    crate::charts::index(&env.helm, &repo)?;
     Ok(version)
 }
 
@@ -457,9 +460,13 @@ impl EngineView for LocalEngine {
 /// A control-channel login the engine process reported.
 #[derive(Clone, Debug)]
 pub struct Login {
+    /// The client id it logged in with.
     pub client_id: String,
+    /// The token it presented.
     pub token: String,
+    /// Whether the engine accepted it.
     pub accepted: bool,
+    /// Whether the channel is still open.
     pub open: bool,
 }
 
@@ -671,7 +678,7 @@ async fn wait_ingress(engine: &(impl EngineView + ?Sized), tunnel_id: &str) -> O
 
 /// Builds the `local_engine` example (a no-op when it is up to date); returns its path.
 async fn build_engine_process() -> anyhow::Result<std::path::PathBuf> {
-    let root = crate::workspace_root();
+    let root = crate::workspace::root();
     let mut cmd =
         std::process::Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned()));
     cmd.current_dir(&root).args([
@@ -682,14 +689,14 @@ async fn build_engine_process() -> anyhow::Result<std::path::PathBuf> {
         "--example",
         "local_engine",
     ]);
-    crate::image::without_run_env(&mut cmd);
+    crate::workspace::without_run_env(&mut cmd);
     let status = tokio::task::spawn_blocking(move || cmd.status())
         .await?
         .context("running cargo build -p examples --example local_engine")?;
     if !status.success() {
         bail!("building the local_engine example failed ({status})");
     }
-    Ok(crate::image::target_dir(&root).join("debug/examples/local_engine"))
+    Ok(crate::workspace::target_dir(&root).join("debug/examples/local_engine"))
 }
 
 /// A tunnel's condition `(status, reason, message)`.
@@ -1163,12 +1170,17 @@ pub async fn quick_start(
 
 /// What the HTTP tunnel of the Quick Start showed.
 pub struct HttpTunnel {
+    /// The agent Deployment's name.
     pub agent_deployment: String,
+    /// Whether that Deployment was Available.
     pub agent_available: bool,
+    /// The tunnel id in the status.
     pub tunnel_id: String,
+    /// The forwarding address in the status.
     pub forwarding_address: String,
     /// The ingress the request went to, if the engine has one for the tunnel.
     pub ingress: Option<SocketAddr>,
+    /// How many requests it took to get an answer.
     pub attempts: u32,
     /// The body of the last answer through the engine, or why there was none.
     pub answer: Result<String, String>,
@@ -1187,6 +1199,7 @@ impl HttpTunnel {
             .is_ok_and(|a| a.contains("\"pod\":\"web-"))
     }
 
+    /// One line for the report.
     pub fn describe(&self) -> String {
         format!(
             "agent Deployment {} Available={}; forwarding address {}; GET / through the engine (attempt {}): {}",

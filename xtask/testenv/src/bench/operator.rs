@@ -12,6 +12,7 @@ use std::net::{Ipv4Addr, SocketAddr};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
+use crate::{AuditEvent, ControlPlane, Identity};
 use anyhow::{Context as _, bail};
 use futures::{StreamExt as _, TryStreamExt as _};
 use k8s_openapi::NamespaceResourceScope;
@@ -19,7 +20,6 @@ use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{ConfigMap, Secret, Service, ServiceAccount};
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
 use kube::api::{Api, ListParams, PostParams};
-use netkit_testenv::{AuditEvent, ControlPlane, Identity};
 use rstream_operator::api::{RstreamConnection, RstreamTunnel};
 use serde::de::DeserializeOwned;
 
@@ -203,7 +203,7 @@ async fn measure(
 /// What bounds the manager's memory, citing the committed heap profile; nothing without one.
 fn heap_note() -> Vec<String> {
     let profile = format!("{}/{HEAP_PROFILE}", super::proxy::PROFILE_DIR);
-    if !crate::workspace_root().join(&profile).is_file() {
+    if !crate::workspace::root().join(&profile).is_file() {
         return Vec::new();
     }
     vec![format!(
@@ -228,7 +228,7 @@ async fn heap_profile_round(
     let raw = dir.path().join("manager.heaptrack.raw");
     let run = measure(plane, binary, sizes, Some(&raw)).await?;
     let (peaks, by_function) = heaptrack::analyse(&raw, dir.path())?;
-    let out = crate::workspace_root()
+    let out = crate::workspace::root()
         .join(super::proxy::PROFILE_DIR)
         .join(HEAP_PROFILE);
     let text = format!(

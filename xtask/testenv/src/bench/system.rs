@@ -223,9 +223,9 @@ pub fn fd_count(pid: u32) -> anyhow::Result<usize> {
 }
 
 /// A free TCP port on 127.0.0.1, from below the kernel's ephemeral range (see
-/// [`netkit_testenv::fixtures::free_port`]).
+/// [`crate::fixtures::free_port`]).
 pub fn free_port() -> anyhow::Result<u16> {
-    netkit_testenv::fixtures::free_port().context("finding a free port")
+    crate::fixtures::free_port().context("finding a free port")
 }
 
 /// A child process whose output goes to a log file; killed and reaped on drop, so every exit path
@@ -340,7 +340,7 @@ pub fn cargo_build_release(target_args: &[&str]) -> anyhow::Result<PathBuf> {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
     eprintln!("building (release): cargo build {}", target_args.join(" "));
     let output = Command::new(cargo)
-        .current_dir(crate::workspace_root())
+        .current_dir(crate::workspace::root())
         .args([
             "build",
             "--release",
