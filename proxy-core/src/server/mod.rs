@@ -37,6 +37,7 @@ use crate::error::{ConfigError, ServerError};
 use crate::metrics::RelayObserver;
 use crate::relay::Route;
 use crate::socket;
+use crate::source::SourceFilter;
 
 mod config;
 mod listener;
@@ -170,6 +171,7 @@ impl ProxyServer {
             relay: config.relay,
             client_options_inherited,
             acceptor: config.acceptor,
+            sources: Mutex::new(config.source_filter),
             route: Mutex::new(Arc::new(ActiveRoute::new(
                 config.route,
                 local_addr,
@@ -263,6 +265,20 @@ impl ProxyServer {
         if existing == ExistingConnections::Close {
             previous.cancel.cancel();
         }
+        Ok(())
+    }
+
+    /// Replaces the source filter of a listener: clients accepted from now on are checked
+    /// against `filter` (`None` admits every source). Open connections are left alone; to cut
+    /// those of a former source, replace the route with [`ExistingConnections::Close`] too.
+    pub fn set_source_filter(
+        &self,
+        listener: SocketAddr,
+        filter: Option<SourceFilter>,
+    ) -> Result<(), ServerError> {
+        let state = self.listener(listener)?;
+        tracing::info!(listener = %listener, sources = %filter.as_ref().map_or_else(|| "any".to_owned(), SourceFilter::to_string), "source filter replaced");
+        *lock(&state.sources) = filter;
         Ok(())
     }
 
@@ -374,6 +390,7 @@ impl ProxyServer {
             relay: config.relay,
             client_options_inherited,
             acceptor: None,
+            sources: Mutex::new(config.source_filter),
             route: Mutex::new(Arc::new(ActiveRoute::new(
                 config.route,
                 local_addr,

@@ -18,9 +18,10 @@ use tokio_util::task::TaskTracker;
 use crate::accept::{AcceptError, StreamAcceptor};
 use crate::copy::{CopyMode, Direction, RelayCounters};
 use crate::error::ConnectError;
-use crate::metrics::{RelayObserver, RouteLabels};
+use crate::metrics::{RelayObserver, RouteLabels, SourceRefusal};
 use crate::relay::{self, Ending, RelayConfig, RelaySummary, Route};
 use crate::socket;
+use crate::source::SourceFilter;
 
 use super::config::{ACCEPT_BACKOFF_MIN, ConnectionStatus, DrainReport, ServerConfig};
 
@@ -51,6 +52,8 @@ pub(super) struct ListenerShared {
     pub(super) client_options_inherited: bool,
     pub(super) acceptor: Option<Arc<dyn StreamAcceptor>>,
     pub(super) route: Mutex<Arc<ActiveRoute>>,
+    /// The client addresses admitted at accept; `None`: every one.
+    pub(super) sources: Mutex<Option<SourceFilter>>,
     /// Stops the accept loop; a child of the server's shutdown token.
     pub(super) stop_accepting: CancellationToken,
     /// Closes every connection of this listener; a child of the server's shutdown token.
@@ -140,6 +143,24 @@ impl ActiveRoute {
 }
 
 impl ListenerShared {
+    /// Whether the source filter admits a client from `peer`. A refused one is reported here;
+    /// the caller resets and drops it before anything else happens to it.
+    pub(super) fn admits(&self, peer: SocketAddr, observer: &dyn RelayObserver) -> bool {
+        let admitted = lock(&self.sources)
+            .as_ref()
+            .is_none_or(|filter| filter.admits(peer.ip()));
+        if !admitted {
+            let route = Arc::clone(&lock(&self.route));
+            tracing::debug!(listener = %self.local_addr, %peer, "client refused at accept: source not admitted");
+            let refusal = SourceRefusal {
+                listener: self.local_addr,
+                peer,
+            };
+            observer.source_refused(&route.labels, &refusal);
+        }
+        admitted
+    }
+
     /// The idle limit of a running drain, for the event loops' connections.
     pub(super) fn drain_idle(&self) -> Option<Duration> {
         match self.drain_idle_ms.load(Ordering::Relaxed) {
@@ -315,7 +336,12 @@ pub(super) async fn accept_loop(
         match accepted {
             Ok((client, peer)) => {
                 backoff = ACCEPT_BACKOFF_MIN;
-                state.start_connection(client, peer, &server);
+                if state.admits(peer, server.observer.as_ref()) {
+                    state.start_connection(client, peer, &server);
+                } else {
+                    // A reset at once: the client learns before it sends, and no TIME_WAIT.
+                    socket::reset_on_close(&client);
+                }
             }
             Err(error) if concerns_one_connection(&error) => {
                 tracing::debug!(%error, listener = %state.local_addr, "accept failed for one connection");

@@ -655,6 +655,11 @@ impl Loop {
             return;
         };
         let state = Arc::clone(&listener.state);
+        if !state.admits(peer, self.server.observer.as_ref()) {
+            // Checked before the hand-off below, so no path relays a refused client.
+            reset_on_close(&StdStream::from(client));
+            return;
+        }
         let route = Arc::clone(&lock(&state.route));
         let target = match &route.route.upstream {
             Upstream::Target(TargetAddr::Socket(target)) => *target,
