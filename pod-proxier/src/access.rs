@@ -1,15 +1,16 @@
 //! Who may connect to a V1 entry port: the requester's source addresses, as CIDRs.
 //!
 //! A mapping records the addresses it admits (`allowedSources`); the data planes refuse any
-//! other source at accept (the embedded one in [`crate::dataplane::embedded`], HAProxy with a
-//! `tcp-request connection reject` ACL). What a request may ask for is bounded by
-//! `--allowed-source-cidrs`.
+//! other source at accept (the embedded one with proxy-core's source filter, see
+//! [`crate::dataplane::embedded`]; HAProxy with a `tcp-request connection reject` ACL). What a
+//! request may ask for is bounded by `--allowed-source-cidrs`.
 
 use std::fmt;
 use std::net::IpAddr;
 use std::str::FromStr;
 
 use clap::ValueEnum;
+use proxy_core::source::{self, SourceFilter};
 
 /// Who may connect to a V1 entry port.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -22,62 +23,61 @@ pub enum EntryAccess {
 }
 
 /// An IP network: an address and a prefix length (`10.0.0.0/8`, `fd00::/64`, or a single
-/// address). Written and parsed in that form; the address is kept as given, host bits masked.
+/// address). Written and parsed in that form, host bits masked. proxy-core's
+/// [`Cidr`](proxy_core::source::Cidr), which the data plane checks at accept, with serde as
+/// text for the API and the PortMapping objects.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct Cidr {
-    addr: IpAddr,
-    prefix: u8,
-}
+pub struct Cidr(source::Cidr);
 
 impl Cidr {
     /// The network of `addr` with `prefix` leading bits; refuses a prefix longer than the
     /// address.
     pub fn new(addr: IpAddr, prefix: u8) -> Result<Self, String> {
-        let addr = canonical(addr);
-        let max = max_prefix(addr);
-        if prefix > max {
-            return Err(format!("prefix /{prefix} is longer than {max} bits"));
-        }
-        Ok(Self {
-            addr: mask(addr, prefix),
-            prefix,
-        })
+        source::Cidr::new(addr, prefix)
+            .map(Self)
+            .map_err(|e| e.to_string())
     }
 
     /// The single address `addr` (`/32` or `/128`).
     pub fn host(addr: IpAddr) -> Self {
-        let addr = canonical(addr);
-        Self {
-            addr,
-            prefix: max_prefix(addr),
-        }
+        Self(source::Cidr::host(addr))
     }
 
     /// Whether `ip` is inside (an IPv4-mapped IPv6 address counts as its IPv4 address).
     pub fn contains(&self, ip: IpAddr) -> bool {
-        let ip = canonical(ip);
-        ip.is_ipv4() == self.addr.is_ipv4() && mask(ip, self.prefix) == self.addr
+        self.0.contains(ip)
     }
 
     /// Whether every address of `other` is inside.
     pub fn covers(&self, other: &Cidr) -> bool {
-        other.prefix >= self.prefix && self.contains(other.addr)
+        self.0.covers(&other.0)
     }
 
     /// The network address.
     pub fn addr(&self) -> IpAddr {
-        self.addr
+        self.0.addr()
     }
 
     /// The prefix length.
     pub fn prefix(&self) -> u8 {
-        self.prefix
+        self.0.prefix()
     }
+}
+
+impl From<Cidr> for source::Cidr {
+    fn from(cidr: Cidr) -> Self {
+        cidr.0
+    }
+}
+
+/// The filter a data plane checks at accept for a mapping admitting `cidrs`.
+pub fn source_filter(cidrs: &[Cidr]) -> SourceFilter {
+    cidrs.iter().copied().map(source::Cidr::from).collect()
 }
 
 impl fmt::Display for Cidr {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}/{}", self.addr, self.prefix)
+        self.0.fmt(f)
     }
 }
 
@@ -85,23 +85,11 @@ impl FromStr for Cidr {
     type Err = String;
 
     fn from_str(text: &str) -> Result<Self, String> {
-        let text = text.trim();
-        let (addr, prefix) = match text.split_once('/') {
-            Some((addr, prefix)) => (addr, Some(prefix)),
-            None => (text, None),
-        };
-        let addr: IpAddr = addr
-            .parse()
-            .map_err(|_| format!("{text:?} is not an IP address or CIDR (e.g. 10.0.0.0/8)"))?;
-        match prefix {
-            None => Ok(Cidr::host(addr)),
-            Some(prefix) => {
-                let prefix: u8 = prefix
-                    .parse()
-                    .map_err(|_| format!("{text:?}: the prefix length is not a number"))?;
-                Cidr::new(addr, prefix).map_err(|e| format!("{text:?}: {e}"))
-            }
-        }
+        text.parse().map(Self).map_err(|e| match e {
+            // Name the text, as the parse error does.
+            source::CidrError::PrefixTooLong { .. } => format!("{:?}: {e}", text.trim()),
+            other => other.to_string(),
+        })
     }
 }
 
@@ -116,37 +104,6 @@ impl<'de> serde::Deserialize<'de> for Cidr {
         let text = String::deserialize(deserializer)?;
         text.parse().map_err(serde::de::Error::custom)
     }
-}
-
-fn canonical(addr: IpAddr) -> IpAddr {
-    addr.to_canonical()
-}
-
-fn max_prefix(addr: IpAddr) -> u8 {
-    match addr {
-        IpAddr::V4(_) => 32,
-        IpAddr::V6(_) => 128,
-    }
-}
-
-fn mask(addr: IpAddr, prefix: u8) -> IpAddr {
-    match addr {
-        IpAddr::V4(v4) => {
-            let bits = u32::from(v4);
-            let kept = u32::MAX.checked_shl(32 - u32::from(prefix)).unwrap_or(0);
-            IpAddr::V4((bits & kept).into())
-        }
-        IpAddr::V6(v6) => {
-            let bits = u128::from(v6);
-            let kept = u128::MAX.checked_shl(128 - u32::from(prefix)).unwrap_or(0);
-            IpAddr::V6((bits & kept).into())
-        }
-    }
-}
-
-/// Whether `ip` is inside any of `cidrs`.
-pub fn admits(cidrs: &[Cidr], ip: IpAddr) -> bool {
-    cidrs.iter().any(|c| c.contains(ip))
 }
 
 /// The sources a request may ask for: its own address always, anything else only inside
@@ -204,20 +161,21 @@ mod tests {
     }
 
     #[test]
-    fn cidrs_parse_mask_and_contain() {
-        assert_eq!(c("10.1.2.3/8").to_string(), "10.0.0.0/8");
-        assert_eq!(c("10.1.2.3").to_string(), "10.1.2.3/32");
-        assert_eq!(c("fd00::1/64").to_string(), "fd00::/64");
-        assert_eq!(c("0.0.0.0/0").to_string(), "0.0.0.0/0");
-        assert!(c("0.0.0.0/0").contains("192.168.1.1".parse().unwrap()));
-        assert!(!c("0.0.0.0/0").contains("::1".parse().unwrap()));
-        assert!(c("127.0.0.1").contains("::ffff:127.0.0.1".parse().unwrap()));
-        assert!(!c("127.0.0.1").contains("127.0.0.2".parse().unwrap()));
-        assert!(c("10.0.0.0/8").covers(&c("10.2.0.0/16")));
-        assert!(!c("10.2.0.0/16").covers(&c("10.0.0.0/8")));
-        for bad in ["10.0.0.0/33", "fd00::/129", "x", "10.0.0.0/x", ""] {
-            assert!(bad.parse::<Cidr>().is_err(), "{bad}");
+    fn cidrs_are_proxy_cores_as_text_and_errors_name_the_text() {
+        // Parsing and matching are proxy-core's (tested there); this wraps them for serde.
+        let cidr = c("10.1.2.3/8");
+        assert_eq!(cidr.to_string(), "10.0.0.0/8");
+        assert_eq!(source::Cidr::from(cidr), "10.0.0.0/8".parse().unwrap());
+        assert_eq!(serde_json::to_value(cidr).unwrap(), "10.0.0.0/8");
+        let back: Cidr = serde_json::from_value("10.0.0.0/8".into()).unwrap();
+        assert_eq!(back, cidr);
+        assert!(source_filter(&[cidr]).admits("10.9.9.9".parse().unwrap()));
+        assert!(!source_filter(&[]).admits("10.9.9.9".parse().unwrap()));
+        for bad in ["10.0.0.0/33", "x", "10.0.0.0/x"] {
+            let err = bad.parse::<Cidr>().unwrap_err();
+            assert!(err.contains(&format!("{bad:?}")), "{err}");
         }
+        assert!(serde_json::from_value::<Cidr>("x".into()).is_err());
     }
 
     #[test]

@@ -13,33 +13,9 @@ use std::time::Duration;
 
 use serde_json::{Value, json};
 use support::{
-    Env, Proxier, eventually, free_port, free_range, get_text, greeting, port_forward_rule,
+    Env, Proxier, eventually, free_port, free_range, get_text, greeting, greeting_from,
+    port_forward_rule,
 };
-use tokio::io::AsyncReadExt as _;
-
-/// What a client bound to `source` gets from `entry`: the greeting, or `None` when it is
-/// closed (or refused) before any byte.
-async fn greeting_from(source: &str, entry: SocketAddr) -> Option<String> {
-    let socket = tokio::net::TcpSocket::new_v4().unwrap();
-    socket
-        .bind(SocketAddr::new(source.parse().unwrap(), 0))
-        .unwrap();
-    let mut stream = socket.connect(entry).await.ok()?;
-    let mut buf = Vec::new();
-    let read = tokio::time::timeout(Duration::from_secs(10), async {
-        let mut byte = [0u8; 1];
-        loop {
-            match stream.read(&mut byte).await {
-                Ok(0) | Err(_) => return,
-                Ok(_) if byte[0] == b'\n' => return,
-                Ok(_) => buf.push(byte[0]),
-            }
-        }
-    })
-    .await;
-    assert!(read.is_ok(), "{entry} neither answered nor closed in 10 s");
-    (!buf.is_empty()).then(|| String::from_utf8_lossy(&buf).into_owned())
-}
 
 /// The value of `podproxier_entry_source_refused_total` for `port` (0 when absent).
 async fn refused(px: &Proxier, port: u16) -> u64 {

@@ -13,7 +13,7 @@ use pod_proxier::dataplane::embedded::EmbeddedPlane;
 use pod_proxier::dataplane::{DesiredPorts, PortRoute};
 use proxy_core::metrics::NoopObserver;
 use proxy_core::upstream::HealthCheck;
-use support::{backend, free_port, greeting};
+use support::{backend, free_port, greeting, greeting_from};
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::TcpStream;
 
@@ -170,5 +170,75 @@ async fn a_mapping_that_asks_for_it_cuts_established_connections() {
         n.is_err() || rest.is_empty(),
         "the old connection stayed open"
     );
+    plane.shutdown(Duration::from_millis(100)).await;
+}
+
+#[tokio::test]
+async fn a_checked_entry_port_admits_its_mappings_sources_and_follows_them() {
+    use pod_proxier::metrics::EntryLabels;
+    use prometheus_client::metrics::counter::Counter;
+    use prometheus_client::metrics::family::Family;
+
+    let (checked, open) = (free_port(), free_port());
+    let refused: Family<EntryLabels, Counter> = Family::default();
+    let count = |port| {
+        refused
+            .get_or_create(&EntryLabels { entry_port: port })
+            .get()
+    };
+    let plane = EmbeddedPlane::new(
+        "127.0.0.1".parse().unwrap(),
+        Arc::new(NoopObserver),
+        None,
+        Duration::from_secs(1),
+    )
+    .unwrap()
+    .with_source_checks([checked], refused.clone());
+    let a = backend("127.0.0.47", "a").await;
+    let b = backend("127.0.0.48", "b").await;
+    let v1 = |target, sources: &[&str]| PortRoute {
+        allowed_sources: Some(sources.iter().map(|s| s.parse().unwrap()).collect()),
+        ..route("v1", vec![target], false, false)
+    };
+    let entry = SocketAddr::from(([127, 0, 0, 1], checked));
+    let unchecked = SocketAddr::from(([127, 0, 0, 1], open));
+    let desired: DesiredPorts = [
+        (checked, v1(a, &["127.0.0.1"])),
+        (open, v1(a, &["127.0.0.1"])),
+    ]
+    .into();
+    assert!(plane.sync(&desired).await.is_empty());
+    assert_eq!(
+        greeting_from("127.0.0.1", entry).await.as_deref(),
+        Some("a")
+    );
+    assert_eq!(greeting_from("127.0.0.2", entry).await, None);
+    assert_eq!(count(checked), 1);
+    // A port outside the checked ones admits everyone, as before.
+    assert_eq!(
+        greeting_from("127.0.0.2", unchecked).await.as_deref(),
+        Some("a")
+    );
+    assert_eq!(count(open), 0);
+
+    // Another mapping takes the port with other sources.
+    let desired: DesiredPorts = [(checked, v1(b, &["127.0.0.2/32"]))].into();
+    assert!(plane.sync(&desired).await.is_empty());
+    assert_eq!(
+        greeting_from("127.0.0.2", entry).await.as_deref(),
+        Some("b")
+    );
+    assert_eq!(greeting_from("127.0.0.1", entry).await, None);
+    assert_eq!(count(checked), 2);
+
+    // Only the sources change (the route stays): followed as well.
+    let desired: DesiredPorts = [(checked, v1(b, &["127.0.0.0/31"]))].into();
+    assert!(plane.sync(&desired).await.is_empty());
+    assert_eq!(
+        greeting_from("127.0.0.1", entry).await.as_deref(),
+        Some("b")
+    );
+    assert_eq!(greeting_from("127.0.0.2", entry).await, None);
+    assert_eq!(count(checked), 3);
     plane.shutdown(Duration::from_millis(100)).await;
 }

@@ -42,6 +42,7 @@ use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::TcpStream;
 
 pub use crate::error::HttpConnectError;
+use crate::source::Cidr;
 use crate::target::TargetAddr;
 
 /// Largest response header accepted from a proxy.
@@ -344,11 +345,10 @@ fn no_proxy_matches(entry: &str, host: &str, ip: Option<IpAddr>, port: u16) -> b
     if entry == "*" {
         return true;
     }
-    if let Some((net, bits)) = entry.split_once('/') {
-        let (Ok(net), Ok(bits), Some(ip)) = (net.parse::<IpAddr>(), bits.parse::<u8>(), ip) else {
-            return false;
-        };
-        return in_cidr(ip, net, bits);
+    if entry.contains('/') {
+        return entry
+            .parse::<Cidr>()
+            .is_ok_and(|net| ip.is_some_and(|ip| net.contains(ip)));
     }
     // An optional `:port`; an IPv6 literal takes one only in brackets (`[::1]:443`).
     let (name, entry_port) = if let Some(rest) = entry.strip_prefix('[') {
@@ -378,20 +378,6 @@ fn no_proxy_matches(entry: &str, host: &str, ip: Option<IpAddr>, port: u16) -> b
     match name.strip_prefix('.') {
         Some(suffix) => host.ends_with(&format!(".{suffix}")),
         None => host == name || host.ends_with(&format!(".{name}")),
-    }
-}
-
-fn in_cidr(ip: IpAddr, net: IpAddr, bits: u8) -> bool {
-    match (ip, net) {
-        (IpAddr::V4(ip), IpAddr::V4(net)) if bits <= 32 => {
-            let mask = u32::MAX.checked_shl(32 - u32::from(bits)).unwrap_or(0);
-            u32::from(ip) & mask == u32::from(net) & mask
-        }
-        (IpAddr::V6(ip), IpAddr::V6(net)) if bits <= 128 => {
-            let mask = u128::MAX.checked_shl(128 - u32::from(bits)).unwrap_or(0);
-            u128::from(ip) & mask == u128::from(net) & mask
-        }
-        _ => false,
     }
 }
 

@@ -17,6 +17,8 @@
 //!   socket each ([`server::ServerConfig::accept_workers`]); on Linux, plain TCP listeners can
 //!   relay on event-loop threads instead of a tokio task per connection
 //!   ([`server::DataPath::EventLoop`]). Uses everything below.
+//! * [`source`]: which client addresses a listener admits ([`source::SourceFilter`], checked
+//!   at accept on both data paths).
 //! * [`accept`]: accept layers for listeners that do more than TCP to TCP (TLS termination):
 //!   [`accept::StreamAcceptor`].
 //! * [`metrics`]: the [`metrics::RelayObserver`] trait the server reports to, and a ready
@@ -105,6 +107,7 @@ pub mod proxy_protocol;
 pub mod relay;
 pub mod server;
 pub mod socket;
+pub mod source;
 pub mod target;
 #[cfg(feature = "tls")]
 #[cfg_attr(docsrs, doc(cfg(feature = "tls")))]

@@ -6,6 +6,7 @@
 //! end of each connection, so long-lived connections show up in the metrics while they run.
 
 use std::collections::HashMap;
+use std::net::SocketAddr;
 use std::sync::{Arc, OnceLock, PoisonError, RwLock};
 
 use prometheus_client::collector::Collector;
@@ -46,6 +47,14 @@ pub trait RelayObserver: Send + Sync {
         let _ = labels;
     }
 
+    /// A client was closed at accept because the listener's
+    /// [source filter](crate::source::SourceFilter) does not admit its address. No
+    /// [`connection_opened`](Self::connection_opened) or
+    /// [`connection_closed`](Self::connection_closed) is reported for it.
+    fn source_refused(&self, labels: &RouteLabels, refusal: &SourceRefusal) {
+        let _ = (labels, refusal);
+    }
+
     /// Connecting to the upstream failed; the client connection is closed.
     fn connect_failed(&self, labels: &RouteLabels, error: &ConnectError) {
         let _ = (labels, error);
@@ -60,6 +69,16 @@ pub trait RelayObserver: Send + Sync {
     fn connection_closed(&self, labels: &RouteLabels, summary: &RelaySummary) {
         let _ = (labels, summary);
     }
+}
+
+/// A client refused for its source address (see [`RelayObserver::source_refused`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct SourceRefusal {
+    /// The listener's local address.
+    pub listener: SocketAddr,
+    /// The client's address.
+    pub peer: SocketAddr,
 }
 
 /// An observer that ignores everything.
@@ -89,6 +108,7 @@ struct EndingLabels {
 /// | `proxy_connections_active` | gauge | |
 /// | `proxy_connections_total` | counter | |
 /// | `proxy_connections_rejected_total` | counter | |
+/// | `proxy_connections_source_refused_total` | counter | |
 /// | `proxy_connections_closed_total` | counter | `ending` |
 /// | `proxy_bytes_total` | counter | `direction` (`to_upstream`, `to_client`) |
 /// | `proxy_connect_errors_total` | counter | |
@@ -128,6 +148,7 @@ pub struct PrometheusObserver {
     active: Family<RouteLabels, Gauge>,
     connections: Family<RouteLabels, Counter>,
     rejected: Family<RouteLabels, Counter>,
+    source_refused: Family<RouteLabels, Counter>,
     closed: Family<EndingLabels, Counter>,
     bytes: Family<DirectionLabels, Counter>,
     connect_errors: Family<RouteLabels, Counter>,
@@ -160,6 +181,7 @@ struct RouteMetrics {
     active: Gauge,
     connections: Counter,
     rejected: OnceLock<Counter>,
+    source_refused: OnceLock<Counter>,
     connect_errors: OnceLock<Counter>,
     connect_timeouts: OnceLock<Counter>,
     /// By [`Direction`]: to the upstream, to the client.
@@ -185,6 +207,7 @@ impl PrometheusObserver {
                 active: self.active.get_or_create(labels).clone(),
                 connections: self.connections.get_or_create(labels).clone(),
                 rejected: OnceLock::new(),
+                source_refused: OnceLock::new(),
                 connect_errors: OnceLock::new(),
                 connect_timeouts: OnceLock::new(),
                 bytes: [OnceLock::new(), OnceLock::new()],
@@ -224,6 +247,11 @@ impl PrometheusObserver {
             metrics.rejected.clone(),
         );
         registry.register(
+            "connections_source_refused",
+            "Client connections closed at accept because the listener's source filter does not admit their address",
+            metrics.source_refused.clone(),
+        );
+        registry.register(
             "connections_closed",
             "Client connections closed, by how they ended",
             metrics.closed.clone(),
@@ -258,6 +286,12 @@ impl RelayObserver for PrometheusObserver {
     fn connection_rejected(&self, labels: &RouteLabels) {
         let route = self.route(labels);
         self.counter(&route.rejected, &self.rejected, labels).inc();
+    }
+
+    fn source_refused(&self, labels: &RouteLabels, _: &SourceRefusal) {
+        let route = self.route(labels);
+        self.counter(&route.source_refused, &self.source_refused, labels)
+            .inc();
     }
 
     fn connect_failed(&self, labels: &RouteLabels, error: &ConnectError) {

@@ -251,9 +251,13 @@ pub(crate) fn shutdown_write(stream: &TcpStream) -> io::Result<()> {
 }
 
 /// Makes the next close send RST instead of FIN, so that a peer learns the other side aborted
-/// rather than finished. `SO_LINGER` with a zero timeout never blocks on close.
-pub(crate) fn reset_on_close(stream: &TcpStream) {
-    if let Err(error) = stream.set_zero_linger() {
+/// rather than finished. `SO_LINGER` with a zero timeout never blocks on close. Takes tokio's
+/// and the standard library's sockets alike (the event loop holds the latter).
+pub(crate) fn reset_on_close<S>(socket: &S)
+where
+    for<'s> SockRef<'s>: From<&'s S>,
+{
+    if let Err(error) = SockRef::from(socket).set_linger(Some(Duration::ZERO)) {
         tracing::debug!(%error, "cannot set SO_LINGER 0");
     }
 }

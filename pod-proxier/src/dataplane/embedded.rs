@@ -2,100 +2,77 @@
 //! accepted connection; nothing reloads, and established connections keep their upstream unless
 //! the mapping asks to close them.
 //!
-//! An entry port whose access is checked (V1 with `--entry-access=requester`) has a
-//! [`SourceGate`]: a client from a source the mapping does not admit is closed at accept, before
-//! any upstream is connected, and counted. proxy-core relays such a listener's connections on
-//! its buffered path (an accept layer hands over streams, not sockets to splice).
+//! An entry port whose access is checked (V1 with `--entry-access=requester`) has a proxy-core
+//! source filter: a client from a source the mapping does not admit is reset at accept, before
+//! any upstream is connected, and counted per entry port. The check is proxy-core's own, so
+//! such a port keeps the splice path and the event loops.
 
 use std::collections::{BTreeSet, HashMap};
 use std::net::{IpAddr, SocketAddr};
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use futures::future::BoxFuture;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
-use proxy_core::accept::{AcceptError, Accepted, StreamAcceptor};
-use proxy_core::metrics::RelayObserver;
-use proxy_core::relay::{self, RelayConfig, Route};
+use proxy_core::ConnectError;
+use proxy_core::copy::Direction;
+use proxy_core::metrics::{RelayObserver, RouteLabels, SourceRefusal};
+use proxy_core::relay::{RelayConfig, RelaySummary, Route};
 use proxy_core::server::{ExistingConnections, ListenerConfig, ProxyServer, ServerConfig};
+use proxy_core::source::SourceFilter;
 use proxy_core::upstream::{HealthCheck, TargetAddr, TargetStatus, Upstream, UpstreamSet};
-use tokio::net::TcpStream;
 use tokio::sync::Mutex;
 use tokio_util::sync::{CancellationToken, DropGuard};
 
 use super::{DesiredPorts, PortError, PortRoute};
-use crate::access::{Cidr, admits};
+use crate::access::source_filter;
 use crate::metrics::EntryLabels;
 
-/// The sources an entry port admits, checked on every accepted client.
-#[derive(Debug)]
-pub struct SourceGate {
-    /// `None`: every source (an idle port, which refuses anyway).
-    allowed: RwLock<Option<Arc<[Cidr]>>>,
-    /// Clients closed because of their source.
-    refused: Counter,
+/// The relay's observer, which also counts the clients proxy-core refused for their source per
+/// entry port (`podproxier_entry_source_refused_total`).
+struct EntryObserver {
+    inner: Arc<dyn RelayObserver>,
+    /// Set by [`EmbeddedPlane::with_source_checks`], before any port listens.
+    refused: Arc<OnceLock<Family<EntryLabels, Counter>>>,
 }
 
-impl SourceGate {
-    /// A gate admitting `allowed` (`None`: everyone), counting refusals in `refused`.
-    pub fn new(allowed: Option<&[Cidr]>, refused: Counter) -> Self {
-        Self {
-            allowed: RwLock::new(allowed.map(Arc::from)),
-            refused,
-        }
+impl RelayObserver for EntryObserver {
+    fn connection_opened(&self, labels: &RouteLabels) {
+        self.inner.connection_opened(labels);
     }
 
-    /// Admits `allowed` from the next accepted client on.
-    pub fn set(&self, allowed: Option<&[Cidr]>) {
-        let next = allowed.map(Arc::from);
-        match self.allowed.write() {
-            Ok(mut current) => *current = next,
-            Err(poisoned) => *poisoned.into_inner() = next,
-        }
+    fn connection_rejected(&self, labels: &RouteLabels) {
+        self.inner.connection_rejected(labels);
     }
 
-    /// Whether a client from `ip` may pass.
-    pub fn admits(&self, ip: IpAddr) -> bool {
-        let allowed = match self.allowed.read() {
-            Ok(current) => current.clone(),
-            Err(poisoned) => poisoned.into_inner().clone(),
-        };
-        allowed.is_none_or(|cidrs| admits(&cidrs, ip))
+    fn source_refused(&self, labels: &RouteLabels, refusal: &SourceRefusal) {
+        if let Some(refused) = self.refused.get() {
+            refused
+                .get_or_create(&EntryLabels {
+                    entry_port: refusal.listener.port(),
+                })
+                .inc();
+        }
+        self.inner.source_refused(labels, refusal);
+    }
+
+    fn connect_failed(&self, labels: &RouteLabels, error: &ConnectError) {
+        self.inner.connect_failed(labels, error);
+    }
+
+    fn bytes_relayed(&self, labels: &RouteLabels, direction: Direction, bytes: u64) {
+        self.inner.bytes_relayed(labels, direction, bytes);
+    }
+
+    fn connection_closed(&self, labels: &RouteLabels, summary: &RelaySummary) {
+        self.inner.connection_closed(labels, summary);
     }
 }
 
-/// Why a client was closed at accept.
-#[derive(Debug, thiserror::Error)]
-#[error("source {0} is not admitted by this entry port's mapping")]
-struct NotAdmitted(String);
-
-impl StreamAcceptor for SourceGate {
-    fn accept<'a>(
-        &'a self,
-        client: TcpStream,
-        route: &'a Route,
-        config: &'a RelayConfig,
-    ) -> BoxFuture<'a, Result<Accepted, AcceptError>> {
-        Box::pin(async move {
-            let peer = client.peer_addr().ok();
-            if !peer.is_some_and(|peer| self.admits(peer.ip())) {
-                self.refused.inc();
-                let source = peer.map_or_else(|| "unknown".to_owned(), |p| p.ip().to_string());
-                tracing::debug!(%source, route = %route.name, "client refused at accept: source not admitted");
-                // Dropping the client closes it; nothing was connected upstream.
-                return Err(AcceptError::Handshake {
-                    stage: "source address check".to_owned(),
-                    cause: Box::new(NotAdmitted(source)),
-                });
-            }
-            let upstream = relay::connect_upstream(route, &client, config).await?;
-            Ok(Accepted {
-                client: Box::new(client),
-                upstream: Box::new(upstream),
-            })
-        })
-    }
+/// The source filter of a checked port for `route` (`None`: every source, an idle port that
+/// refuses anyway).
+fn filter_of(route: &PortRoute) -> Option<SourceFilter> {
+    route.allowed_sources.as_deref().map(source_filter)
 }
 
 /// Why an entry port without a mapping closes every connection at once. (The original
@@ -109,8 +86,6 @@ struct ActivePort {
     checks: Option<DropGuard>,
     /// The current upstream set, when the route has several targets or health checks.
     set: Option<Arc<UpstreamSet>>,
-    /// The source check, on a port whose access is checked.
-    gate: Option<Arc<SourceGate>>,
 }
 
 /// What [`EmbeddedPlane::build`] makes of a route: the proxy-core route, the guard of its health
@@ -128,8 +103,8 @@ pub struct EmbeddedPlane {
     drain: Duration,
     /// The entry ports whose clients' sources are checked.
     gated: BTreeSet<u16>,
-    /// Clients refused for their source, per entry port.
-    refused: Family<EntryLabels, Counter>,
+    /// Clients refused for their source, per entry port (shared with the observer).
+    refused: Arc<OnceLock<Family<EntryLabels, Counter>>>,
 }
 
 impl EmbeddedPlane {
@@ -140,6 +115,11 @@ impl EmbeddedPlane {
         health_check: Option<HealthCheck>,
         drain: Duration,
     ) -> Result<Self, proxy_core::ServerError> {
+        let refused = Arc::new(OnceLock::new());
+        let observer = Arc::new(EntryObserver {
+            inner: observer,
+            refused: Arc::clone(&refused),
+        });
         let server = ProxyServer::new(ServerConfig::default(), observer)?;
         Ok(Self {
             server,
@@ -149,20 +129,20 @@ impl EmbeddedPlane {
             ports: Mutex::new(HashMap::new()),
             drain,
             gated: BTreeSet::new(),
-            refused: Family::default(),
+            refused,
         })
     }
 
     /// Checks the source of every client of `ports` against its route's
     /// [`PortRoute::allowed_sources`], counting refusals per port in `refused`. Set before the
-    /// first [`sync`](Self::sync).
+    /// first [`sync`](Self::sync), once (a second `refused` is ignored).
     pub fn with_source_checks(
         mut self,
         ports: impl IntoIterator<Item = u16>,
         refused: Family<EntryLabels, Counter>,
     ) -> Self {
         self.gated = ports.into_iter().collect();
-        self.refused = refused;
+        let _ = self.refused.set(refused);
         self
     }
 
@@ -227,12 +207,21 @@ impl EmbeddedPlane {
             }
         }
         for (&port, route) in desired {
+            let gated = self.gated.contains(&port);
             match ports.get_mut(&port) {
                 Some(active) if !active.route.forwarding_differs(route) => {
-                    if let Some(gate) = &active.gate {
-                        gate.set(route.allowed_sources.as_deref());
+                    if gated
+                        && active.route.access_differs(route)
+                        && let Err(err) =
+                            self.server.set_source_filter(active.addr, filter_of(route))
+                    {
+                        errors.push(PortError {
+                            port,
+                            message: err.to_string(),
+                        });
+                        continue;
                     }
-                    // Only the close flag may differ; remember it for the next switch.
+                    // Only the close flag and the sources may differ; remember them.
                     active.route = route.clone();
                 }
                 Some(active) => {
@@ -244,11 +233,11 @@ impl EmbeddedPlane {
                     let (next, checks, set) = self.build(port, route);
                     // Closed while the route switches, so no client of one mapping's sources
                     // reaches another mapping's target.
-                    let gate = active.gate.clone();
-                    if let Some(gate) = &gate
-                        && active.route.access_differs(route)
-                    {
-                        gate.set(Some(&[]));
+                    let refilter = gated && active.route.access_differs(route);
+                    if refilter {
+                        let _ = self
+                            .server
+                            .set_source_filter(active.addr, Some(SourceFilter::deny_all()));
                     }
                     match self.server.set_route(active.addr, next, existing) {
                         Ok(()) => {
@@ -265,23 +254,24 @@ impl EmbeddedPlane {
                             });
                         }
                     }
-                    if let Some(gate) = &gate {
-                        gate.set(active.route.allowed_sources.as_deref());
+                    // The new mapping's sources, or the old ones if the switch failed.
+                    if refilter
+                        && let Err(err) = self
+                            .server
+                            .set_source_filter(active.addr, filter_of(&active.route))
+                    {
+                        errors.push(PortError {
+                            port,
+                            message: err.to_string(),
+                        });
                     }
                 }
                 None => {
                     let (next, checks, set) = self.build(port, route);
                     let mut config = ListenerConfig::new(SocketAddr::new(self.ip, port), next)
                         .with_relay(self.relay);
-                    let gate = self.gated.contains(&port).then(|| {
-                        let refused = self
-                            .refused
-                            .get_or_create(&EntryLabels { entry_port: port })
-                            .clone();
-                        Arc::new(SourceGate::new(route.allowed_sources.as_deref(), refused))
-                    });
-                    if let Some(gate) = &gate {
-                        config = config.with_acceptor(Arc::clone(gate) as Arc<dyn StreamAcceptor>);
+                    if gated && let Some(filter) = filter_of(route) {
+                        config = config.with_source_filter(filter);
                     }
                     match self.server.add_listener(config) {
                         Ok(addr) => {
@@ -292,7 +282,6 @@ impl EmbeddedPlane {
                                     route: route.clone(),
                                     checks,
                                     set,
-                                    gate,
                                 },
                             );
                         }

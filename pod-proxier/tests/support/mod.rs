@@ -759,6 +759,30 @@ pub async fn greeting(addr: SocketAddr) -> Option<String> {
     Some(String::from_utf8_lossy(&buf).into_owned())
 }
 
+/// What a client bound to `source` gets from `entry`: the greeting, or `None` when it is
+/// refused or closed before any byte. Fails the test if neither happens in 30 s.
+pub async fn greeting_from(source: &str, entry: SocketAddr) -> Option<String> {
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket
+        .bind(SocketAddr::new(source.parse().unwrap(), 0))
+        .unwrap();
+    let mut stream = socket.connect(entry).await.ok()?;
+    let mut buf = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(30), async {
+        let mut byte = [0u8; 1];
+        loop {
+            match stream.read(&mut byte).await {
+                Ok(0) | Err(_) => return,
+                Ok(_) if byte[0] == b'\n' => return,
+                Ok(_) => buf.push(byte[0]),
+            }
+        }
+    })
+    .await;
+    assert!(read.is_ok(), "{entry} neither answered nor closed in 30 s");
+    (!buf.is_empty()).then(|| String::from_utf8_lossy(&buf).into_owned())
+}
+
 pub use netkit_testenv::eventually;
 
 /// How a port met one connection: the greeting of whoever answered, a refusal (refused, or

@@ -14,6 +14,7 @@ use crate::accept::StreamAcceptor;
 use crate::copy::RelayCounters;
 use crate::error::ConfigError;
 use crate::relay::{RelayConfig, Route};
+use crate::source::SourceFilter;
 
 /// Shortest pause after a failed accept.
 pub(super) const ACCEPT_BACKOFF_MIN: Duration = Duration::from_millis(5);
@@ -202,6 +203,10 @@ pub struct ListenerConfig {
     /// An accept layer (e.g. TLS termination) that prepares both legs instead of the plain TCP
     /// connect; `None` relays TCP to TCP.
     pub acceptor: Option<Arc<dyn StreamAcceptor>>,
+    /// The client addresses admitted; any other client is reset at accept, before an upstream
+    /// is connected, and counted. `None` admits every source. Replaceable with
+    /// [`ProxyServer::set_source_filter`](super::ProxyServer::set_source_filter).
+    pub source_filter: Option<SourceFilter>,
 }
 
 impl ListenerConfig {
@@ -213,7 +218,15 @@ impl ListenerConfig {
             max_connections: None,
             relay: RelayConfig::default(),
             acceptor: None,
+            source_filter: None,
         }
+    }
+
+    /// Admits only the clients `filter` admits (see [`ListenerConfig::source_filter`]).
+    #[must_use]
+    pub fn with_source_filter(mut self, filter: SourceFilter) -> Self {
+        self.source_filter = Some(filter);
+        self
     }
 
     /// Sets the accept layer.

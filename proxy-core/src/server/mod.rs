@@ -23,13 +23,12 @@ use std::collections::HashMap;
 use std::fmt;
 use std::io;
 use std::net::{IpAddr, SocketAddr};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::net::TcpListener;
 use tokio::runtime::Handle;
-use tokio::sync::Semaphore;
 use tokio_util::sync::{CancellationToken, DropGuard};
 use tokio_util::task::TaskTracker;
 
@@ -37,6 +36,7 @@ use crate::error::{ConfigError, ServerError};
 use crate::metrics::RelayObserver;
 use crate::relay::Route;
 use crate::socket;
+use crate::source::SourceFilter;
 
 mod config;
 mod listener;
@@ -164,31 +164,14 @@ impl ProxyServer {
             && sockets
                 .iter()
                 .all(|(_, listener)| config.relay.socket.apply_to_listener(listener));
-        let close_connections = shared.shutdown.child_token();
-        let state = Arc::new(ListenerShared {
+        let state = Arc::new(ListenerShared::new(
             local_addr,
-            relay: config.relay,
+            config,
             client_options_inherited,
-            acceptor: config.acceptor,
-            route: Mutex::new(Arc::new(ActiveRoute::new(
-                config.route,
-                local_addr,
-                &close_connections,
-            ))),
-            stop_accepting: shared.shutdown.child_token(),
-            close_connections,
-            connection_tasks: TaskTracker::new(),
-            connections: Mutex::new(HashMap::new()),
-            limit: config
-                .max_connections
-                .map(|limit| Arc::new(Semaphore::new(limit))),
-            accept_tasks: Mutex::new(Vec::new()),
+            &shared.shutdown,
             #[cfg(target_os = "linux")]
-            event_loops: None,
-            loop_connections: AtomicUsize::new(0),
-            loop_closed_idle: AtomicUsize::new(0),
-            drain_idle_ms: AtomicU64::new(0),
-        });
+            None,
+        ));
         {
             // Registered and started under one lock, so a concurrent removal always finds the
             // accept tasks to wait for.
@@ -263,6 +246,20 @@ impl ProxyServer {
         if existing == ExistingConnections::Close {
             previous.cancel.cancel();
         }
+        Ok(())
+    }
+
+    /// Replaces the source filter of a listener: clients accepted from now on are checked
+    /// against `filter` (`None` admits every source). Open connections are left alone; to cut
+    /// those of a former source, replace the route with [`ExistingConnections::Close`] too.
+    pub fn set_source_filter(
+        &self,
+        listener: SocketAddr,
+        filter: Option<SourceFilter>,
+    ) -> Result<(), ServerError> {
+        let state = self.listener(listener)?;
+        tracing::info!(listener = %listener, sources = %filter.as_ref().map_or_else(|| "any".to_owned(), SourceFilter::to_string), "source filter replaced");
+        *lock(&state.sources) = filter;
         Ok(())
     }
 
@@ -368,30 +365,13 @@ impl ProxyServer {
             sockets.push(listener.into_std().map_err(bind_error)?);
         }
         let local_addr = next;
-        let close_connections = shared.shutdown.child_token();
-        let state = Arc::new(ListenerShared {
+        let state = Arc::new(ListenerShared::new(
             local_addr,
-            relay: config.relay,
+            config,
             client_options_inherited,
-            acceptor: None,
-            route: Mutex::new(Arc::new(ActiveRoute::new(
-                config.route,
-                local_addr,
-                &close_connections,
-            ))),
-            stop_accepting: shared.shutdown.child_token(),
-            close_connections,
-            connection_tasks: TaskTracker::new(),
-            connections: Mutex::new(HashMap::new()),
-            limit: config
-                .max_connections
-                .map(|limit| Arc::new(Semaphore::new(limit))),
-            accept_tasks: Mutex::new(Vec::new()),
-            event_loops: Some(Arc::clone(&loops)),
-            loop_connections: AtomicUsize::new(0),
-            loop_closed_idle: AtomicUsize::new(0),
-            drain_idle_ms: AtomicU64::new(0),
-        });
+            &shared.shutdown,
+            Some(Arc::clone(&loops)),
+        ));
         {
             let mut listeners = lock(&shared.listeners);
             if listeners.contains_key(&local_addr) {

@@ -18,11 +18,14 @@ use tokio_util::task::TaskTracker;
 use crate::accept::{AcceptError, StreamAcceptor};
 use crate::copy::{CopyMode, Direction, RelayCounters};
 use crate::error::ConnectError;
-use crate::metrics::{RelayObserver, RouteLabels};
+use crate::metrics::{RelayObserver, RouteLabels, SourceRefusal};
 use crate::relay::{self, Ending, RelayConfig, RelaySummary, Route};
 use crate::socket;
+use crate::source::SourceFilter;
 
-use super::config::{ACCEPT_BACKOFF_MIN, ConnectionStatus, DrainReport, ServerConfig};
+use super::config::{
+    ACCEPT_BACKOFF_MIN, ConnectionStatus, DrainReport, ListenerConfig, ServerConfig,
+};
 
 // The event-loop data path of a listener; it builds on the state defined here.
 #[cfg(target_os = "linux")]
@@ -51,6 +54,8 @@ pub(super) struct ListenerShared {
     pub(super) client_options_inherited: bool,
     pub(super) acceptor: Option<Arc<dyn StreamAcceptor>>,
     pub(super) route: Mutex<Arc<ActiveRoute>>,
+    /// The client addresses admitted at accept; `None`: every one.
+    pub(super) sources: Mutex<Option<SourceFilter>>,
     /// Stops the accept loop; a child of the server's shutdown token.
     pub(super) stop_accepting: CancellationToken,
     /// Closes every connection of this listener; a child of the server's shutdown token.
@@ -139,7 +144,86 @@ impl ActiveRoute {
     }
 }
 
+/// A client turned away at the listener's connection limit.
+pub(super) struct AtLimit;
+
 impl ListenerShared {
+    /// A listener's state: bound on `local_addr` as `config` says, its tokens children of the
+    /// server's `shutdown`; on the event-loop path, `event_loops` relay its connections.
+    pub(super) fn new(
+        local_addr: SocketAddr,
+        config: ListenerConfig,
+        client_options_inherited: bool,
+        shutdown: &CancellationToken,
+        #[cfg(target_os = "linux")] event_loops: Option<Arc<event_loop::EventLoops>>,
+    ) -> Self {
+        let close_connections = shutdown.child_token();
+        Self {
+            local_addr,
+            relay: config.relay,
+            client_options_inherited,
+            acceptor: config.acceptor,
+            sources: Mutex::new(config.source_filter),
+            route: Mutex::new(Arc::new(ActiveRoute::new(
+                config.route,
+                local_addr,
+                &close_connections,
+            ))),
+            stop_accepting: shutdown.child_token(),
+            close_connections,
+            connection_tasks: TaskTracker::new(),
+            connections: Mutex::new(HashMap::new()),
+            limit: config
+                .max_connections
+                .map(|limit| Arc::new(Semaphore::new(limit))),
+            accept_tasks: Mutex::new(Vec::new()),
+            #[cfg(target_os = "linux")]
+            event_loops,
+            loop_connections: AtomicUsize::new(0),
+            loop_closed_idle: AtomicUsize::new(0),
+            drain_idle_ms: AtomicU64::new(0),
+        }
+    }
+
+    /// A slot under the connection limit for a client from `peer` (`None` without a limit), or
+    /// [`AtLimit`], reported here: the caller resets and drops the client.
+    pub(super) fn permit(
+        &self,
+        peer: SocketAddr,
+        route: &ActiveRoute,
+        observer: &dyn RelayObserver,
+    ) -> Result<Option<OwnedSemaphorePermit>, AtLimit> {
+        let Some(limit) = &self.limit else {
+            return Ok(None);
+        };
+        match Arc::clone(limit).try_acquire_owned() {
+            Ok(permit) => Ok(Some(permit)),
+            Err(_) => {
+                tracing::debug!(listener = %self.local_addr, %peer, "connection limit reached, rejecting");
+                observer.connection_rejected(&route.labels);
+                Err(AtLimit)
+            }
+        }
+    }
+
+    /// Whether the source filter admits a client from `peer`. A refused one is reported here;
+    /// the caller resets and drops it before anything else happens to it.
+    pub(super) fn admits(&self, peer: SocketAddr, observer: &dyn RelayObserver) -> bool {
+        let admitted = lock(&self.sources)
+            .as_ref()
+            .is_none_or(|filter| filter.admits(peer.ip()));
+        if !admitted {
+            let route = Arc::clone(&lock(&self.route));
+            tracing::debug!(listener = %self.local_addr, %peer, "client refused at accept: source not admitted");
+            let refusal = SourceRefusal {
+                listener: self.local_addr,
+                peer,
+            };
+            observer.source_refused(&route.labels, &refusal);
+        }
+        admitted
+    }
+
     /// The idle limit of a running drain, for the event loops' connections.
     pub(super) fn drain_idle(&self) -> Option<Duration> {
         match self.drain_idle_ms.load(Ordering::Relaxed) {
@@ -220,17 +304,9 @@ impl ListenerShared {
         server: &Arc<ServerShared>,
     ) {
         let route = Arc::clone(&lock(&self.route));
-        let permit = match &self.limit {
-            None => None,
-            Some(limit) => match Arc::clone(limit).try_acquire_owned() {
-                Ok(permit) => Some(permit),
-                Err(_) => {
-                    tracing::debug!(listener = %self.local_addr, %peer, "connection limit reached, rejecting");
-                    server.observer.connection_rejected(&route.labels);
-                    socket::reset_on_close(&client);
-                    return;
-                }
-            },
+        let Ok(permit) = self.permit(peer, &route, server.observer.as_ref()) else {
+            socket::reset_on_close(&client);
+            return;
         };
         let id = server.next_connection_id.fetch_add(1, Ordering::Relaxed);
         let close = route.cancel.child_token();
@@ -315,7 +391,12 @@ pub(super) async fn accept_loop(
         match accepted {
             Ok((client, peer)) => {
                 backoff = ACCEPT_BACKOFF_MIN;
-                state.start_connection(client, peer, &server);
+                if state.admits(peer, server.observer.as_ref()) {
+                    state.start_connection(client, peer, &server);
+                } else {
+                    // A reset at once: the client learns before it sends, and no TIME_WAIT.
+                    socket::reset_on_close(&client);
+                }
             }
             Err(error) if concerns_one_connection(&error) => {
                 tracing::debug!(%error, listener = %state.local_addr, "accept failed for one connection");
@@ -369,6 +450,15 @@ pub(super) async fn run_connection(
         }
     };
     live.report_bytes(observer.as_ref());
+    report_closed(observer.as_ref(), labels, &summary);
+}
+
+/// Logs a connection's end and tells the observer (both data paths).
+pub(super) fn report_closed(
+    observer: &dyn RelayObserver,
+    labels: &RouteLabels,
+    summary: &RelaySummary,
+) {
     tracing::debug!(
         route = %labels.route,
         listener = %labels.listener,
@@ -378,7 +468,7 @@ pub(super) async fn run_connection(
         duration = ?summary.duration,
         "connection closed"
     );
-    observer.connection_closed(labels, &summary);
+    observer.connection_closed(labels, summary);
 }
 
 /// TCP to TCP: connect to the route's upstream, then relay (spliced where possible).

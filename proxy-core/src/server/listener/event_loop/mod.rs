@@ -110,10 +110,13 @@ use crate::error::ConnectError;
 use crate::pipe::{self, PooledPipe};
 use crate::proxy_protocol;
 use crate::relay::{Ending, RelaySummary};
+use crate::socket::reset_on_close;
 use crate::target::TargetAddr;
 use crate::upstream::Upstream;
 
-use super::{ActiveRoute, ListenerShared, ServerShared, concerns_one_connection, lock};
+use super::{
+    ActiveRoute, ListenerShared, ServerShared, concerns_one_connection, lock, report_closed,
+};
 use crate::server::config::{ACCEPT_BACKOFF_MIN, ConnectionStatus};
 use wheel::{TICK, Wheel};
 
@@ -655,6 +658,11 @@ impl Loop {
             return;
         };
         let state = Arc::clone(&listener.state);
+        if !state.admits(peer, self.server.observer.as_ref()) {
+            // Checked before the hand-off below, so no path relays a refused client.
+            reset_on_close(&StdStream::from(client));
+            return;
+        }
         let route = Arc::clone(&lock(&state.route));
         let target = match &route.route.upstream {
             Upstream::Target(TargetAddr::Socket(target)) => *target,
@@ -674,18 +682,9 @@ impl Loop {
             }
         };
         let client = StdStream::from(client);
-        let permit = match &state.limit {
-            None => None,
-            Some(limit) => {
-                if let Ok(permit) = Arc::clone(limit).try_acquire_owned() {
-                    Some(permit)
-                } else {
-                    tracing::debug!(listener = %state.local_addr, %peer, "connection limit reached, rejecting");
-                    self.server.observer.connection_rejected(&route.labels);
-                    reset_on_close(&client);
-                    return;
-                }
-            }
+        let Ok(permit) = state.permit(peer, &route, self.server.observer.as_ref()) else {
+            reset_on_close(&client);
+            return;
         };
         if !state.client_options_inherited
             && let Err(error) = state.relay.socket.apply_to(SockRef::from(&client))
@@ -902,17 +901,7 @@ impl Loop {
         drop(conn.client);
         drop(conn.upstream);
         drop(conn.flows);
-        let labels = &conn.route.labels;
-        tracing::debug!(
-            route = %labels.route,
-            listener = %labels.listener,
-            ending = summary.ending.as_str(),
-            to_upstream = summary.to_upstream,
-            to_client = summary.to_client,
-            duration = ?summary.duration,
-            "connection closed"
-        );
-        self.server.observer.connection_closed(labels, &summary);
+        report_closed(self.server.observer.as_ref(), &conn.route.labels, &summary);
         conn.listener
             .loop_connections
             .fetch_sub(1, Ordering::Relaxed);
@@ -1192,12 +1181,6 @@ fn write_proxy_header(
             "the upstream took part of the PROXY header",
         )),
         Err(error) => Err(error),
-    }
-}
-
-fn reset_on_close(socket: &StdStream) {
-    if let Err(error) = SockRef::from(socket).set_linger(Some(Duration::ZERO)) {
-        tracing::debug!(%error, "cannot set SO_LINGER 0");
     }
 }
 
