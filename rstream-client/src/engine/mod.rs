@@ -206,6 +206,7 @@ struct EngineShared {
     open_connections: AtomicUsize,
     heartbeats: AtomicU64,
     redirected_legs: AtomicU64,
+    hostname_misses: AtomicU64,
     next_id: AtomicU64,
     proxy_conn_rsps: Mutex<Vec<proto::ProxyConnRsp>>,
     client_details: Mutex<Vec<proto::ClientDetails>>,
@@ -352,6 +353,7 @@ impl LocalEngineBuilder {
             open_connections: AtomicUsize::new(0),
             heartbeats: AtomicU64::new(0),
             redirected_legs: AtomicU64::new(0),
+            hostname_misses: AtomicU64::new(0),
             next_id: AtomicU64::new(0),
             proxy_conn_rsps: Mutex::new(Vec::new()),
             client_details: Mutex::new(Vec::new()),
@@ -512,6 +514,12 @@ impl LocalEngine {
         self.shared.redirected_legs.load(Ordering::SeqCst)
     }
 
+    /// Connections to a hostname's ingress closed because no tunnel held the hostname then (the
+    /// gap of a hand-over between agents, as an edge would see it).
+    pub fn hostname_misses(&self) -> u64 {
+        self.shared.hostname_misses.load(Ordering::SeqCst)
+    }
+
     /// `ProxyConnRsp` messages received, in order.
     pub fn proxy_conn_rsps(&self) -> Vec<proto::ProxyConnRsp> {
         lock(&self.shared.proxy_conn_rsps).clone()
@@ -620,24 +628,57 @@ impl LocalEngine {
 // Shared by the TCP ingress (`server`) and the UDP ingress (`udp`), so neither uses the other
 // for it.
 
+/// Where a stream goes: a tunnel, or whichever tunnel holds a hostname when it is routed.
+#[derive(Clone, Copy)]
+enum Route<'a> {
+    Tunnel(&'a str),
+    Hostname(&'a str),
+}
+
 /// Registers a pending stream, sends `ProxyConnReq` to the owner and waits for the proxy leg.
 async fn request_leg(
     shared: &Arc<EngineShared>,
     tunnel_id: &str,
     source: SocketAddr,
 ) -> std::result::Result<(String, ProxyLeg), proto::Error> {
+    request_leg_to(shared, Route::Tunnel(tunnel_id), source).await
+}
+
+/// [`request_leg`] to whichever tunnel holds `hostname` now: found and registered under one lock,
+/// so a hand-over between tunnels never strands the stream between the two.
+async fn request_hostname_leg(
+    shared: &Arc<EngineShared>,
+    hostname: &str,
+    source: SocketAddr,
+) -> std::result::Result<(String, ProxyLeg), proto::Error> {
+    request_leg_to(shared, Route::Hostname(hostname), source).await
+}
+
+async fn request_leg_to(
+    shared: &Arc<EngineShared>,
+    route: Route<'_>,
+    source: SocketAddr,
+) -> std::result::Result<(String, ProxyLeg), proto::Error> {
     let stream_id = random_hex(16);
     let secret = random_hex(16);
     let (leg_tx, leg_rx) = oneshot::channel();
-    let owner_tx = {
+    let (tunnel_id, owner_tx) = {
         let mut st = shared.state();
-        let Some(tunnel) = st.tunnels.get(tunnel_id) else {
+        let found = match route {
+            Route::Tunnel(id) => st.tunnels.get(id).map(|t| (id.to_owned(), t.owner)),
+            Route::Hostname(hostname) => (st.tunnels.iter())
+                .find(|(_, t)| t.props.hostname.as_deref() == Some(hostname))
+                .map(|(id, t)| (id.clone(), t.owner)),
+        };
+        let Some((tunnel_id, owner)) = found else {
+            if let Route::Hostname(_) = route {
+                shared.hostname_misses.fetch_add(1, Ordering::SeqCst);
+            }
             return Err(proto::Error::new(
                 ErrorCode::TunnelNotFound,
                 "Tunnel not found.",
             ));
         };
-        let owner = tunnel.owner;
         let Some(tx) = st.controls.get(&owner).map(|c| c.tx.clone()) else {
             return Err(proto::Error::new(
                 ErrorCode::ServiceUnavailable,
@@ -652,10 +693,10 @@ async fn request_leg(
                 owner,
             },
         );
-        tx
+        (tunnel_id, tx)
     };
     let req = proto::ProxyConnReq {
-        tunnel_id: tunnel_id.to_owned(),
+        tunnel_id,
         stream_id: stream_id.clone(),
         secret: Some(secret),
         source_ip: Some(proto::IpAddress::from(source.ip())),

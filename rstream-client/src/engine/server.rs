@@ -24,7 +24,8 @@ use crate::{frame, proto, tls};
 
 use super::{
     Command, ConnGuard, ControlHandle, ControlLogin, EngineShared, EngineTunnel,
-    FIRST_FRAME_TIMEOUT, Out, ProxyLeg, bind_reuse, lock, random_hex, request_leg,
+    FIRST_FRAME_TIMEOUT, Out, ProxyLeg, bind_reuse, lock, random_hex, request_hostname_leg,
+    request_leg,
 };
 
 pub(super) async fn accept_loop(
@@ -529,27 +530,32 @@ fn hostname_ingress(
     Ok(addr)
 }
 
-/// Routes each connection to the tunnel holding `hostname` when it arrives; none: closed.
+/// Routes each connection to the tunnel holding `hostname` when it is routed (right after it
+/// arrives); none: closed. Nothing is queued or retried: a connection that arrives while no
+/// tunnel holds the hostname fails, as it would at an edge.
 async fn hostname_ingress_loop(shared: Arc<EngineShared>, hostname: String, listener: TcpListener) {
     loop {
-        let (tcp, peer) = tokio::select! {
+        let (mut tcp, peer) = tokio::select! {
             _ = shared.shutdown.cancelled() => return,
             r = listener.accept() => match r { Ok(x) => x, Err(_) => continue },
         };
-        let holder = (shared.state().tunnels.iter())
-            .find(|(_, t)| t.props.hostname.as_deref() == Some(hostname.as_str()))
-            .map(|(id, _)| id.clone());
-        let Some(tunnel_id) = holder else {
-            debug!(%hostname, "no tunnel holds the hostname; connection closed");
-            continue;
-        };
         let task_shared = shared.clone();
+        let hostname = hostname.clone();
         shared.tracker.spawn(async move {
             let _guard = ConnGuard::new(&task_shared);
             let cancel = task_shared.shutdown.clone();
+            let _ = tcp.set_nodelay(true);
+            let relayed = async {
+                match request_hostname_leg(&task_shared, &hostname, peer).await {
+                    Ok((_, mut leg)) => {
+                        let _ = crate::forward::relay(&mut tcp, &mut leg.io).await;
+                    }
+                    Err(e) => debug!(%hostname, error = ?e.message, "no stream to a holder of the hostname; connection closed"),
+                }
+            };
             tokio::select! {
                 _ = cancel.cancelled() => {}
-                _ = ingress_connection(&task_shared, &tunnel_id, tcp, peer) => {}
+                () = relayed => {}
             }
         });
     }
