@@ -4,7 +4,10 @@
 //! Several agents may run for one tunnel: the one holding it is active, the others stand by on
 //! open control channels (the `holder` module). Only the active agent writes the status, so a
 //! standby never flaps it; a standby is ready (connected) and takes over when the holder lets go.
+//! On SIGTERM the holder hands the tunnel over (the `HandOver` condition, see the `handover`
+//! module), then drains the streams it still relays.
 
+mod handover;
 mod holder;
 
 use std::net::SocketAddr;
@@ -29,7 +32,8 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use self::holder::{HolderHandle, HolderState};
+use self::handover::StatusHandOver;
+use self::holder::{HolderHandle, HolderState, NoHandOver};
 use crate::agent_config::{AgentConfig, ConfigError};
 use crate::api::{RstreamTunnel, RstreamTunnelStatus};
 use crate::names;
@@ -37,6 +41,9 @@ use crate::status::{self, messages, reasons, types};
 
 /// Delay before a failed status report is tried again.
 const REPORT_RETRY: Duration = Duration::from_secs(2);
+/// How long a stopping agent waits for the streams it relays to finish before cutting them:
+/// inside a Pod's default grace period (30 s) with the hand-over's few seconds.
+const DRAIN: Duration = Duration::from_secs(20);
 
 /// Why the agent cannot run.
 #[derive(Debug, thiserror::Error)]
@@ -163,9 +170,24 @@ impl Reporter {
                     s.forwarding_address = Some(forwarding_address.clone());
                     s.target = Some(target.clone());
                     let online = format!("Tunnel is online from agent pod {pod}.");
-                    Conditions::of(&mut s.conditions, g)
-                        .set(types::TUNNEL_READY, true, reasons::TUNNEL_ONLINE, online)
+                    let handed_over = s
+                        .conditions
+                        .iter()
+                        .flatten()
+                        .any(|c| c.type_ == handover::HAND_OVER);
+                    let mut c = Conditions::of(&mut s.conditions, g);
+                    c.set(types::TUNNEL_READY, true, reasons::TUNNEL_ONLINE, online)
                         .set(types::READY, true, reasons::READY, messages::READY);
+                    // A hand-over that brought the tunnel here is over (the standbys that were
+                    // taking it over go back to their slow pace).
+                    if handed_over {
+                        c.set(
+                            handover::HAND_OVER,
+                            false,
+                            handover::HANDED_OVER,
+                            format!("Agent pod {pod} holds the tunnel."),
+                        );
+                    }
                 })
                 .await?;
             }
@@ -205,6 +227,7 @@ impl Reporter {
             // A standby must not touch the active agent's status.
             HolderState::Connecting { .. }
             | HolderState::Standby
+            | HolderState::Released
             | HolderState::Stopped { error: None } => {}
         }
         Ok(())
@@ -230,6 +253,10 @@ fn log_state(state: &HolderState, target: &str) {
             component = "runner",
             %target,
             "Standing by: another agent holds the tunnel's hostname"
+        ),
+        HolderState::Released => tracing::info!(
+            component = "runner",
+            "Tunnel handed over; finishing the streams in flight"
         ),
         HolderState::Disconnected { error, retry_in } => tracing::warn!(
             component = "runner",
@@ -382,6 +409,7 @@ async fn follow_state(
         let text = match &state {
             HolderState::Active { .. } => "online (active)",
             HolderState::Standby => "online (standby)",
+            HolderState::Released => "handed over",
             _ => "not online",
         };
         health.set("tunnel", connected, text);
@@ -589,7 +617,18 @@ pub async fn run(options: AgentOptions) -> Result<(), AgentError> {
     // The backoff and jitter of rstream-client's supervisor; every error is retried (the
     // manager checked the configuration, and a Secret may be fixed later).
     let backoff = SupervisorConfig::default().backoff(initial, max);
-    let mut handle = HolderHandle::spawn(client, tunnel_options, backoff);
+    // Where agents stand by and report to their tunnel, its status carries the hand-over.
+    let mut handle = match (&reporter.api, standbys) {
+        (Some(api), true) => {
+            let channel = StatusHandOver {
+                api: api.clone(),
+                tunnel: reporter.tunnel.clone(),
+                pod: reporter.pod.clone(),
+            };
+            HolderHandle::spawn(client, tunnel_options, backoff, Arc::new(channel))
+        }
+        _ => HolderHandle::spawn(client, tunnel_options, backoff, Arc::new(NoHandOver)),
+    };
     let stop_reports = CancellationToken::new();
     let follower = tokio::spawn(follow_state(
         handle.watch(),
@@ -601,33 +640,58 @@ pub async fn run(options: AgentOptions) -> Result<(), AgentError> {
 
     let relays = TaskTracker::new();
     let relay_cancel = CancellationToken::new();
+    let relay = |stream| {
+        let metrics = metrics.clone();
+        metrics.streams.inc();
+        metrics.active.inc();
+        let relay = relay_and_log(stream, Arc::clone(&target), kind, relay_cancel.clone());
+        relays.spawn(async move {
+            metrics.record(relay.await);
+            metrics.active.dec();
+        });
+    };
     loop {
         tokio::select! {
             () = shutdown.cancelled() => break,
             next = handle.accept() => match next {
-                Some(stream) => {
-                    let metrics = metrics.clone();
-                    metrics.streams.inc();
-                    metrics.active.inc();
-                    let relay = relay_and_log(stream, Arc::clone(&target), kind, relay_cancel.clone());
-                    relays.spawn(async move {
-                        metrics.record(relay.await);
-                        metrics.active.dec();
-                    });
-                }
+                Some(stream) => relay(stream),
                 None => break,
             },
         }
     }
     tracing::info!(component = "runner", "shutting down");
     health.set("tunnel", false, "shutting down");
-    // The tunnel first, so that a standby takes it over at once; then the reports stop (a
-    // shutdown is not reported as a disconnection).
+    // Hand the tunnel over (a standby takes it within milliseconds once it is ready), serving
+    // every stream the engine sends until it has let go.
+    handle.release();
+    let mut states = handle.watch();
+    loop {
+        tokio::select! {
+            biased;
+            next = handle.accept() => match next {
+                Some(stream) => relay(stream),
+                None => break,
+            },
+            let_go = states.wait_for(HolderState::let_go) => if let_go.is_ok() { break },
+        }
+    }
+    while let Some(stream) = handle.try_accept() {
+        relay(stream);
+    }
+    // The streams in flight finish (the channel stays open meanwhile), within a bound.
+    relays.close();
+    if tokio::time::timeout(DRAIN, relays.wait()).await.is_err() {
+        tracing::warn!(
+            component = "runner",
+            streams = metrics.active.get(),
+            "streams still running after {DRAIN:?}; closing them"
+        );
+    }
+    // Then the channel; the reports stop (a shutdown is not reported as a disconnection).
     handle.shutdown().await;
     stop_reports.cancel();
     let _ = follower.await;
     relay_cancel.cancel();
-    relays.close();
     relays.wait().await;
     app.finish().await;
     Ok(())

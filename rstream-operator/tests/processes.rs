@@ -310,12 +310,13 @@ async fn agent_active(process: &Process) -> Option<i64> {
     gauge(&process.metrics, "rstream_agent_active{tunnel=\"web\"}").await
 }
 
-/// What a steady request stream saw: requests sent, failed, and the time from the first failure
-/// to the last.
+/// What a steady request stream saw: requests sent, failed, the time from the first failure to
+/// the last, and when each failure was sent with what it got.
 struct Requests {
     sent: u32,
     failed: u32,
     window: Duration,
+    failures: Vec<(Instant, String)>,
 }
 
 /// `GET /` to `addr` every 20 ms until `stop`.
@@ -323,24 +324,40 @@ fn steady_requests(
     addr: std::net::SocketAddr,
     stop: tokio_util::sync::CancellationToken,
 ) -> tokio::task::JoinHandle<Requests> {
+    steady_requests_every(addr, Duration::from_millis(20), stop)
+}
+
+/// `GET /` to `addr`, one after the other with `pause` between, until `stop`.
+fn steady_requests_every(
+    addr: std::net::SocketAddr,
+    pause: Duration,
+    stop: tokio_util::sync::CancellationToken,
+) -> tokio::task::JoinHandle<Requests> {
     tokio::spawn(async move {
-        let (mut sent, mut failed) = (0, 0);
-        let mut failures: Option<(Instant, Instant)> = None;
+        let mut sent = 0;
+        let mut failures = Vec::new();
         while !stop.is_cancelled() {
             sent += 1;
+            let at = Instant::now();
             let answered = tokio::time::timeout(Duration::from_secs(10), http_get(addr)).await;
-            if !matches!(answered, Ok(Ok(r)) if r.starts_with("HTTP/1.1 200")) {
-                failed += 1;
-                let now = Instant::now();
-                failures = Some(failures.map_or((now, now), |(first, _)| (first, now)));
+            match answered {
+                Ok(Ok(r)) if r.starts_with("HTTP/1.1 200") => {}
+                Ok(Ok(r)) if r.is_empty() => failures.push((at, "closed without an answer".into())),
+                Ok(Ok(r)) => failures.push((at, r.lines().next().unwrap_or_default().to_owned())),
+                Ok(Err(e)) => failures.push((at, e.to_string())),
+                Err(_) => failures.push((at, "no answer in 10 s".into())),
             }
-            tokio::time::sleep(Duration::from_millis(20)).await;
+            tokio::time::sleep(pause).await;
         }
-        let window = failures.map_or(Duration::ZERO, |(first, last)| last - first);
+        let window = match (failures.first(), failures.last()) {
+            (Some((first, _)), Some((last, _))) => *last - *first,
+            _ => Duration::ZERO,
+        };
         Requests {
             sent,
-            failed,
+            failed: u32::try_from(failures.len()).unwrap_or(u32::MAX),
             window,
+            failures,
         }
     })
 }
@@ -447,7 +464,8 @@ async fn a_standby_agent_leaves_the_status_alone_and_takes_the_tunnel_over() {
     assert_eq!(body_through(public).await, Ok(body_of("web-a")));
     stop.cancel();
     let kill = stream.await.unwrap();
-    // Figures, not bounds: the gap is about one standby retry (1 s, jittered).
+    // Figures, not bounds. SIGTERM is a planned hand-over (the standby is ready and asking fast
+    // before the holder lets go); SIGKILL leaves a gap of about one standby retry (1 s, jittered).
     eprintln!(
         "hand-over after SIGTERM: status names the standby after {after_term:?}; requests \
          failed {}/{} over {:?}. After SIGKILL: {after_kill:?}; failed {}/{} over {:?}",
@@ -460,4 +478,161 @@ async fn a_standby_agent_leaves_the_status_alone_and_takes_the_tunnel_over() {
         let forbidden = forbidden_requests(plane, &user).await;
         assert!(forbidden.is_empty(), "{user} was denied: {forbidden:?}");
     }
+}
+
+/// Which of `agents` holds the tunnel now (its `rstream_agent_active` is 1), waiting for one.
+async fn holder_of(agents: &[(String, Process)]) -> String {
+    wait_for("an agent holding the tunnel", WAIT, || async {
+        for (pod, process) in agents {
+            if agent_active(process).await == Some(1) {
+                return Some(pod.clone());
+            }
+        }
+        None
+    })
+    .await
+}
+
+/// Two rollouts of a tunnel's two agents as the Deployment makes them (maxSurge 1,
+/// maxUnavailable 0: a new agent ready on standby, then an old one stopped with SIGTERM, in
+/// turn), with a request through the hostname's address every 10 ms throughout. Every stop of
+/// the holder is a planned hand-over. The failed requests and the hand-over times are printed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rolling_the_agents_twice_under_a_steady_request_stream() {
+    let plane = plane().await;
+    let ns = plane.create_namespace("rollout").await.unwrap();
+    let live = Live::new(plane, &ns, &["web-a"]).await;
+    let hostname = "web.rollout.example.test";
+    live.tunnels
+        .patch(
+            "web",
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({"spec": {"hostname": hostname}})),
+        )
+        .await
+        .unwrap();
+    let kubeconfig = manager_kubeconfig(&ns, MANAGER_SA).await;
+    let manager = Process::manager(
+        &kubeconfig,
+        &ns,
+        "manager-a",
+        live.dir.path(),
+        &["--namespace", &ns],
+    );
+    leads_soon(&manager).await;
+    let deployments: Api<Deployment> = Api::namespaced(live.admin.clone(), &ns);
+    wait_for("two agents in the Deployment", WAIT, || async {
+        let t = live.tunnels.get("web").await.ok()?;
+        let base = rstream_operator::names::base_name(&ns, "web", t.metadata.uid.as_deref());
+        let d = deployments.get_opt(&base).await.ok()??;
+        (d.spec.replicas == Some(2)).then_some(())
+    })
+    .await;
+    let mut agents: Vec<(String, Process)> = Vec::new();
+    let first = live.start_agent(plane, "web-agent-0").await;
+    live.online("web-agent-0").await;
+    agents.push(("web-agent-0".into(), first));
+    let second = live.start_agent(plane, "web-agent-1").await;
+    stands_by(&second).await;
+    agents.push(("web-agent-1".into(), second));
+    let public = live.engine.hostname_ingress_addr(hostname).unwrap();
+    assert_eq!(body_through(public).await, Ok(body_of("web-a")));
+
+    let requests_before = live.engine.tunnel_requests().len();
+    let misses_before = live.engine.hostname_misses();
+    let stop = tokio_util::sync::CancellationToken::new();
+    let stream = steady_requests_every(public, Duration::from_millis(10), stop.clone());
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    // (stopped pod, was it the holder, SIGTERM sent, the next holder online after)
+    let mut stops: Vec<(String, bool, Instant, Duration)> = Vec::new();
+    let mut next = 2;
+    for _rollout in 0..2 {
+        for _ in 0..2 {
+            let pod = format!("web-agent-{next}");
+            next += 1;
+            let surge = live.start_agent(plane, &pod).await;
+            stands_by(&surge).await;
+            agents.push((pod, surge));
+            // The oldest agent goes, whatever it does.
+            let holder = holder_of(&agents).await == agents[0].0;
+            let (old, mut process) = agents.remove(0);
+            let sent = Instant::now();
+            assert!(process.terminate().await, "{}", process.logs());
+            // A planned hand-over: the holder let go once a standby said it was ready.
+            if holder {
+                let logs = process.logs();
+                assert!(
+                    logs.lines().any(|l| l.contains("Handing the tunnel over")
+                        && l.contains("standby_ready=true")),
+                    "{old} let go without a ready standby:\n{logs}"
+                );
+            }
+            let online = if holder {
+                holder_of(&agents).await;
+                sent.elapsed()
+            } else {
+                Duration::ZERO
+            };
+            stops.push((old, holder, sent, online));
+            // Requests keep flowing between stops, as between a rollout's steps.
+            tokio::time::sleep(Duration::from_millis(300)).await;
+        }
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    stop.cancel();
+    let seen = stream.await.unwrap();
+    assert_eq!(body_through(public).await, Ok(body_of("web-a")));
+    let holders = stops.iter().filter(|s| s.1).count();
+    assert!(
+        holders >= 1,
+        "no stop hit the holder: {:?}",
+        stops.iter().map(|s| &s.0).collect::<Vec<_>>()
+    );
+    let mut lines = Vec::new();
+    for (i, (pod, holder, sent, online)) in stops.iter().enumerate() {
+        let until = stops.get(i + 1).map(|s| s.2);
+        let failed: Vec<_> = (seen.failures.iter())
+            .filter(|(at, _)| at >= sent && until.is_none_or(|u| *at < u))
+            .map(|(at, what)| format!("{:?} after SIGTERM: {what}", *at - *sent))
+            .collect();
+        lines.push(format!(
+            "{pod} ({}): {}; failed {}: {failed:?}",
+            if *holder { "holder" } else { "standby" },
+            if *holder {
+                format!("next holder active after {online:?}")
+            } else {
+                "no hand-over".into()
+            },
+            failed.len()
+        ));
+    }
+    let before = seen
+        .failures
+        .iter()
+        .filter(|(at, _)| at < &stops[0].2)
+        .count();
+    // Streams the engine routed to an agent that refused or lost them (the other failures found
+    // no holder).
+    let refused: Vec<_> = (live.engine.proxy_conn_rsps().into_iter())
+        .filter_map(|r| r.error.and_then(|e| e.message))
+        .collect();
+    let asked = live.engine.tunnel_requests().len() - requests_before;
+    let misses = live.engine.hostname_misses() - misses_before;
+    eprintln!(
+        "two rollouts, {holders} hand-overs of the holder, one request every 10 ms: {} of {} failed \
+         (over {:?}; {before} before the first stop); found no holder at the engine: {misses}; \
+         streams refused by an agent: {refused:?}; requests for the hostname meanwhile: {asked}\n  {}",
+        seen.failed,
+        seen.sent,
+        seen.window,
+        lines.join("\n  ")
+    );
+    // After the figures: the last hand-over is over, and says who holds the tunnel.
+    let last = holder_of(&agents).await;
+    let t = live.tunnels.get("web").await.unwrap();
+    let (status, reason, message) = condition(&t, "HandOver").unwrap();
+    assert_eq!((status.as_str(), reason.as_str()), ("False", "HandedOver"));
+    assert!(message.contains(&last), "{message}");
+    drop(agents);
+    drop(manager);
 }
