@@ -22,6 +22,7 @@ pub mod partition;
 pub mod pod_proxier;
 pub mod pod_proxier_api;
 mod report;
+pub mod rollout;
 pub mod rstream_operator;
 pub mod steward;
 
@@ -538,7 +539,8 @@ impl Env<'_> {
 pub fn expected_scenario_count() -> u64 {
     let count = steward::expected_scenarios().len()
         + pod_proxier::expected_scenarios().len()
-        + rstream_operator::expected_scenarios().len();
+        + rstream_operator::expected_scenarios().len()
+        + rollout::expected_scenarios().len();
     u64::try_from(count).unwrap_or(u64::MAX)
 }
 
@@ -587,6 +589,10 @@ pub fn run(charts: &[String], helm: PathBuf, built: &[Built]) -> anyhow::Result<
             println!("rstream-operator:");
             let mut chart = rstream_operator::run(&env).await;
             chart.expect(&rstream_operator::expected_scenarios());
+            charts.push(chart);
+            println!("rstream-operator, agents rolling:");
+            let mut chart = rollout::run(&env).await;
+            chart.expect(&rollout::expected_scenarios());
             charts.push(chart);
         }
         if charts.iter().any(|c| !c.passed()) {
