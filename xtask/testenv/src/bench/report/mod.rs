@@ -2,11 +2,14 @@
 //! stored (JSON).
 
 use std::collections::BTreeMap;
-use std::fmt::Write as _;
-use std::path::Path;
 
-use anyhow::Context as _;
 use serde::Serialize;
+
+mod recorder;
+mod render;
+
+pub use recorder::Recorder;
+pub use render::{markdown, summary_markdown, write_json};
 
 /// What one figure measures.
 #[derive(Clone, Copy)]
@@ -229,111 +232,6 @@ impl Series {
     }
 }
 
-/// Collects samples while a bench runs; [`Recorder::finish`] turns them into figures.
-#[derive(Default)]
-pub struct Recorder {
-    figures: Vec<Figure>,
-}
-
-impl Recorder {
-    /// Adds one round's value of `metric` for `contender`.
-    pub fn record(&mut self, metric: Metric, contender: &str, value: f64) {
-        self.series(metric, contender).samples.push(value);
-    }
-
-    /// [`Self::record`] with the round the value belongs to, so goals can pair rounds even
-    /// when a contender has no value in some round.
-    pub fn record_round(&mut self, metric: Metric, contender: &str, round: usize, value: f64) {
-        let series = self.series(metric, contender);
-        series.samples.push(value);
-        series.rounds.push(round);
-    }
-
-    /// Says why `contender` has no value for `metric` (or how a non-measured value came about).
-    pub fn note(&mut self, metric: Metric, contender: &str, note: impl Into<String>) {
-        self.series(metric, contender).note = Some(note.into());
-    }
-
-    /// A value that was not measured but derived (e.g. from a configured period), with the note
-    /// that says so; it has no samples.
-    #[cfg_attr(
-        not(test),
-        expect(
-            dead_code,
-            reason = "no bench models a figure today; one that must goes through here, so every table marks it"
-        )
-    )]
-    pub fn model(&mut self, metric: Metric, contender: &str, median: f64, note: impl Into<String>) {
-        let series = self.series(metric, contender);
-        series.median = Some(median);
-        series.note = Some(note.into());
-    }
-
-    fn series(&mut self, metric: Metric, contender: &str) -> &mut Series {
-        let index = match self.figures.iter().position(|f| f.name == metric.name) {
-            Some(index) => index,
-            None => {
-                self.figures.push(Figure {
-                    name: metric.name.to_owned(),
-                    unit: metric.unit.to_owned(),
-                    higher_is_better: metric.higher_is_better,
-                    references: Vec::new(),
-                    series: Vec::new(),
-                });
-                self.figures.len() - 1
-            }
-        };
-        let figure = &mut self.figures[index];
-        let index = match figure.series.iter().position(|s| s.contender == contender) {
-            Some(index) => index,
-            None => {
-                figure.series.push(Series::new(contender));
-                figure.series.len() - 1
-            }
-        };
-        &mut figure.series[index]
-    }
-
-    /// Medians, extremes and ratios against `references` (e.g. `["direct", "haproxy"]`).
-    pub fn finish(mut self, references: &[&str]) -> Vec<Figure> {
-        for figure in &mut self.figures {
-            figure.references = references.iter().map(|r| (*r).to_owned()).collect();
-            for series in &mut figure.series {
-                summarize(series);
-            }
-            let medians: BTreeMap<String, f64> = figure
-                .series
-                .iter()
-                .filter_map(|s| Some((s.contender.clone(), s.median?)))
-                .collect();
-            for series in &mut figure.series {
-                let Some(median) = series.median else {
-                    continue;
-                };
-                for reference in references {
-                    if let Some(base) = medians.get(*reference).filter(|b| **b != 0.0) {
-                        series
-                            .ratios
-                            .insert(format!("vs {reference}"), median / base);
-                    }
-                }
-            }
-        }
-        self.figures
-    }
-}
-
-fn summarize(series: &mut Series) {
-    if series.samples.is_empty() {
-        return;
-    }
-    let mut sorted = series.samples.clone();
-    sorted.sort_by(f64::total_cmp);
-    series.median = Some(median_of_sorted(&sorted));
-    series.min = sorted.first().copied();
-    series.max = sorted.last().copied();
-}
-
 /// A bench's prose from its markdown template (a `*_notes.md` file next to the bench): every
 /// `{key}` of `values` filled in, then one note per paragraph with its whitespace folded;
 /// paragraphs that start with an HTML comment (the template's own explanation) are left out.
@@ -357,254 +255,6 @@ pub fn median_of_sorted(sorted: &[f64]) -> f64 {
     } else {
         (sorted[mid - 1] + sorted[mid]) / 2.0
     }
-}
-
-/// Compact number formatting: three significant digits for small values, no exponent.
-pub fn format_value(value: f64) -> String {
-    let magnitude = value.abs();
-    if magnitude >= 100.0 {
-        format!("{value:.0}")
-    } else if magnitude >= 10.0 {
-        format!("{value:.1}")
-    } else if magnitude >= 1.0 {
-        format!("{value:.2}")
-    } else {
-        format!("{value:.3}")
-    }
-}
-
-/// A ratio with two decimals, or two significant digits when it is tiny.
-fn format_ratio(ratio: f64) -> String {
-    if ratio.abs() >= 0.1 || ratio == 0.0 {
-        format!("{ratio:.2}x")
-    } else {
-        format!("{ratio:.1e}x")
-    }
-}
-
-fn format_option(value: Option<f64>) -> String {
-    value.map(format_value).unwrap_or_else(|| "—".to_owned())
-}
-
-/// The bench's Markdown: machine, figures table, goals, notes.
-pub fn markdown(report: &Report) -> String {
-    let mut out = String::new();
-    let m = &report.machine;
-    let _ = writeln!(
-        out,
-        "## bench {}{}\n\n{} CPUs; {}; at start: {}; at end: {}; {} round(s), contenders alternated.\n",
-        report.bench,
-        if report.quick { " (quick)" } else { "" },
-        m.cpus,
-        m.pinning,
-        m.load_at_start,
-        m.load_at_end,
-        report.rounds
-    );
-    let mut references: Vec<String> = Vec::new();
-    for reference in report.figures.iter().flat_map(|f| &f.references) {
-        if !references.contains(reference) {
-            references.push(reference.clone());
-        }
-    }
-    let mut header = "| figure | contender | median | min | max |".to_owned();
-    let mut rule = "|---|---|---:|---:|---:|".to_owned();
-    for reference in &references {
-        let _ = write!(header, " vs {reference} |");
-        rule.push_str("---:|");
-    }
-    header.push_str(" note |");
-    rule.push_str("---|");
-    let _ = writeln!(out, "{header}\n{rule}");
-    for figure in &report.figures {
-        for series in &figure.series {
-            let mut row = format!(
-                "| {} ({}{}) | {} | {} | {} | {} |",
-                figure.name,
-                figure.unit,
-                if figure.higher_is_better {
-                    ", higher is better"
-                } else {
-                    ""
-                },
-                series.contender,
-                shown_median(series),
-                format_option(series.min),
-                format_option(series.max)
-            );
-            for reference in &references {
-                let ratio = series.ratios.get(&format!("vs {reference}")).copied();
-                let shown = if series.contender == *reference {
-                    "—".to_owned()
-                } else {
-                    ratio.map(format_ratio).unwrap_or_else(|| "—".to_owned())
-                };
-                let _ = write!(row, " {shown} |");
-            }
-            let _ = writeln!(row, " {} |", series.note.as_deref().unwrap_or(""));
-            out.push_str(&row);
-        }
-    }
-    if !report.contenders.is_empty() {
-        let _ = writeln!(out, "\n| contender | configuration |\n|---|---|");
-        for (contender, configuration) in &report.contenders {
-            let _ = writeln!(out, "| {contender} | {configuration} |");
-        }
-    }
-    goals_and_notes(report, &mut out);
-    out
-}
-
-/// The goals table (met or not) and the notes: method, machine, and what bounds a missed goal.
-fn goals_and_notes(report: &Report, out: &mut String) {
-    if !report.goals.is_empty() {
-        let _ = writeln!(
-            out,
-            "\n{VERDICT_RULE}\n\n| goal | measured | verdict |\n|---|---|---|"
-        );
-        for goal in &report.goals {
-            let met = met_text(goal.met);
-            let _ = writeln!(out, "| {} | {} | {met} |", goal.goal, goal.measured);
-        }
-    }
-    if !report.notes.is_empty() {
-        out.push('\n');
-        for note in &report.notes {
-            let _ = writeln!(out, "- {note}");
-        }
-    }
-}
-
-/// The median as shown in tables: a derived number says "model" next to it.
-fn shown_median(series: &Series) -> String {
-    let median = format_option(series.median);
-    if series.is_model() {
-        format!("{median} (model)")
-    } else {
-        median
-    }
-}
-
-/// Every bench in one file: each goal with its status (computed from the figures, never typed),
-/// then one table of every contender's figure with its baseline in the same run and the ratio,
-/// each contender's configuration, and per bench how it ran and its notes. A figure that is a
-/// model says so.
-pub fn summary_markdown(reports: &[Report], failures: &[(String, String)]) -> String {
-    let mut out = String::from("# cargo xtask bench\n\n");
-    let _ = writeln!(
-        out,
-        "Medians of alternated rounds with min–max; ratios against the first baseline of the figure measured in the same run. A number marked (model) was derived, not measured. Each goal's status below is computed from the figures of this run.\n"
-    );
-    let _ = writeln!(
-        out,
-        "## Goals\n\n{VERDICT_RULE}\n\n| bench | goal | measured | verdict |\n|---|---|---|---|"
-    );
-    for report in reports {
-        for goal in &report.goals {
-            let _ = writeln!(
-                out,
-                "| {} | {} | {} | {} |",
-                report.bench,
-                goal.goal,
-                goal.measured,
-                met_text(goal.met)
-            );
-        }
-    }
-    let _ = writeln!(
-        out,
-        "\n## Figures\n\n| bench | figure | contender | median (min–max) | baseline | ratio |\n|---|---|---|---:|---|---:|"
-    );
-    for report in reports {
-        for figure in &report.figures {
-            for series in &figure.series {
-                // The first reference with a number other than the contender itself.
-                let baseline = figure
-                    .references
-                    .iter()
-                    .find(|r| **r != series.contender && figure.median(r).is_some());
-                let (baseline_text, ratio) = match baseline {
-                    Some(baseline) => (
-                        format!("{baseline} {}", format_option(figure.median(baseline))),
-                        series
-                            .ratios
-                            .get(&format!("vs {baseline}"))
-                            .map(|r| format_ratio(*r))
-                            .unwrap_or_else(|| "—".to_owned()),
-                    ),
-                    None => ("—".to_owned(), "—".to_owned()),
-                };
-                let range = match (series.min, series.max) {
-                    (Some(min), Some(max)) => {
-                        format!(" ({}–{})", format_value(min), format_value(max))
-                    }
-                    _ => String::new(),
-                };
-                let mut value = format!("{}{range}", shown_median(series));
-                if series.median.is_none()
-                    && let Some(note) = &series.note
-                {
-                    value = note.clone();
-                }
-                let _ = writeln!(
-                    out,
-                    "| {} | {} ({}) | {} | {value} | {baseline_text} | {ratio} |",
-                    report.bench, figure.name, figure.unit, series.contender,
-                );
-            }
-        }
-    }
-    let _ = writeln!(
-        out,
-        "\n## Contenders\n\n| bench | contender | configuration |\n|---|---|---|"
-    );
-    for report in reports {
-        for (contender, configuration) in &report.contenders {
-            let _ = writeln!(out, "| {} | {contender} | {configuration} |", report.bench);
-        }
-    }
-    // Per bench: how it ran and the notes that say how each figure was taken and, where a
-    // profile backs it, what bounds it.
-    for report in reports {
-        let _ = writeln!(
-            out,
-            "\n## {}{}\n\n{} round(s); {}; {} → {}",
-            report.bench,
-            if report.quick { " (quick)" } else { "" },
-            report.rounds,
-            report.machine.pinning,
-            report.machine.load_at_start,
-            report.machine.load_at_end
-        );
-        if !report.notes.is_empty() {
-            out.push('\n');
-            for note in &report.notes {
-                let _ = writeln!(out, "- {note}");
-            }
-        }
-    }
-    for (bench, error) in failures {
-        let _ = writeln!(out, "\n**{bench} failed:** {error}");
-    }
-    out
-}
-
-fn met_text(met: Verdict) -> &'static str {
-    match met {
-        Verdict::Met => "met",
-        Verdict::Missed => "missed",
-        Verdict::WithinNoise => "within noise",
-        Verdict::NotJudged => "not judged",
-    }
-}
-
-/// Writes `value` as pretty JSON to `path`, creating its directory.
-pub fn write_json(path: &Path, value: &impl Serialize) -> anyhow::Result<()> {
-    if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    }
-    let text = serde_json::to_string_pretty(value)?;
-    std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))
 }
 
 #[cfg(test)]
@@ -649,21 +299,24 @@ mod tests {
     fn every_template_placeholder_is_filled_by_its_bench() {
         let benches = [
             (
-                include_str!("proxy/proxy_notes.md"),
-                include_str!("proxy/goals.rs"),
+                include_str!("../proxy/proxy_notes.md"),
+                include_str!("../proxy/goals.rs"),
             ),
             (
-                include_str!("operator_notes.md"),
-                include_str!("operator.rs"),
+                include_str!("../operator_notes.md"),
+                include_str!("../operator.rs"),
             ),
             (
-                include_str!("pod_proxier_notes.md"),
-                include_str!("pod_proxier.rs"),
+                include_str!("../pod_proxier_notes.md"),
+                include_str!("../pod_proxier.rs"),
             ),
-            (include_str!("steward_notes.md"), include_str!("steward.rs")),
             (
-                include_str!("rstream/rstream_notes.md"),
-                include_str!("rstream/mod.rs"),
+                include_str!("../steward_notes.md"),
+                include_str!("../steward.rs"),
+            ),
+            (
+                include_str!("../rstream/rstream_notes.md"),
+                include_str!("../rstream/mod.rs"),
             ),
         ];
         for (template, source) in benches {
