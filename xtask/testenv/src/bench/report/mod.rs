@@ -308,11 +308,11 @@ mod tests {
             ),
             (
                 include_str!("../pod_proxier_notes.md"),
-                include_str!("../pod_proxier.rs"),
+                include_str!("../pod_proxier/mod.rs"),
             ),
             (
                 include_str!("../steward_notes.md"),
-                include_str!("../steward.rs"),
+                include_str!("../steward/mod.rs"),
             ),
             (
                 include_str!("../rstream/rstream_notes.md"),
