@@ -4,7 +4,7 @@
 //! over several rounds, reports medians with min/max, prints a Markdown table and writes
 //! `<out>/<bench>.json` and `<out>/<bench>.md`, and `<out>/summary.md` over the benches run.
 //! Relays run on CPU 1; `bench proxy`'s load generator and sink are processes of their own
-//! ([`procs`]) on CPU 0, the other benches' generators run in-process ([`load`]) on CPU 0.
+//! (`procs`) on CPU 0, the other benches' generators run in-process (`load`) on CPU 0.
 
 mod cgroup;
 mod heaptrack;

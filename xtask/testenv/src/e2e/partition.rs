@@ -68,7 +68,7 @@ impl Served<'_> {
     }
 }
 
-/// Cuts the link for [`CUT`] and records the scenario.
+/// Cuts the link for `CUT` and records the scenario.
 pub async fn pod_proxier(env: &Env<'_>, report: &mut ChartReport, served: &Served<'_>) {
     let started = Instant::now();
     let outcome = cut_and_converge(env, served).await;

@@ -61,7 +61,7 @@ pub(crate) const TUNNEL_DELETED: &str =
 pub(crate) const CRD_UPGRADE: &str = "helm upgrade to the next chart version, whose RstreamConnection CRD adds an optional spec field: the field is served after the upgrade (pruned before), the existing RstreamConnection survives";
 pub(crate) const UNINSTALLED: &str = "helm uninstall with crds.keep (the default): the manager Pod gone; the CRDs and the RstreamConnection stay";
 
-/// The live-stream outage scenario's name (it names [`LIVE_END_LIMIT`]).
+/// The live-stream outage scenario's name (it names `LIVE_END_LIMIT`).
 pub fn engine_killed_live() -> String {
     format!(
         "engine process SIGKILLed under a live stream through echo: the client sees the stream end (EOF or error) within {LIVE_END_LIMIT:?}; echo Ready=False with a reason while down; engine back: echo Ready, a new stream echoes bytes"

@@ -135,7 +135,7 @@ impl HttpTunnel {
 
 /// Waits for HTTP tunnel `name` to be Ready and its agent Deployment Available by its probe, then
 /// GETs `/` through the engine's ingress until the workload Pod answers (within
-/// [`TRAFFIC_LIMIT`]).
+/// `TRAFFIC_LIMIT`).
 pub async fn http_tunnel(
     env: &Env<'_>,
     engine: &(impl EngineView + ?Sized),
