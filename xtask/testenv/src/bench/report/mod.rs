@@ -304,7 +304,7 @@ mod tests {
             ),
             (
                 include_str!("../operator_notes.md"),
-                include_str!("../operator.rs"),
+                include_str!("../operator/mod.rs"),
             ),
             (
                 include_str!("../pod_proxier_notes.md"),
