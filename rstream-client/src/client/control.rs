@@ -266,9 +266,15 @@ impl Tunnel {
     pub async fn accept(&mut self) -> Result<RstreamStream> {
         tokio::select! {
             biased;
-            _ = self.closed.cancelled() => Err(self.close_reason()),
-            stream = self.rx.recv() => stream.ok_or_else(|| self.close_reason()),
+            stream = self.rx.recv() => return stream.ok_or_else(|| self.close_reason()),
+            _ = self.closed.cancelled() => {}
         }
+        // Closed: the streams already on their way still come (their dials hold the queue's
+        // other ends), unless the whole channel is gone.
+        if self.shared.closed.is_cancelled() {
+            return Err(self.close_reason());
+        }
+        self.rx.recv().await.ok_or_else(|| self.close_reason())
     }
 
     pub(super) fn close_reason(&self) -> Error {

@@ -52,7 +52,7 @@ pub(super) async fn writer_task(
 pub(super) async fn reader_task(
     shared: Arc<Shared>,
     mut reader: FrameReader<ReadHalf<ControlIo>>,
-    proxy_tx: mpsc::Sender<proto::ProxyConnReq>,
+    proxy_tx: mpsc::Sender<Inbound>,
 ) {
     let far = Instant::now() + Duration::from_secs(86_400 * 365);
     let deadline = |l: Option<Duration>| l.map_or(far, |d| Instant::now() + d);
@@ -93,7 +93,7 @@ pub(super) async fn reader_task(
 pub(super) async fn handle_message(
     shared: &Arc<Shared>,
     message: Message,
-    proxy_tx: &mpsc::Sender<proto::ProxyConnReq>,
+    proxy_tx: &mpsc::Sender<Inbound>,
 ) -> Result<()> {
     let Some(payload) = message.payload else {
         return Ok(());
@@ -222,13 +222,20 @@ pub(super) async fn handle_open_tunnel_rsp(
 pub(super) async fn handle_proxy_conn_req(
     shared: &Arc<Shared>,
     req: proto::ProxyConnReq,
-    proxy_tx: &mpsc::Sender<proto::ProxyConnReq>,
+    proxy_tx: &mpsc::Sender<Inbound>,
 ) {
     if req.stream_id.is_empty() {
         warn!(tunnel_id = %req.tunnel_id, "ignoring a proxy connection request without stream ID");
         return;
     }
-    let known = shared.lock().tunnels.contains_key(&req.tunnel_id);
+    // The tunnel's queue as of this request: a stream the engine sent before closing the tunnel
+    // still reaches it, even when its dial ends after the close.
+    let queue = shared
+        .lock()
+        .tunnels
+        .get(&req.tunnel_id)
+        .map(|slot| slot.tx.clone());
+    let known = queue.is_some();
     let refuse = |code: proto::ErrorCode, text: &str| Some(proto::Error::new(code, text));
     let error = if !known {
         refuse(
@@ -248,7 +255,8 @@ pub(super) async fn handle_proxy_conn_req(
         )
     } else {
         let stream_id = req.stream_id.clone();
-        match proxy_tx.try_send(req) {
+        let Some(queue) = queue else { return };
+        match proxy_tx.try_send((req, queue)) {
             Ok(()) => return,
             Err(mpsc::error::TrySendError::Full(_)) => {
                 warn!(%stream_id, "inbound stream queue is full; refusing");
@@ -316,7 +324,7 @@ pub(super) async fn heartbeat_task(shared: Arc<Shared>, interval: Duration) {
 
 pub(super) async fn dispatcher_task(
     shared: Arc<Shared>,
-    mut rx: mpsc::Receiver<proto::ProxyConnReq>,
+    mut rx: mpsc::Receiver<Inbound>,
     slots: Arc<Semaphore>,
 ) {
     loop {
@@ -325,6 +333,7 @@ pub(super) async fn dispatcher_task(
             _ = shared.closed.cancelled() => return,
             r = rx.recv() => match r { Some(r) => r, None => return },
         };
+        let (req, queue) = req;
         let permit = tokio::select! {
             biased;
             _ = shared.closed.cancelled() => return,
@@ -338,7 +347,7 @@ pub(super) async fn dispatcher_task(
             let outcome = tokio::select! {
                 biased;
                 _ = task_shared.closed.cancelled() => return,
-                r = open_proxy_stream(&task_shared, req) => r,
+                r = open_proxy_stream(&task_shared, req, queue) => r,
             };
             let error = outcome.err().map(|e| {
                 let e = crate::error::chain(&e);
@@ -350,9 +359,13 @@ pub(super) async fn dispatcher_task(
     }
 }
 
+/// A `ProxyConnReq` and the queue of the tunnel it names.
+pub(super) type Inbound = (proto::ProxyConnReq, mpsc::Sender<RstreamStream>);
+
 pub(super) async fn open_proxy_stream(
     shared: &Arc<Shared>,
     req: proto::ProxyConnReq,
+    tx: mpsc::Sender<RstreamStream>,
 ) -> Result<()> {
     let client = &shared.client;
     let (target, allow_override) = match req.proxy_endpoint.as_deref() {
@@ -405,12 +418,6 @@ pub(super) async fn open_proxy_stream(
         Some(req.tunnel_id.clone()),
         remote_ip,
     );
-    let tx = shared
-        .lock()
-        .tunnels
-        .get(&req.tunnel_id)
-        .map(|slot| slot.tx.clone());
-    let tx = tx.ok_or_else(|| Error::Dial("Tunnel is closed.".into()))?;
     match tx.send_timeout(stream, DELIVERY_TIMEOUT).await {
         Ok(()) => Ok(()),
         Err(mpsc::error::SendTimeoutError::Closed(_)) => {
