@@ -1,7 +1,7 @@
 //! The error type of this crate.
 //!
 //! A variant that wraps a lower error returns it from `source()` and does not print it in its
-//! message, which says only what failed at this level; `app::error_chain` prints the whole chain
+//! message, which says only what failed at this level; a binary prints the whole chain
 //! (the crate docs' "Errors" section has the rule, `cargo xtask errors` checks it).
 
 /// Everything the framework can fail with.
@@ -24,46 +24,9 @@ pub enum Error {
     /// An operation did not finish in time.
     #[error("timed out: {0}")]
     Timeout(String),
-    /// The operations HTTP server could not listen or serve.
-    #[error("operations server on {addr} failed")]
-    Serve {
-        /// The address it tried to use.
-        addr: std::net::SocketAddr,
-        /// The underlying error.
-        #[source]
-        cause: std::io::Error,
-    },
-    /// The TLS set-up of the secure metrics server failed: its certificate files could not be
-    /// loaded, or no server configuration could be made.
-    #[error("metrics server TLS ({what})")]
-    MetricsTls {
-        /// What was being set up, e.g. the flags of the files.
-        what: String,
-        /// Why it failed.
-        #[source]
-        cause: Box<dyn std::error::Error + Send + Sync + 'static>,
-    },
-    /// A binary's REST API could not listen.
-    #[error("cannot listen on {addr} for the API")]
-    ApiBind {
-        /// The address it tried to use.
-        addr: std::net::SocketAddr,
-        /// The underlying error.
-        #[source]
-        cause: std::io::Error,
-    },
     /// Signal handlers could not be installed.
     #[error("cannot install signal handlers")]
     Signal(#[source] std::io::Error),
-    /// No Kubernetes client configuration could be loaded.
-    #[error("cannot load the Kubernetes client configuration ({origin})")]
-    ClientConfig {
-        /// Where it was looked for.
-        origin: String,
-        /// Why it failed.
-        #[source]
-        cause: Box<dyn std::error::Error + Send + Sync + 'static>,
-    },
     /// Adding or removing a finalizer failed.
     #[error("adding or removing a finalizer failed")]
     Finalizer(#[source] Box<dyn std::error::Error + Send + Sync + 'static>),

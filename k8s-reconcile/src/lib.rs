@@ -9,9 +9,6 @@
 //!
 //! # Layout
 //!
-//! * [`app`] (feature `app`): what every binary builds its process from: logging, flag values,
-//!   exit codes and the fatal error chain, the Kubernetes client, the operations servers, and a
-//!   REST API server bounded against slow and abusive clients.
 //! * [`controller`]: the [`Reconciler`] trait, [`ControllerBuilder`] and the per-reconcile
 //!   [`Context`].
 //! * [`auth`]: who sent a request and what they may do, asked of the API server (TokenReview,
@@ -30,8 +27,12 @@
 //!   reports when a narrower role leaves something out.
 //! * [`pod`]: Pod spec pieces: `restricted` security contexts, env from Secrets and fields,
 //!   Secret files, HTTP probes.
-//! * [`ops`]: readiness checks and shutdown on SIGTERM; with `app`, the server of `/healthz`,
-//!   `/readyz` and `/metrics`.
+//! * [`ops`]: readiness checks and shutdown on SIGTERM.
+//!
+//! What a binary builds around its controllers (flags, logging, the server of `/healthz`,
+//! `/readyz` and `/metrics`, a REST API server, exit codes) is not here: this repository's
+//! binaries take it from their own unpublished crate, `netkit-runtime`
+//! (`k8s-reconcile/runtime`), so a user of this library pulls no CLI parser and no web stack.
 //!
 //! # Kubernetes versions
 //!
@@ -53,15 +54,12 @@
 //! says only what failed at its own level ("cannot listen on 0.0.0.0:80", not "...: address in
 //! use"). That is the convention of the Rust ecosystem, so a caller can walk or downcast the
 //! chain, and a program that prints every cause in turn shows each one once; printing the chain
-//! is the binary's job (`k8s_reconcile::app::error_chain` does it for this workspace's).
+//! is the binary's job (`netkit_runtime::error_chain` does it for this workspace's).
 //!
 //! # Feature flags
 //!
 //! * `rustls-tls` (default): kube's client uses rustls with the `ring` provider, which needs no C
 //!   toolchain. Turn default features off to choose kube's TLS stack yourself.
-//! * `app`: the [`app`] module and the operations server ([`app::ops_server`]): flags
-//!   (clap), logging set-up (tracing-subscriber), a bounded REST API server (axum, hyper-util).
-//!   What a binary needs; a library that only reconciles leaves it off.
 //!
 //! kube's `unstable-runtime` feature is always on: [`ControllerBuilder::owns`] uses
 //! `Controller::owns_stream`, so each owned kind is watched once and that watch fills the cache
@@ -83,9 +81,6 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 #![cfg_attr(test, allow(clippy::unwrap_used, clippy::expect_used))]
 
-#[cfg(feature = "app")]
-#[cfg_attr(docsrs, doc(cfg(feature = "app")))]
-pub mod app;
 pub mod apply;
 pub mod auth;
 pub mod cache;

@@ -12,8 +12,7 @@
 //! controller-runtime's `workqueue_*` family has no counterpart: kube-runtime's scheduler keeps
 //! no queue that could be measured the same way, and a look-alike would mislead.
 //!
-//! [`process`] (feature `app`) adds the `process_*` metrics of Prometheus' client libraries and
-//! [`register_build_info`] the `<binary>_build_info` gauge.
+//! [`register_build_info`] adds the `<binary>_build_info` gauge.
 
 use std::time::Duration;
 
@@ -23,10 +22,6 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
-
-#[cfg(feature = "app")]
-#[cfg_attr(docsrs, doc(cfg(feature = "app")))]
-pub mod process;
 
 /// Labels of a reconcile outcome.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]

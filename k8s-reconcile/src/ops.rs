@@ -5,7 +5,7 @@
 //! `upstream`); `/readyz` answers 200 only while all pass and lists each with its detail, so an
 //! operator sees *why* a pod is not ready. `/healthz` answers 200 while the process serves at all.
 //! [`Health`] and [`shutdown_on_signals`] need nothing beyond tokio; the server that answers
-//! these paths is the `app` feature's (`app::ops_server`), which builds on this module.
+//! these paths is a binary's (this repository's is `netkit_runtime::ops_server`).
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, RwLock};

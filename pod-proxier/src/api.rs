@@ -25,8 +25,8 @@ use crate::metrics::{Metrics, RequestLabels};
 use crate::names;
 use crate::pod_mappings::{DEFAULT_TTL_SECONDS, MappingView, Requester, V1};
 use crate::settings::{MappingPolicy, Settings, V2Policy};
-use k8s_reconcile::app::rest::{self, Fields};
 use k8s_reconcile::auth::{Authenticator, Caller, ResourceAccess};
+use netkit_runtime::rest::{self, Fields};
 
 /// Everything the handlers share.
 pub struct AppState {
@@ -555,7 +555,7 @@ async fn list_v2(
     let fields = Fields::parse(query.as_deref().unwrap_or(""), &["namespace"], "query")?;
     let namespace = fields.get("namespace");
     if let Some(ns) = namespace {
-        k8s_reconcile::app::validate_dns_label(ns)
+        netkit_runtime::validate_dns_label(ns)
             .map_err(|e| ApiError::BadRequest(format!("namespace {ns:?}: {e}")))?;
         in_scope(&state.settings.policy, ns)?;
     }

@@ -5,13 +5,13 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-use k8s_reconcile::app::App;
-use k8s_reconcile::app::rest::{self, ApiLimits, ApiTransport};
 use k8s_reconcile::leader::LeaseConfig;
 use k8s_reconcile::leading::{Leadership, run_while_leading};
 use k8s_reconcile::metrics::ControllerMetrics;
 use kube::Client;
 use kube::api::{Api, ListParams};
+use netkit_runtime::App;
+use netkit_runtime::rest::{self, ApiLimits, ApiTransport};
 use proxy_core::metrics::PrometheusObserver;
 
 use crate::api::{AppState, router};
@@ -85,7 +85,7 @@ pub enum StartError {
     DataPlane(#[source] DataPlaneError),
     /// Operations server, signals, leader election.
     #[error(transparent)]
-    Framework(#[from] k8s_reconcile::Error),
+    Framework(#[from] netkit_runtime::Error),
 }
 
 /// Why the data plane could not start.
@@ -151,7 +151,7 @@ fn tls_acceptor(
 pub enum NoClusterCause {
     /// No client: no kubeconfig, or an unusable one.
     #[error(transparent)]
-    Client(k8s_reconcile::Error),
+    Client(netkit_runtime::Error),
     /// The version request failed.
     #[error(transparent)]
     Kube(kube::Error),
@@ -165,7 +165,7 @@ const FIRST_ANSWER: Duration = Duration::from_secs(10);
 
 /// A client from `--kubeconfig`, or the usual inference.
 pub async fn client(kubeconfig: Option<&Path>) -> Result<Client, StartError> {
-    let client = k8s_reconcile::app::kube_client(kubeconfig)
+    let client = netkit_runtime::kube_client(kubeconfig)
         .await
         .map_err(|e| StartError::NoCluster(NoClusterCause::Client(e)))?;
     match tokio::time::timeout(FIRST_ANSWER, client.apiserver_version()).await {

@@ -10,7 +10,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
-use k8s_reconcile::app::SecondsOrDuration;
+use netkit_runtime::SecondsOrDuration;
 use proxy_core::server::PortRange;
 use proxy_core::upstream::HealthCheck;
 
@@ -24,7 +24,7 @@ pub use crate::settings::{
     AuthMode, BackendKind, RuntimeApiAddr, V2Target, parse_runtime_api_addr,
 };
 
-use k8s_reconcile::app::{ClientArgs, LogArgs, MetricsArgs};
+use netkit_runtime::{ClientArgs, LogArgs, MetricsArgs};
 
 /// pod-proxier: TTL-managed TCP mappings to Pods (V1) and published Service ports (V2).
 #[derive(Debug, Clone, Parser)]
@@ -169,7 +169,7 @@ pub struct Cli {
         long,
         env = "POD_PROXIER_MAX_MAPPING_TIME",
         default_value = "3h",
-        value_parser = k8s_reconcile::app::parse_seconds_or_duration,
+        value_parser = netkit_runtime::parse_seconds_or_duration,
         global = true
     )]
     pub max_mapping_time: SecondsOrDuration,
@@ -180,7 +180,7 @@ pub struct Cli {
         long,
         env = "POD_PROXIER_CHECK_TIMEOUT",
         default_value = "15s",
-        value_parser = k8s_reconcile::app::parse_seconds_or_duration,
+        value_parser = netkit_runtime::parse_seconds_or_duration,
         global = true
     )]
     pub check_timeout: SecondsOrDuration,
@@ -191,7 +191,7 @@ pub struct Cli {
         long,
         env = "POD_PROXIER_CHECK_INTERVAL",
         default_value = "2s",
-        value_parser = k8s_reconcile::app::parse_seconds_or_duration,
+        value_parser = netkit_runtime::parse_seconds_or_duration,
         global = true
     )]
     pub check_interval: SecondsOrDuration,
@@ -235,7 +235,7 @@ pub struct Cli {
         long,
         env = "POD_PROXIER_RESYNC_TIME",
         default_value = "10m",
-        value_parser = k8s_reconcile::app::parse_seconds_or_duration,
+        value_parser = netkit_runtime::parse_seconds_or_duration,
         global = true
     )]
     pub resync_time: SecondsOrDuration,
@@ -314,7 +314,7 @@ pub struct Cli {
         long,
         env = "POD_PROXIER_REQUEST_TIMEOUT",
         default_value = "10s",
-        value_parser = k8s_reconcile::app::parse_seconds_or_duration,
+        value_parser = netkit_runtime::parse_seconds_or_duration,
         global = true
     )]
     pub request_timeout: SecondsOrDuration,
@@ -325,7 +325,7 @@ pub struct Cli {
         long,
         env = "POD_PROXIER_HEADER_READ_TIMEOUT",
         default_value = "5s",
-        value_parser = k8s_reconcile::app::parse_seconds_or_duration,
+        value_parser = netkit_runtime::parse_seconds_or_duration,
         global = true
     )]
     pub header_read_timeout: SecondsOrDuration,
@@ -340,7 +340,7 @@ pub struct Cli {
         long,
         env = "POD_PROXIER_DRAIN_TIMEOUT",
         default_value = "30s",
-        value_parser = k8s_reconcile::app::parse_seconds_or_duration,
+        value_parser = netkit_runtime::parse_seconds_or_duration,
         global = true
     )]
     pub drain_timeout: SecondsOrDuration,
@@ -556,13 +556,13 @@ impl Cli {
             if ns.is_empty() {
                 continue;
             }
-            k8s_reconcile::app::validate_dns_label(ns)
+            netkit_runtime::validate_dns_label(ns)
                 .map_err(|e| format!("--allowed-namespaces: {ns:?}: {e}"))?;
             if !allowed.iter().any(|a| a == ns) {
                 allowed.push(ns.to_owned());
             }
         }
-        k8s_reconcile::app::validate_dns_label(&self.state_namespace)
+        netkit_runtime::validate_dns_label(&self.state_namespace)
             .map_err(|e| format!("--state-namespace {:?}: {e}", self.state_namespace))?;
         let max_mapping = self.max_mapping_time.duration;
         if max_mapping < Duration::from_secs(1)
@@ -657,7 +657,7 @@ impl Cli {
             }),
         };
         let tls = self.api_tls(need_a_version)?;
-        let identity = k8s_reconcile::app::leader_identity(self.identity.as_deref(), "pod-proxier");
+        let identity = netkit_runtime::leader_identity(self.identity.as_deref(), "pod-proxier");
         Ok(Settings {
             api: ApiSettings {
                 addr: SocketAddr::new(self.api_listen_addr, self.listen_port),
@@ -712,7 +712,7 @@ mod tests {
         // The API's transport is tested on its own below.
         let mut all = vec!["pod-proxier", "--plain-http"];
         all.extend_from_slice(args);
-        k8s_reconcile::app::try_parse_args_from(all).unwrap()
+        netkit_runtime::try_parse_args_from(all).unwrap()
     }
 
     #[test]
@@ -721,12 +721,10 @@ mod tests {
         assert!(c.enable_v1 && !c.enable_v2 && c.off_check);
         let c = cli(&["--enable-v1=1", "--enable-v2=T", "--off-check=F"]);
         assert!(c.enable_v1 && c.enable_v2 && !c.off_check);
-        let err = k8s_reconcile::app::try_parse_args_from::<Cli, _, _>([
-            "pod-proxier",
-            "--enable-v1=maybe",
-        ])
-        .err()
-        .unwrap();
+        let err =
+            netkit_runtime::try_parse_args_from::<Cli, _, _>(["pod-proxier", "--enable-v1=maybe"])
+                .err()
+                .unwrap();
         assert!(err.to_string().contains("not a boolean"), "{err}");
     }
 
@@ -747,7 +745,7 @@ mod tests {
         assert_eq!(settings.policy.v2.unwrap().resync, Duration::from_secs(600));
         assert_eq!(settings.warnings.len(), 2, "{:?}", settings.warnings);
         assert!(settings.warnings[1].contains("--drain-timeout 30"));
-        let err = k8s_reconcile::app::try_parse_args_from::<Cli, _, _>([
+        let err = netkit_runtime::try_parse_args_from::<Cli, _, _>([
             "pod-proxier",
             "--drain-timeout=30x",
         ])
@@ -859,7 +857,7 @@ mod tests {
         let parse = |args: &[&str]| {
             let mut all = vec!["pod-proxier", "--enable-v1"];
             all.extend_from_slice(args);
-            k8s_reconcile::app::try_parse_args_from::<Cli, _, _>(all).unwrap()
+            netkit_runtime::try_parse_args_from::<Cli, _, _>(all).unwrap()
         };
         let err = parse(&[]).validate(true).unwrap_err();
         assert!(

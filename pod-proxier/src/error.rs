@@ -6,9 +6,9 @@ use axum::response::{IntoResponse, Response};
 use http::StatusCode;
 use serde::Serialize;
 
-use k8s_reconcile::app::error_chain;
-use k8s_reconcile::app::rest::RequestError;
 use k8s_reconcile::auth::AuthError;
+use netkit_runtime::error_chain;
+use netkit_runtime::rest::RequestError;
 
 /// `code` of a success (as the original).
 pub const CODE_OK: i64 = 10000;

@@ -2,7 +2,7 @@
 
 use std::process::ExitCode;
 
-use k8s_reconcile::app;
+use netkit_runtime as app;
 use pod_proxier::config::{Cli, Command};
 
 fn main() -> ExitCode {

@@ -1,7 +1,7 @@
 //! Kubernetes name rules, checked before any API call so bad input gets a precise message. The
-//! DNS rules are the framework's ([`k8s_reconcile::app::values`]); port names are ours.
+//! DNS rules are the framework's ([`netkit_runtime::values`]); port names are ours.
 
-use k8s_reconcile::app::{validate_dns_label, validate_dns_subdomain};
+use netkit_runtime::{validate_dns_label, validate_dns_subdomain};
 
 /// A container or Service port name (IANA service name): at most 15 lowercase letters, digits
 /// and '-', with at least one letter, no '-' at either end and no "--".

@@ -55,7 +55,7 @@ pub struct Settings {
     /// Address of /metrics.
     pub metrics_addr: SocketAddr,
     /// Who may read /metrics, and over what.
-    pub metrics: k8s_reconcile::app::MetricsArgs,
+    pub metrics: netkit_runtime::MetricsArgs,
     /// Warnings to log once logging is up (ignored legacy flags, deprecated forms).
     pub warnings: Vec<String>,
 }

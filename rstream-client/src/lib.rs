@@ -46,7 +46,7 @@
 //! says only what failed at its own level ("cannot listen on 0.0.0.0:80", not "...: address in
 //! use"). That is the convention of the Rust ecosystem, so a caller can walk or downcast the
 //! chain, and a program that prints every cause in turn shows each one once; printing the chain
-//! is the binary's job (`k8s_reconcile::app::error_chain` does it for this workspace's).
+//! is the binary's job (`netkit_runtime::error_chain` does it for this workspace's).
 //!
 //! # Feature flags
 //!

@@ -15,10 +15,10 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use k8s_reconcile::app::{App, ClientArgs, error_chain};
 use k8s_reconcile::conditions::Conditions;
 use k8s_reconcile::ops::Health;
 use kube::api::Api;
+use netkit_runtime::{App, ClientArgs, error_chain};
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -75,7 +75,7 @@ pub enum AgentError {
     Kube(#[from] kube::Error),
     /// The health server cannot start, or the Kubernetes client cannot be configured.
     #[error(transparent)]
-    Ops(#[from] k8s_reconcile::Error),
+    Ops(#[from] netkit_runtime::Error),
 }
 
 impl AgentError {
@@ -745,7 +745,7 @@ mod tests {
 
     #[test]
     fn the_agents_metrics_count_streams_and_what_they_carried() {
-        let mut registry = k8s_reconcile::app::metrics_registry("rstream-agent", "9.9.9");
+        let mut registry = netkit_runtime::metrics_registry("rstream-agent", "9.9.9");
         let metrics = AgentMetrics::register(&mut registry, "web");
         metrics.streams.inc();
         metrics.record(Relayed::Bytes {

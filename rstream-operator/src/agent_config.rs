@@ -10,7 +10,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use k8s_reconcile::app;
+use netkit_runtime as app;
 use rstream_client::forward::TargetKind;
 use rstream_client::tunnel::{HttpVersion, TunnelOptions, TunnelProtocol, TunnelType};
 use serde::{Deserialize, Serialize};
@@ -440,7 +440,7 @@ mod tests {
         assert_eq!(AgentConfig::from_yaml(&yaml).unwrap(), sample());
         let err = AgentConfig::from_yaml(&format!("{yaml}surprise: 1\n")).unwrap_err();
         // serde's reason is the cause, not part of the message.
-        let chain = k8s_reconcile::app::error_chain(&err);
+        let chain = netkit_runtime::error_chain(&err);
         assert!(chain.contains("surprise"), "{chain}");
     }
 
@@ -540,7 +540,7 @@ mod tests {
         let err = AgentConfig::from_yaml(&yaml.replace("protocol: http", "protocol: webtty"))
             .unwrap_err();
         // serde's reason is the cause, printed by the chain.
-        let err = k8s_reconcile::app::error_chain(&err);
+        let err = netkit_runtime::error_chain(&err);
         assert!(err.contains("webtty") && err.contains("dtls"), "{err}");
     }
 

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{Parser, ValueEnum};
-use k8s_reconcile::app::{
+use netkit_runtime::{
     ClientArgs, LogArgs, MetricsArgs, OpsBindFailure, OptionalListenAddr, parse_duration,
     parse_listen_addr, parse_optional_listen_addr, parse_positive_duration, validate_dns_label,
 };
@@ -18,7 +18,7 @@ const MAX_THREADS: usize = 1024;
 
 /// Flags. The first five are the original's, with its defaults and `UPSTREAM_ADDR`. Boolean flags
 /// take Go's forms (`--flag`, `--flag=true`, `--flag=false`): parse with
-/// [`k8s_reconcile::app::parse_args`].
+/// [`netkit_runtime::parse_args`].
 #[derive(Debug, Clone, Parser)]
 #[command(
     name = "steward-tcp-proxy",
@@ -250,7 +250,7 @@ mod tests {
     use super::*;
 
     fn parse(args: &[&str]) -> Result<Args, clap::Error> {
-        k8s_reconcile::app::try_parse_args_from(
+        netkit_runtime::try_parse_args_from(
             std::iter::once("steward-tcp-proxy").chain(args.iter().copied()),
         )
     }

@@ -461,7 +461,7 @@ impl EndpointsReconciler {
         self.health.set(
             CHECK,
             ready,
-            format!("{what}: {}", k8s_reconcile::app::error_chain(err)),
+            format!("{what}: {}", netkit_runtime::error_chain(err)),
         );
     }
 }

@@ -1,9 +1,9 @@
 //! `cargo xtask errors`: one rule for the error types of every crate of the workspace.
 //!
 //! The rule (issue 38): a variant with a cause returns it from `source()` and does not repeat it
-//! in its message. Printing the whole chain is the binaries' job (`k8s_reconcile::app::
-//! error_chain`); a message that also printed its cause would show it twice there, and a cause
-//! kept out of `source()` is lost to callers that walk the chain (`downcast_ref`, retry logic).
+//! in its message. Printing the whole chain is the binaries' job (`netkit_runtime::error_chain`);
+//! a message that also printed its cause would show it twice there, and a cause kept out of
+//! `source()` is lost to callers that walk the chain (`downcast_ref`, retry logic).
 //!
 //! Every Rust file of every member (`src`, `tests`, `examples`, `benches`, `build.rs`) is parsed
 //! with `syn`; each type deriving `Error` (thiserror) is checked variant by variant. A field is a

@@ -486,7 +486,7 @@ impl HaproxyPlane {
                 }
                 Err(err) => errors.push(PortError {
                     port,
-                    message: k8s_reconcile::app::error_chain(&err),
+                    message: netkit_runtime::error_chain(&err),
                 }),
             }
         }
@@ -521,7 +521,7 @@ mod tests {
         let error =
             crate::app::StartError::DataPlane(crate::app::DataPlaneError::Haproxy(unreachable));
         assert_eq!(
-            k8s_reconcile::app::error_chain(&error),
+            netkit_runtime::error_chain(&error),
             "data plane: driving HAProxy: cannot reach the HAProxy Runtime API at \
              unix:///run/haproxy/admin.sock (start HAProxy with the configuration printed by \
              `pod-proxier haproxy-config`, same flags): no such socket"

@@ -4,7 +4,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::Parser;
-use k8s_reconcile::app::{self, ClientArgs, LogArgs};
+use netkit_runtime::{self as app, ClientArgs, LogArgs};
 use rstream_operator::agent::{self, AgentError, AgentOptions};
 
 /// Keeps one rstream tunnel up, forwards its streams to the target Service and reports its state

@@ -4,8 +4,8 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::Parser;
-use k8s_reconcile::app::{self, App, ClientArgs, LogArgs, MetricsArgs};
 use k8s_reconcile::metrics::ControllerMetrics;
+use netkit_runtime::{self as app, App, ClientArgs, LogArgs, MetricsArgs};
 use rstream_operator::manager::{self, ManagerOptions};
 
 /// Default agent image (the original operator's).

@@ -225,8 +225,7 @@ pub async fn resolve(
         ));
     }
 
-    let invalid =
-        |e: rstream_client::Error| ResolveError::Invalid(k8s_reconcile::app::error_chain(&e));
+    let invalid = |e: rstream_client::Error| ResolveError::Invalid(netkit_runtime::error_chain(&e));
     let engine_text = spec
         .engine
         .as_deref()

@@ -10,6 +10,8 @@ use prometheus_client::registry::Registry;
 
 use crate::Error;
 
+pub mod metrics;
+
 /// Exit code of a failure at run time.
 pub const EXIT_FAILURE: u8 = 1;
 /// Exit code of invalid flags or configuration, as clap's own errors.
@@ -48,7 +50,14 @@ pub fn own_namespace() -> Option<String> {
 /// Error types that follow the crate docs' rule (a message leaves its cause to `source()`) show
 /// each cause once; one that also prints its cause (some third-party errors do) shows it twice.
 pub fn error_chain(error: &(dyn StdError + 'static)) -> String {
-    crate::error::chain(error)
+    let mut text = error.to_string();
+    let mut cause = error.source();
+    while let Some(current) = cause {
+        text.push_str(": ");
+        text.push_str(&current.to_string());
+        cause = current.source();
+    }
+    text
 }
 
 /// Prints a fatal error chain once, through the log when logging is set up (so JSON log pipelines
@@ -117,12 +126,12 @@ where
 }
 
 /// A metrics registry for the binary `binary` at `version`, holding what every binary exports:
-/// the `process_*` metrics ([`crate::metrics::process`]) and `<binary>_build_info`
-/// ([`crate::metrics::register_build_info`], dashes in the name become underscores).
+/// the `process_*` metrics ([`metrics`]) and `<binary>_build_info`
+/// ([`k8s_reconcile::metrics::register_build_info`], dashes in the name become underscores).
 pub fn metrics_registry(binary: &str, version: &str) -> Registry {
     let mut registry = Registry::default();
-    crate::metrics::process::register(&mut registry);
-    crate::metrics::register_build_info(&mut registry, &binary.replace('-', "_"), version);
+    metrics::register(&mut registry);
+    k8s_reconcile::metrics::register_build_info(&mut registry, &binary.replace('-', "_"), version);
     registry
 }
 

@@ -8,9 +8,9 @@
 //! `subjectaccessreviews.authorization.k8s.io` (what `system:auth-delegator` grants).
 //!
 //! ```no_run
-//! use k8s_reconcile::app::{App, MetricsArgs};
+//! use netkit_runtime::{App, MetricsArgs};
 //!
-//! async fn run(metrics_args: MetricsArgs, client: kube::Client) -> Result<(), k8s_reconcile::Error> {
+//! async fn run(metrics_args: MetricsArgs, client: kube::Client) -> Result<(), netkit_runtime::Error> {
 //!     let app = App::builder("my-binary", "0.1.0")
 //!         .serve_health(["0.0.0.0:8081".parse().expect("an address")])
 //!         .serve_metrics(["0.0.0.0:8443".parse().expect("an address")], metrics_args.access(&client)?)
@@ -29,7 +29,7 @@ use proxy_core::tls::ReloadingCert;
 
 use super::values::parse_go_bool;
 use crate::Error;
-use crate::auth::Authenticator;
+use k8s_reconcile::auth::Authenticator;
 
 /// Who may read `/metrics` ([`AppBuilder::serve_metrics`](super::AppBuilder::serve_metrics)).
 #[derive(Clone)]
@@ -198,10 +198,8 @@ mod tests {
     }
 
     fn parse(args: &[&str]) -> Result<MetricsArgs, clap::Error> {
-        crate::app::try_parse_args_from::<Args, _, _>(
-            std::iter::once("t").chain(args.iter().copied()),
-        )
-        .map(|a| a.metrics)
+        crate::try_parse_args_from::<Args, _, _>(std::iter::once("t").chain(args.iter().copied()))
+            .map(|a| a.metrics)
     }
 
     #[test]

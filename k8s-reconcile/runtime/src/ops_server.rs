@@ -17,8 +17,8 @@ use tokio_util::sync::CancellationToken;
 
 use super::rest::{ApiLimits, ApiTransport, serve_api_with};
 use crate::Error;
-use crate::auth::{AuthError, Authenticator};
-use crate::ops::Health;
+use k8s_reconcile::auth::{AuthError, Authenticator};
+use k8s_reconcile::ops::Health;
 
 #[derive(Clone)]
 struct MetricsState {

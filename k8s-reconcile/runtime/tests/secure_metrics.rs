@@ -10,8 +10,8 @@ use std::time::Duration;
 use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
 use k8s_openapi::api::core::v1::ServiceAccount;
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, PolicyRule, RoleRef, Subject};
-use k8s_reconcile::app::{App, MetricsArgs};
 use kube::api::{Api, ObjectMeta, PostParams};
+use netkit_runtime::{App, MetricsArgs};
 use netkit_testenv::{ControlPlane, Identity, eventually};
 use tokio::io::{AsyncRead, AsyncReadExt as _, AsyncWrite, AsyncWriteExt as _};
 
@@ -232,7 +232,7 @@ async fn missing_certificate_files_stop_the_start_naming_them() {
     };
     let error = args.access(&client).unwrap_err();
     // The file's name is in the cause (the certificate loader's error), printed by the chain.
-    let text = k8s_reconcile::app::error_chain(&error);
+    let text = netkit_runtime::error_chain(&error);
     assert!(
         text.contains("--metrics-cert-file") && text.contains("/nonexistent/tls.crt"),
         "{text}"

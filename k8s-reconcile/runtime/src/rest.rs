@@ -72,7 +72,7 @@ pub async fn bind_api(addr: SocketAddr) -> Result<TcpListener, Error> {
 /// dependency of the caller, not of this crate):
 ///
 /// ```
-/// use k8s_reconcile::app::rest::ApiTransport;
+/// use netkit_runtime::rest::ApiTransport;
 /// use tokio::net::TcpStream;
 ///
 /// struct Logged;
@@ -120,7 +120,7 @@ impl ApiTransport for PlainHttp {
 ///
 /// ```no_run
 /// use std::time::Duration;
-/// use k8s_reconcile::app::rest::{ApiLimits, bind_api, serve_api};
+/// use netkit_runtime::rest::{ApiLimits, bind_api, serve_api};
 ///
 /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
 /// let shutdown = k8s_reconcile::ops::shutdown_on_signals()?;

@@ -3,9 +3,9 @@
 //! registers its metrics and runs its work.
 //!
 //! ```no_run
-//! use k8s_reconcile::app::{App, ClientArgs};
+//! use netkit_runtime::{App, ClientArgs};
 //!
-//! async fn run(client_args: ClientArgs) -> Result<(), k8s_reconcile::Error> {
+//! async fn run(client_args: ClientArgs) -> Result<(), netkit_runtime::Error> {
 //!     let mut builder = App::builder("my-binary", "0.1.0");
 //!     let _reconciles = k8s_reconcile::metrics::ControllerMetrics::register(builder.registry());
 //!     let app = builder
@@ -32,7 +32,7 @@ use tokio_util::sync::CancellationToken;
 use super::ops_server;
 use super::secure_metrics::MetricsAccess;
 use crate::Error;
-use crate::ops::{self, Health};
+use k8s_reconcile::ops::{self, Health};
 
 /// How often the certificate files of a secure metrics server are checked for a new pair.
 const METRICS_CERT_RECHECK: std::time::Duration = std::time::Duration::from_secs(10);
