@@ -8,9 +8,9 @@
 //! standby is ready and asking fast; `HandOver=False` `HandedOver`: the new holder holds the
 //! tunnel (written with its online report).
 
-use k8s_reconcile::app::error_chain;
 use k8s_reconcile::conditions::{self, Conditions};
 use kube::api::Api;
+use netkit_runtime::error_chain;
 
 use super::holder::HandOver;
 use crate::api::{RstreamTunnel, RstreamTunnelStatus};
