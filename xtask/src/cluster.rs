@@ -1,4 +1,4 @@
-//! `cargo xtask cluster [--node] [--check]`: a local control plane for trying the binaries by hand,
+//! `cargo xtask cluster [--node | --nodes N] [--check]`: a local control plane for trying the binaries by hand,
 //! optionally with a real node (kubelet, containerd, kube-proxy, CoreDNS) that runs Pods.
 
 use std::time::Instant;
@@ -13,16 +13,25 @@ pub struct Args {
     /// and CoreDNS (needs root; installs what it needs first).
     #[arg(long)]
     pub node: bool,
-    /// With --node: prove the node works (rollout, Job, ClusterIP, NodePort, DNS, garbage
-    /// collection), print each step, then stop and exit instead of waiting for Ctrl-C.
-    #[arg(long, requires = "node")]
+    /// Add N real nodes (1 to 4), each in its own network namespace with its own containerd,
+    /// kubelet, kube-proxy and Pod subnet; the host routes between them.
+    #[arg(long, value_name = "N", conflicts_with = "node", value_parser = clap::value_parser!(u8).range(1..=4))]
+    pub nodes: Option<u8>,
+    /// With --node or --nodes: prove the nodes work (rollout, Job, ClusterIP, NodePort, DNS,
+    /// with several nodes one Pod on each reached across nodes, garbage collection), print each
+    /// step, then stop and exit instead of waiting for Ctrl-C.
+    #[arg(long)]
     pub check: bool,
 }
 
 pub fn run(args: &Args) -> anyhow::Result<()> {
+    let nodes = usize::from(args.nodes.unwrap_or(u8::from(args.node)));
+    if args.check && nodes == 0 {
+        anyhow::bail!("--check proves the nodes: add --node or --nodes N");
+    }
     let started = Instant::now();
     crate::envtest::ensure(&crate::envtest::Args {
-        node: args.node,
+        node: nodes > 0,
         ..crate::envtest::Args::default()
     })?;
     let release = if args.check {
@@ -42,13 +51,17 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
     runtime.block_on(async {
         eprintln!(
             "starting etcd and kube-apiserver{}...",
-            if args.node { " and the node" } else { "" }
+            match nodes {
+                0 => String::new(),
+                1 => " and the node".to_owned(),
+                n => format!(" and {n} nodes"),
+            }
         );
         let started = Instant::now();
         let mut builder = ControlPlane::builder();
-        if args.node {
+        if nodes > 0 {
             builder = builder
-                .node()
+                .nodes(nodes)
                 .start_timeout(std::time::Duration::from_secs(180));
         }
         let plane = builder.start().await?;
@@ -57,9 +70,9 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
             started.elapsed(),
             plane.server_url()
         );
-        if let Some(node) = plane.node() {
+        for node in plane.nodes() {
             for (step, took) in node.timings() {
-                println!("  {took:>8.1?}  {step}");
+                println!("  {took:>8.1?}  {}: {step}", node.name());
             }
         }
         if let Some(image) = &release {
@@ -81,8 +94,8 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
                     println!("node check: {} passed, 0 failed", steps.len());
                 }
                 Err(err) => {
-                    if let Some(node) = plane.node() {
-                        eprintln!("{}", node.log_tails(20));
+                    for node in plane.nodes() {
+                        eprintln!("=== {} ===\n{}", node.name(), node.log_tails(20));
                     }
                     plane.stop();
                     return Err(err).context("node check");
@@ -91,7 +104,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
             plane.stop();
             return Ok(());
         }
-        let echo_url = if args.node {
+        let echo_url = if nodes > 0 {
             Some(start_sample_workload(&plane).await?)
         } else {
             None
@@ -102,7 +115,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
         println!("try:");
         println!("  export KUBECONFIG={kubeconfig}");
         println!("  kubectl get --raw /version");
-        if args.node {
+        if nodes > 0 {
             println!("  kubectl get nodes -o wide");
             println!("  kubectl get pods -A -o wide");
             if let Some(url) = &echo_url {
@@ -111,11 +124,17 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
                 );
             }
             println!("  kubectl logs -n kube-system deploy/coredns");
+            for node in plane.nodes() {
+                println!(
+                    "  (node {} at {}: Pods {}; routed to the node only)",
+                    node.name(),
+                    node.internal_ip(),
+                    node.pod_cidr()
+                );
+            }
             println!(
-                "  (Pods: {}, Services: {}, node {}: routed to the node only)",
-                node::POD_CIDR,
-                node::SERVICE_CIDR,
-                node::NODE_IP
+                "  (Services: {}, through the first node)",
+                node::SERVICE_CIDR
             );
         } else {
             println!("  kubectl get namespaces");

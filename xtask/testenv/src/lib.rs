@@ -169,7 +169,7 @@ pub enum TestingError {
 pub struct ControlPlaneBuilder {
     apiserver_args: Vec<String>,
     start_timeout: Duration,
-    node: bool,
+    nodes: usize,
 }
 
 impl ControlPlaneBuilder {
@@ -193,7 +193,16 @@ impl ControlPlaneBuilder {
     /// plugins on and Services in [`node::SERVICE_CIDR`]; the start waits until the Node is
     /// `Ready` and CoreDNS serves. Needs root; see [`node`] for what else.
     pub fn node(mut self) -> Self {
-        self.node = true;
+        self.nodes = self.nodes.max(1);
+        self
+    }
+
+    /// Adds `count` real nodes (1 to [`node::MAX_NODES`]; see [`ControlPlaneBuilder::node`]), each
+    /// in its own network namespace with its own containerd, kubelet and kube-proxy and Pod
+    /// subnet; the host routes between them. The first one also runs the controller-manager (with
+    /// a 20 s node-monitor grace period when there are several), the scheduler and CoreDNS.
+    pub fn nodes(mut self, count: usize) -> Self {
+        self.nodes = count;
         self
     }
 
@@ -216,7 +225,8 @@ pub struct ControlPlane {
     processes: Mutex<Vec<ServerProcess>>,
     // One per generation of processes: a restarted server gets its own guardian.
     guardians: Mutex<Vec<Guardian>>,
-    node: Option<node::Node>,
+    // The first node holds the cluster's network and is stopped last.
+    nodes: Vec<node::Node>,
 }
 
 impl std::fmt::Debug for ControlPlane {
@@ -240,7 +250,7 @@ impl ControlPlane {
         ControlPlaneBuilder {
             apiserver_args: Vec::new(),
             start_timeout: START_TIMEOUT,
-            node: false,
+            nodes: 0,
         }
     }
 
@@ -259,7 +269,17 @@ impl ControlPlane {
 
     /// The node, when the control plane was started with one.
     pub fn node(&self) -> Option<&node::Node> {
-        self.node.as_ref()
+        self.nodes.first()
+    }
+
+    /// Every node, the first one first.
+    pub fn nodes(&self) -> &[node::Node] {
+        &self.nodes
+    }
+
+    /// Node `index`, to change it (e.g. [`node::Node::lose`]).
+    pub fn node_mut(&mut self, index: usize) -> Option<&mut node::Node> {
+        self.nodes.get_mut(index)
     }
 
     /// The control plane shared by all tests of this test binary, started on first use.
@@ -274,9 +294,10 @@ impl ControlPlane {
     async fn start_with(options: ControlPlaneBuilder) -> Result<Self, TestingError> {
         let binaries = Binaries::locate()?;
         // The node's network comes first: the API server listens on the node link.
-        let node_parts = if options.node {
+        let with_node = options.nodes > 0;
+        let node_parts = if with_node {
             let assets = node::NodeAssets::locate()?;
-            Some((assets, node::NodeNetwork::create()?))
+            Some((assets, node::NodeNetwork::create(options.nodes)?))
         } else {
             None
         };
@@ -288,7 +309,7 @@ impl ControlPlane {
                 cause: source,
             })?
             .keep();
-        let pki = if options.node {
+        let pki = if with_node {
             Pki::generate(&[node::HOST_IP.into(), node::KUBERNETES_SERVICE_IP.into()])?
         } else {
             Pki::generate(&[])?
@@ -315,7 +336,7 @@ impl ControlPlane {
         let api_port = free_port()?;
         let etcd_url = format!("http://127.0.0.1:{etcd_port}");
         let etcd_peer_url = format!("http://127.0.0.1:{etcd_peer_port}");
-        let bind_address = if options.node {
+        let bind_address = if with_node {
             node::HOST_IP.to_string()
         } else {
             "127.0.0.1".to_owned()
@@ -354,7 +375,7 @@ impl ControlPlane {
             "--audit-log-mode=blocking".to_owned(),
             "--audit-log-maxsize=0".to_owned(),
         ];
-        if options.node {
+        if with_node {
             let kubelet_client =
                 pki.client_cert("kube-apiserver-kubelet-client", Some("system:masters"))?;
             let cert = write("kubelet-client.crt", &kubelet_client.cert)?;
@@ -404,7 +425,7 @@ impl ControlPlane {
             namespaces: AtomicUsize::new(0),
             processes: Mutex::new(processes),
             guardians: Mutex::new(vec![guardian]),
-            node: None,
+            nodes: Vec::new(),
         };
         let admin = plane.admin_kubeconfig_text()?;
         std::fs::write(&kubeconfig, admin).map_err(|source| TestingError::Io {
@@ -419,15 +440,21 @@ impl ControlPlane {
                 .apiserver_args
                 .iter()
                 .any(|a| a == "--endpoint-reconciler-type=none");
-            let node = node::Node::start(
-                &plane,
-                network,
-                &assets,
-                options.start_timeout,
-                reconciler_off,
-            )
-            .await?;
-            plane.node = Some(node);
+            let cluster_dir = network.dir.clone();
+            let mut network = Some(network);
+            for index in 0..options.nodes {
+                let node = node::Node::start(
+                    &plane,
+                    network.take(),
+                    &cluster_dir,
+                    (index, options.nodes),
+                    &assets,
+                    options.start_timeout,
+                    reconciler_off,
+                )
+                .await?;
+                plane.nodes.push(node);
+            }
         }
         Ok(plane)
     }
@@ -567,7 +594,10 @@ impl ControlPlane {
 impl Drop for ControlPlane {
     fn drop(&mut self) {
         // The node first: its kubelet must not watch the API server go away and react.
-        drop(self.node.take());
+        // The others before the first, which holds the network.
+        while let Some(node) = self.nodes.pop() {
+            drop(node);
+        }
         if let Ok(mut processes) = self.processes.lock() {
             for process in processes.iter_mut().rev() {
                 process.stop();

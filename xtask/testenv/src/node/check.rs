@@ -46,26 +46,28 @@ pub async fn run(
     plane: &ControlPlane,
     release: ReleaseImage<'_>,
 ) -> Result<Vec<CheckStep>, TestingError> {
-    let node = plane
-        .node()
-        .ok_or_else(|| TestingError::NodeUnavailable("the control plane has no node".to_owned()))?;
+    if plane.nodes().is_empty() {
+        return Err(TestingError::NodeUnavailable(
+            "the control plane has no node".to_owned(),
+        ));
+    }
     let client = plane.client().await?;
     let ns = plane.create_namespace("node-check").await?;
     restrict_namespace(plane, &ns).await?;
     let mut steps = Vec::new();
-    let mut record = |what: String, started: Instant| {
-        steps.push(CheckStep {
-            what,
-            took: started.elapsed(),
-        })
-    };
+    let mut record = |what: String, took: Duration| steps.push(CheckStep { what, took });
 
     let started = Instant::now();
-    let ready = node_ready(plane).await?;
-    if !ready {
-        return Err(failed("the Node is not Ready"));
+    let node_names: Vec<String> = plane.nodes().iter().map(super::Node::name).collect();
+    for name in &node_names {
+        if !node_ready(plane, name).await? {
+            return Err(failed(&format!("the Node {name} is not Ready")));
+        }
     }
-    record(format!("node {} Ready", node.name()), started);
+    record(
+        format!("node {} Ready", node_names.join(", ")),
+        started.elapsed(),
+    );
 
     let started = Instant::now();
     let deployments: Api<Deployment> = Api::namespaced(client.clone(), &ns);
@@ -85,11 +87,13 @@ pub async fn run(
                 .collect::<Vec<_>>()
                 .join(", ")
         ),
-        started,
+        started.elapsed(),
     );
 
     let started = Instant::now();
-    node.import_image(release.tarball)?;
+    for node in plane.nodes() {
+        node.import_image(release.tarball)?;
+    }
     let jobs: Api<Job> = Api::namespaced(client.clone(), &ns);
     jobs.create(
         &PostParams::default(),
@@ -108,7 +112,7 @@ pub async fn run(
             release.reference,
             version.trim()
         ),
-        started,
+        started.elapsed(),
     );
 
     let started = Instant::now();
@@ -149,7 +153,7 @@ pub async fn run(
             "ClusterIP {cluster_addr} routed by kube-proxy to {}",
             join(&seen)
         ),
-        started,
+        started.elapsed(),
     );
     let started = Instant::now();
     let node_addr = SocketAddr::new(NODE_IP.into(), port.unsigned_abs().try_into().unwrap_or(0));
@@ -159,7 +163,7 @@ pub async fn run(
             "NodePort {node_addr} routed by kube-proxy to {}",
             join(&seen)
         ),
-        started,
+        started.elapsed(),
     );
 
     let started = Instant::now();
@@ -189,8 +193,14 @@ pub async fn run(
     }
     record(
         format!("a Pod resolved {} through CoreDNS", names.join(" and ")),
-        started,
+        started.elapsed(),
     );
+
+    if node_names.len() > 1 {
+        for step in across_nodes(plane, &ns, &node_names).await? {
+            record(step.what, step.took);
+        }
+    }
 
     let started = Instant::now();
     deployments
@@ -208,8 +218,121 @@ pub async fn run(
     }
     record(
         "Deployment deleted: its ReplicaSet and Pods garbage-collected".to_owned(),
-        started,
+        started.elapsed(),
     );
+    Ok(steps)
+}
+
+/// With several nodes: one echo Pod on each node (required anti-affinity), reached from the host
+/// through a ClusterIP (kube-proxy on the first node, then the host's routes to the other node),
+/// and a Pod on the last node resolving a name through CoreDNS on the first and fetching from
+/// every echo Pod by its Pod IP (Pod to Pod across nodes).
+async fn across_nodes(
+    plane: &ControlPlane,
+    ns: &str,
+    names: &[String],
+) -> Result<Vec<CheckStep>, TestingError> {
+    let client = plane.client().await?;
+    let mut steps = Vec::new();
+    let started = Instant::now();
+    let mut spread = testbox_deployment("spread", i32::try_from(names.len()).unwrap_or(2));
+    spread["spec"]["template"]["spec"]["affinity"] = json!({ "podAntiAffinity": {
+        "requiredDuringSchedulingIgnoredDuringExecution": [{
+            "labelSelector": { "matchLabels": { "app": "spread" } },
+            "topologyKey": "kubernetes.io/hostname",
+        }],
+    }});
+    Api::<Deployment>::namespaced(client.clone(), ns)
+        .create(&PostParams::default(), &from_json(spread)?)
+        .await
+        .map_err(kube_err("creating the spread Deployment"))?;
+    let pods = wait_pods_ready(plane, ns, "app=spread", names.len()).await?;
+    let placed: BTreeSet<String> = Api::<Pod>::namespaced(client.clone(), ns)
+        .list(&ListParams::default().labels("app=spread"))
+        .await
+        .map_err(kube_err("listing the spread Pods"))?
+        .items
+        .iter()
+        .filter_map(|p| p.spec.as_ref()?.node_name.clone())
+        .collect();
+    if placed.len() != names.len() {
+        return Err(failed(&format!(
+            "the spread Pods run on {placed:?}, not one on each of {names:?}"
+        )));
+    }
+    steps.push(CheckStep {
+        what: format!("one Pod on each node ({})", join(&placed)),
+        took: started.elapsed(),
+    });
+
+    let started = Instant::now();
+    let mut service = echo_service("spread", "ClusterIP");
+    service["spec"]["selector"] = json!({ "app": "spread" });
+    let created = Api::<Service>::namespaced(client.clone(), ns)
+        .create(&PostParams::default(), &from_json(service)?)
+        .await
+        .map_err(kube_err("creating the spread Service"))?;
+    let ip = created
+        .spec
+        .and_then(|s| s.cluster_ip)
+        .ok_or_else(|| failed("the spread Service has no ClusterIP"))?;
+    let addr: SocketAddr = format!("{ip}:80")
+        .parse()
+        .map_err(|e| failed(&format!("ClusterIP {ip}: {e}")))?;
+    let want: BTreeSet<String> = pods.iter().map(|(name, _)| name.clone()).collect();
+    let seen = reach_all(addr, &want).await?;
+    steps.push(CheckStep {
+        what: format!(
+            "ClusterIP {addr} reaches the Pods of every node: {}",
+            join(&seen)
+        ),
+        took: started.elapsed(),
+    });
+
+    let started = Instant::now();
+    let last = names.last().cloned().unwrap_or_default();
+    let name = format!("spread.{ns}.svc.cluster.local");
+    let jobs: Api<Job> = Api::namespaced(client, ns);
+    let on_last = |job_name: &str, command: &[&str]| {
+        let mut spec = job(job_name, TESTBOX_IMAGE, command);
+        spec["spec"]["template"]["spec"]["nodeSelector"] =
+            json!({ "kubernetes.io/hostname": last });
+        spec
+    };
+    jobs.create(
+        &PostParams::default(),
+        &from_json(on_last("across-resolve", &["/testbox", "resolve", &name]))?,
+    )
+    .await
+    .map_err(kube_err("creating the across-resolve Job"))?;
+    let logs = wait_job_logs(plane, ns, "across-resolve").await?;
+    if !logs.lines().any(|l| l.trim() == ip) {
+        return Err(failed(&format!(
+            "a Pod on {last} resolved {name} to {logs:?}, expected {ip}"
+        )));
+    }
+    for (i, (pod, pod_ip)) in pods.iter().enumerate() {
+        let job_name = format!("across-get-{i}");
+        let url = format!("http://{pod_ip}:8080/");
+        jobs.create(
+            &PostParams::default(),
+            &from_json(on_last(&job_name, &["/testbox", "get", &url]))?,
+        )
+        .await
+        .map_err(kube_err("creating an across-get Job"))?;
+        let body = wait_job_logs(plane, ns, &job_name).await?;
+        if !body.contains(pod.as_str()) {
+            return Err(failed(&format!(
+                "from {last}, GET {url} answered {body:?}, not by {pod}"
+            )));
+        }
+    }
+    steps.push(CheckStep {
+        what: format!(
+            "a Pod on {last} resolved {name} through CoreDNS and reached every echo Pod by its Pod IP"
+        ),
+        took: started.elapsed(),
+    });
     Ok(steps)
 }
 
@@ -452,10 +575,10 @@ pub async fn http_get(addr: SocketAddr, path: &str) -> Result<String, String> {
         .map_err(|_| "timed out after 10 s".to_owned())?
 }
 
-async fn node_ready(plane: &ControlPlane) -> Result<bool, TestingError> {
+async fn node_ready(plane: &ControlPlane, name: &str) -> Result<bool, TestingError> {
     let nodes: Api<k8s_openapi::api::core::v1::Node> = Api::all(plane.client().await?);
     let node = nodes
-        .get(super::NODE_NAME)
+        .get(name)
         .await
         .map_err(kube_err("reading the Node"))?;
     Ok(node

@@ -2,8 +2,8 @@
 
 use std::path::Path;
 
-use super::network::{BRIDGE, CGROUP_ROOT, CLUSTER_CIDR, DNS_SERVICE_IP, NODE_IP, POD_CIDR};
-use super::{NODE_NAME, PAUSE_IMAGE};
+use super::PAUSE_IMAGE;
+use super::network::{BRIDGE, CLUSTER_CIDR, DNS_SERVICE_IP, Slot};
 
 /// containerd 1.6 (config version 2) with all of its state under the node directory, the CRI
 /// plugin on the cgroupfs driver and our own sandbox image.
@@ -49,7 +49,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
 }
 
 /// One bridge network for the node's Pods; no masquerade, since nothing outside is reachable.
-pub(super) fn cni(dir: &Path) -> String {
+pub(super) fn cni(dir: &Path, slot: Slot) -> String {
     let d = dir.display();
     serde_json::json!({
         "cniVersion": "1.0.0",
@@ -63,7 +63,7 @@ pub(super) fn cni(dir: &Path) -> String {
                 "hairpinMode": true,
                 "ipam": {
                     "type": "host-local",
-                    "ranges": [[{ "subnet": POD_CIDR }]],
+                    "ranges": [[{ "subnet": slot.pod_cidr() }]],
                     "routes": [{ "dst": "0.0.0.0/0" }],
                     "dataDir": format!("{d}/cni-ipam"),
                 },
@@ -76,19 +76,21 @@ pub(super) fn cni(dir: &Path) -> String {
 
 /// The kubelet: cgroupfs on the host's cgroup v1, Pods under their own cgroup root, webhook
 /// authentication and authorization of the API server's calls, cluster DNS.
-pub(super) fn kubelet(dir: &Path, client_ca: &Path) -> String {
+pub(super) fn kubelet(dir: &Path, client_ca: &Path, slot: Slot) -> String {
     let d = dir.display();
     let ca = client_ca.display();
+    let node_ip = slot.node_ip();
+    let cgroup_root = slot.cgroup_root();
     format!(
         r#"apiVersion: kubelet.config.k8s.io/v1beta1
 kind: KubeletConfiguration
-address: "{NODE_IP}"
+address: "{node_ip}"
 port: 10250
 readOnlyPort: 0
 healthzBindAddress: 127.0.0.1
 healthzPort: 10248
 cgroupDriver: cgroupfs
-cgroupRoot: /{CGROUP_ROOT}
+cgroupRoot: /{cgroup_root}
 failCgroupV1: false
 failSwapOn: false
 containerRuntimeEndpoint: unix://{d}/containerd/containerd.sock
@@ -123,14 +125,15 @@ evictionHard:
 }
 
 /// kube-proxy in iptables mode, leaving the node's conntrack sysctls as they are.
-pub(super) fn kube_proxy(kubeconfig: &Path) -> String {
+pub(super) fn kube_proxy(kubeconfig: &Path, slot: Slot) -> String {
     let k = kubeconfig.display();
+    let name = slot.name();
     format!(
         r#"apiVersion: kubeproxy.config.k8s.io/v1alpha1
 kind: KubeProxyConfiguration
 clientConnection:
   kubeconfig: {k}
-hostnameOverride: {NODE_NAME}
+hostnameOverride: {name}
 mode: iptables
 clusterCIDR: {CLUSTER_CIDR}
 healthzBindAddress: 127.0.0.1:10256

@@ -43,12 +43,13 @@ use k8s_openapi::api::core::v1::Node as NodeObject;
 use kube::api::{Api, DynamicObject, Patch, PatchParams};
 use kube::discovery::ApiResource;
 
+pub use network::MAX_NODES;
 pub(crate) use network::NodeNetwork;
-use network::{CGROUP_ROOT, io, netns_path, write};
 pub use network::{
     CLUSTER_CIDR, DNS_SERVICE_IP, HOST_IP, KUBERNETES_SERVICE_IP, MACHINE_LOCK, NETNS, NODE_IP,
     POD_CIDR, SERVICE_CIDR,
 };
+use network::{Slot, io, write};
 
 use super::assets::{default_assets_dir, locate_in_assets};
 use super::process::{ServerProcess, free_port, log_tail};
@@ -147,34 +148,44 @@ impl NodeAssets {
 pub struct Node {
     // Stopped in reverse order of start, before the network is torn down.
     processes: Vec<ServerProcess>,
+    slot: Slot,
+    dir: PathBuf,
+    // The cluster's list of process ids, which its teardown script kills.
+    pids: PathBuf,
     containerd_socket: PathBuf,
     timings: Vec<(String, Duration)>,
-    network: NodeNetwork,
+    // The cluster's network, held by its first node (dropped last, after the other nodes).
+    network: Option<NodeNetwork>,
 }
 
 impl std::fmt::Debug for Node {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Node")
-            .field("name", &NODE_NAME)
-            .field("dir", &self.network.dir)
+            .field("name", &self.slot.name())
+            .field("dir", &self.dir)
             .finish_non_exhaustive()
     }
 }
 
 impl Node {
-    /// The node's name.
-    pub fn name(&self) -> &str {
-        NODE_NAME
+    /// The node's name ([`NODE_NAME`] for the first node, then `-2`, `-3`, ...).
+    pub fn name(&self) -> String {
+        self.slot.name()
     }
 
     /// The node's `InternalIP`, where NodePorts listen (reachable from the host).
     pub fn internal_ip(&self) -> IpAddr {
-        IpAddr::V4(NODE_IP)
+        IpAddr::V4(self.slot.node_ip())
+    }
+
+    /// The node's Pod subnet.
+    pub fn pod_cidr(&self) -> String {
+        self.slot.pod_cidr()
     }
 
     /// The directory holding the node's configuration, logs and containerd state.
     pub fn dir(&self) -> &Path {
-        &self.network.dir
+        &self.dir
     }
 
     /// How long each start-up step took, in order.
@@ -215,12 +226,29 @@ impl Node {
     /// still reaches Pods, ClusterIPs and NodePorts. The node's teardown removes a cut left in
     /// place.
     pub fn cut_apiserver_link(&self, apiserver_port: u16) -> Result<(), TestingError> {
-        network::cut_apiserver_link(&self.network.dir, apiserver_port)
+        network::cut_apiserver_link(self.slot, &self.dir, apiserver_port)
     }
 
     /// Ends the cut of [`Node::cut_apiserver_link`].
     pub fn restore_apiserver_link(&self) -> Result<(), TestingError> {
-        network::restore_apiserver_link()
+        network::restore_apiserver_link(self.slot)
+    }
+
+    /// Loses the node, as a machine that dies does (not a graceful drain): its kubelet, kube-proxy
+    /// and containerd are killed and its link to the host goes down, so nothing reaches its Pods
+    /// (whose processes keep running, cut off) and the node stops reporting. The first node
+    /// cannot be lost: it runs the cluster's controller-manager and scheduler.
+    pub fn lose(&mut self) -> Result<(), TestingError> {
+        if self.slot.index == 0 {
+            return Err(TestingError::Config(
+                "the first node runs the controller-manager and scheduler; lose another one"
+                    .to_owned(),
+            ));
+        }
+        for process in self.processes.iter_mut().rev() {
+            process.stop();
+        }
+        network::cut_node_link(self.slot)
     }
 
     /// The last lines of each node component's log.
@@ -243,11 +271,11 @@ impl Node {
         args: Vec<String>,
         in_node_netns: bool,
     ) -> Result<(), TestingError> {
-        let dir = self.network.dir.clone();
+        let dir = self.dir.clone();
         let process = if in_node_netns {
             // nsenter enters only the network namespace and then execs: same pid, host mounts.
             let mut all = vec![
-                format!("--net={}", netns_path().display()),
+                format!("--net={}", self.slot.netns_path().display()),
                 "--".to_owned(),
                 program.display().to_string(),
             ];
@@ -257,7 +285,7 @@ impl Node {
             ServerProcess::spawn(name, program, &args, &dir)?
         };
         // The teardown script kills what this file lists, also when this process is gone.
-        let pids = dir.join("pids");
+        let pids = self.pids.clone();
         OpenOptions::new()
             .create(true)
             .append(true)
@@ -276,23 +304,34 @@ impl Node {
     /// CoreDNS serves. With `bootstrap_endpoints` (an API server without its endpoint
     /// reconciler), `default/kubernetes` is first pointed at the API server, as a hosted control
     /// plane's operator does, so Pods reach it; whoever publishes endpoints later takes over.
+    ///
+    /// Node `index` of `nodes`: the first one holds the cluster's `network` (pass `Some`) and also
+    /// runs the controller-manager, the scheduler and CoreDNS; the others only their containerd,
+    /// kubelet and kube-proxy (pass `None`).
+    #[allow(clippy::too_many_arguments)]
     pub(super) async fn start(
         plane: &ControlPlane,
-        network: NodeNetwork,
+        network: Option<NodeNetwork>,
+        cluster_dir: &Path,
+        (index, nodes): (usize, usize),
         assets: &NodeAssets,
         timeout: Duration,
         bootstrap_endpoints: bool,
     ) -> Result<Self, TestingError> {
-        let dir = network.dir.clone();
+        let slot = Slot { index };
+        let dir = slot.dir(cluster_dir);
         let mut node = Self {
             processes: Vec::new(),
-            containerd_socket: dir.join("containerd").join("containerd.sock"),
+            slot,
+            pids: cluster_dir.join("pids"),
+            containerd_socket: slot.containerd_socket(cluster_dir),
+            dir,
             timings: Vec::new(),
             network,
         };
         let deadline = Instant::now() + timeout;
         match node
-            .start_components(plane, assets, deadline, bootstrap_endpoints)
+            .start_components(plane, assets, deadline, bootstrap_endpoints, nodes)
             .await
         {
             Ok(()) => Ok(node),
@@ -311,9 +350,12 @@ impl Node {
         assets: &NodeAssets,
         deadline: Instant,
         bootstrap_endpoints: bool,
+        node_count: usize,
     ) -> Result<(), TestingError> {
-        let dir = self.network.dir.clone();
-        if bootstrap_endpoints {
+        let dir = self.dir.clone();
+        let slot = self.slot;
+        let first = slot.index == 0;
+        if first && bootstrap_endpoints {
             write_kubernetes_endpoints(plane).await?;
         }
         let started = Instant::now();
@@ -321,11 +363,11 @@ impl Node {
             std::fs::create_dir_all(dir.join(sub))
                 .map_err(|source| io(&format!("creating {sub}"), source))?;
         }
-        create_cgroup_root()?;
+        create_cgroup_root(&slot.cgroup_root())?;
         write(&dir.join("containerd.toml"), &config::containerd(&dir))?;
         write(
             &dir.join("cni").join("10-kube-netkit.conflist"),
-            &config::cni(&dir),
+            &config::cni(&dir, slot),
         )?;
 
         let containerd_config = dir.join("containerd.toml");
@@ -359,73 +401,81 @@ impl Node {
             plane.write_cert_kubeconfig(&dir, "system:kube-controller-manager", None)?;
         let scheduler_kubeconfig =
             plane.write_cert_kubeconfig(&dir, "system:kube-scheduler", None)?;
+        let name = slot.name();
+        let node_ip = slot.node_ip();
         let kubelet_kubeconfig = plane.write_cert_kubeconfig(
             &dir,
-            &format!("system:node:{NODE_NAME}"),
+            &format!("system:node:{name}"),
             Some("system:nodes"),
         )?;
         let proxy_kubeconfig = plane.write_cert_kubeconfig(&dir, "system:kube-proxy", None)?;
-        let serving = pki.serving_cert(NODE_NAME, IpAddr::V4(NODE_IP))?;
+        let serving = pki.serving_cert(&name, IpAddr::V4(node_ip))?;
         write(&dir.join("kubelet.crt"), &serving.cert)?;
         write(&dir.join("kubelet.key"), &serving.key)?;
         let client_ca = plane.dir.join("client-ca.crt");
         let serving_ca = plane.dir.join("serving-ca.crt");
         write(&serving_ca, &pki.serving_ca)?;
 
-        let kcm = |kubeconfig: &Path, port: u16| {
-            let k = kubeconfig.display();
-            vec![
-                format!("--kubeconfig={k}"),
-                format!("--authentication-kubeconfig={k}"),
-                format!("--authorization-kubeconfig={k}"),
-                "--bind-address=127.0.0.1".to_owned(),
-                format!("--secure-port={port}"),
-                "--leader-elect=false".to_owned(),
-            ]
-        };
-        let mut kcm_args = kcm(&kcm_kubeconfig, free_port()?);
-        kcm_args.extend([
-            "--controllers=*".to_owned(),
-            "--use-service-account-credentials=true".to_owned(),
-            format!(
-                "--service-account-private-key-file={}",
-                plane.dir.join("sa.key").display()
-            ),
-            format!("--root-ca-file={}", serving_ca.display()),
-            format!("--cert-dir={}", dir.join("kcm").display()),
-            format!("--service-cluster-ip-range={SERVICE_CIDR}"),
-            "--allocate-node-cidrs=false".to_owned(),
-        ]);
-        self.spawn(
-            "kube-controller-manager",
-            &assets.kube_controller_manager,
-            kcm_args,
-            false,
-        )?;
-        let scheduler_args = kcm(&scheduler_kubeconfig, free_port()?);
-        self.spawn(
-            "kube-scheduler",
-            &assets.kube_scheduler,
-            scheduler_args,
-            false,
-        )?;
+        if first {
+            let kcm = |kubeconfig: &Path, port: u16| {
+                let k = kubeconfig.display();
+                vec![
+                    format!("--kubeconfig={k}"),
+                    format!("--authentication-kubeconfig={k}"),
+                    format!("--authorization-kubeconfig={k}"),
+                    "--bind-address=127.0.0.1".to_owned(),
+                    format!("--secure-port={port}"),
+                    "--leader-elect=false".to_owned(),
+                ]
+            };
+            let mut kcm_args = kcm(&kcm_kubeconfig, free_port()?);
+            kcm_args.extend([
+                "--controllers=*".to_owned(),
+                "--use-service-account-credentials=true".to_owned(),
+                format!(
+                    "--service-account-private-key-file={}",
+                    plane.dir.join("sa.key").display()
+                ),
+                format!("--root-ca-file={}", serving_ca.display()),
+                format!("--cert-dir={}", dir.join("kcm").display()),
+                format!("--service-cluster-ip-range={SERVICE_CIDR}"),
+                "--allocate-node-cidrs=false".to_owned(),
+            ]);
+            if node_count > 1 {
+                // A lost node turns NotReady (and its Pods unready) within seconds, not 50 s.
+                kcm_args.push("--node-monitor-grace-period=20s".to_owned());
+            }
+            self.spawn(
+                "kube-controller-manager",
+                &assets.kube_controller_manager,
+                kcm_args,
+                false,
+            )?;
+            let scheduler_args = kcm(&scheduler_kubeconfig, free_port()?);
+            self.spawn(
+                "kube-scheduler",
+                &assets.kube_scheduler,
+                scheduler_args,
+                false,
+            )?;
+        }
 
         write(
             &dir.join("kubelet.yaml"),
-            &config::kubelet(&dir, &client_ca),
+            &config::kubelet(&dir, &client_ca, slot),
         )?;
         let kubelet_args = vec![
             format!("--config={}", dir.join("kubelet.yaml").display()),
             format!("--kubeconfig={}", kubelet_kubeconfig.display()),
             format!("--root-dir={}", dir.join("kubelet").display()),
-            format!("--hostname-override={NODE_NAME}"),
-            format!("--node-ip={NODE_IP}"),
+            format!("--hostname-override={name}"),
+            format!("--node-ip={node_ip}"),
             "--v=1".to_owned(),
         ];
         self.spawn("kubelet", &assets.kubelet, kubelet_args, true)?;
         write(
             &dir.join("kube-proxy.yaml"),
-            &config::kube_proxy(&proxy_kubeconfig),
+            &config::kube_proxy(&proxy_kubeconfig, slot),
         )?;
         let proxy_args = vec![format!(
             "--config={}",
@@ -435,24 +485,21 @@ impl Node {
 
         let nodes: Api<NodeObject> = Api::all(plane.client().await?);
         self.wait_until("the Node to be Ready", deadline, || async {
-            nodes
-                .get_opt(NODE_NAME)
-                .await
-                .ok()
-                .flatten()
-                .is_some_and(|n| {
-                    n.status
-                        .and_then(|s| s.conditions)
-                        .unwrap_or_default()
-                        .iter()
-                        .any(|c| c.type_ == "Ready" && c.status == "True")
-                })
+            nodes.get_opt(&name).await.ok().flatten().is_some_and(|n| {
+                n.status
+                    .and_then(|s| s.conditions)
+                    .unwrap_or_default()
+                    .iter()
+                    .any(|c| c.type_ == "Ready" && c.status == "True")
+            })
         })
         .await?;
         self.step("node Ready", started);
 
-        self.start_dns(plane, deadline).await?;
-        self.step("CoreDNS Ready", started);
+        if first {
+            self.start_dns(plane, deadline).await?;
+            self.step("CoreDNS Ready", started);
+        }
         Ok(())
     }
 
@@ -561,7 +608,9 @@ impl Drop for Node {
         for process in self.processes.iter_mut().rev() {
             process.stop();
         }
-        self.network.tear_down();
+        if let Some(network) = self.network.as_mut() {
+            network.tear_down();
+        }
     }
 }
 
@@ -616,7 +665,7 @@ async fn write_kubernetes_endpoints(plane: &ControlPlane) -> Result<(), TestingE
 
 /// kubelet's `cgroupRoot` must exist in every hierarchy before it starts; a new cpuset cgroup
 /// starts with no CPUs or memory nodes, so those are copied from the parent.
-fn create_cgroup_root() -> Result<(), TestingError> {
+fn create_cgroup_root(root: &str) -> Result<(), TestingError> {
     let base = Path::new("/sys/fs/cgroup");
     let entries = std::fs::read_dir(base).map_err(|source| io("reading /sys/fs/cgroup", source))?;
     for entry in entries.filter_map(Result::ok) {
@@ -624,7 +673,7 @@ fn create_cgroup_root() -> Result<(), TestingError> {
         if entry.file_name() == "unified" || !hierarchy.join("cgroup.procs").is_file() {
             continue;
         }
-        let dir = hierarchy.join(CGROUP_ROOT);
+        let dir = hierarchy.join(root);
         std::fs::create_dir_all(&dir)
             .map_err(|source| io(&format!("creating {}", dir.display()), source))?;
         if entry.file_name() == "cpuset" {
