@@ -1,6 +1,6 @@
 //! Agents roll without loss: an HTTP tunnel with `spec.hostname` and its two agents (one holds
 //! the hostname, one stands by), a request through the engine's address of the hostname every
-//! [`PAUSE`], and two rollouts of the agent Deployment as users cause them: a Secret rotation
+//! `PAUSE` (20 ms), and two rollouts of the agent Deployment as users cause them: a Secret rotation
 //! (the config hash rolls it) and a restart annotation on its Pod template (what
 //! `kubectl rollout restart` writes; an image change rolls the same way). The kubelet stops each
 //! old agent with SIGTERM, so every stop of the holder is a planned hand-over. Fails unless the
