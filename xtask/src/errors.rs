@@ -28,7 +28,7 @@ pub fn run() -> anyhow::Result<()> {
     let root = netkit_testenv::workspace::root();
     let mut offences = Vec::new();
     let mut known = Vec::new();
-    for member in workspace_members(&root)? {
+    for member in netkit_testenv::workspace::members(&root)? {
         let mut types = 0;
         let mut variants = 0;
         let mut open = 0;
@@ -90,21 +90,6 @@ pub fn run() -> anyhow::Result<()> {
         );
     }
     Ok(())
-}
-
-/// The `members` of the workspace manifest, in its order.
-fn workspace_members(root: &Path) -> anyhow::Result<Vec<String>> {
-    let manifest = std::fs::read_to_string(root.join("Cargo.toml"))?;
-    let members = manifest
-        .split_once("members = [")
-        .and_then(|(_, rest)| rest.split_once(']'))
-        .map(|(list, _)| list)
-        .context("no `members = [...]` in the workspace Cargo.toml")?;
-    Ok(members
-        .split(',')
-        .map(|m| m.trim().trim_matches('"').to_owned())
-        .filter(|m| !m.is_empty())
-        .collect())
 }
 
 /// Every `.rs` file of a member's targets, sorted (the output is stable).

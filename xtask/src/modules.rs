@@ -14,7 +14,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 
-use anyhow::{Context as _, bail};
+use anyhow::bail;
 
 /// A module path inside a crate, e.g. `["engine", "udp"]`.
 type ModPath = Vec<String>;
@@ -22,7 +22,7 @@ type ModPath = Vec<String>;
 pub fn run() -> anyhow::Result<()> {
     let root = netkit_testenv::workspace::root();
     let mut circles = Vec::new();
-    for member in workspace_members(&root)? {
+    for member in netkit_testenv::workspace::members(&root)? {
         let files = module_files(&root.join(&member).join("src"))?;
         let found = find_circles(&files);
         if found.is_empty() {
@@ -38,21 +38,6 @@ pub fn run() -> anyhow::Result<()> {
         bail!("import circles:\n  {}", circles.join("\n  "));
     }
     Ok(())
-}
-
-/// The `members` of the workspace manifest, in its order.
-fn workspace_members(root: &Path) -> anyhow::Result<Vec<String>> {
-    let manifest = std::fs::read_to_string(root.join("Cargo.toml"))?;
-    let members = manifest
-        .split_once("members = [")
-        .and_then(|(_, rest)| rest.split_once(']'))
-        .map(|(list, _)| list)
-        .context("no `members = [...]` in the workspace Cargo.toml")?;
-    Ok(members
-        .split(',')
-        .map(|m| m.trim().trim_matches('"').to_owned())
-        .filter(|m| !m.is_empty())
-        .collect())
 }
 
 /// Every module file under `src` with its module path and text: the library's tree when the

@@ -13,6 +13,21 @@ pub fn root() -> PathBuf {
         .to_path_buf()
 }
 
+/// The `members` of the workspace manifest at `root`, in its order.
+pub fn members(root: &Path) -> std::io::Result<Vec<String>> {
+    let manifest = std::fs::read_to_string(root.join("Cargo.toml"))?;
+    let members = manifest
+        .split_once("members = [")
+        .and_then(|(_, rest)| rest.split_once(']'))
+        .map(|(list, _)| list)
+        .ok_or_else(|| std::io::Error::other("no `members = [...]` in the workspace Cargo.toml"))?;
+    Ok(members
+        .split(',')
+        .map(|m| m.trim().trim_matches('"').to_owned())
+        .filter(|m| !m.is_empty())
+        .collect())
+}
+
 /// Cargo's target directory: `CARGO_TARGET_DIR`, else `<root>/target`.
 pub fn target_dir(root: &Path) -> PathBuf {
     std::env::var_os("CARGO_TARGET_DIR")
@@ -58,5 +73,13 @@ mod tests {
     fn the_root_holds_the_workspace_manifest() {
         let manifest = std::fs::read_to_string(super::root().join("Cargo.toml")).unwrap();
         assert!(manifest.contains("[workspace]"), "{manifest}");
+    }
+
+    #[test]
+    fn the_members_are_read_from_the_manifest() {
+        let members = super::members(&super::root()).unwrap();
+        for member in ["proxy-core", "k8s-reconcile", "xtask/testenv"] {
+            assert!(members.iter().any(|m| m == member), "{members:?}");
+        }
     }
 }
