@@ -22,9 +22,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail};
 use k8s_openapi::api::apps::v1::Deployment;
-use k8s_openapi::api::core::v1::{Pod, Secret};
+use k8s_openapi::api::core::v1::Secret;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
-use kube::api::{Api, ListParams, Patch, PatchParams};
+use kube::api::{Api, Patch, PatchParams};
 use rstream_client::engine::LocalEngine;
 use rstream_operator::api::RstreamTunnel;
 use serde_json::json;
@@ -147,24 +147,7 @@ fn steady_stream(addr: SocketAddr, stop: Arc<AtomicBool>) -> tokio::task::JoinHa
 
 /// The agents' `rstream_agent_active` values by Pod (Running Pods with an IP only).
 async fn active_agents(client: &kube::Client, ns: &str) -> anyhow::Result<Vec<(String, i64)>> {
-    let deployment = Api::<RstreamTunnel>::namespaced(client.clone(), ns)
-        .get(TUNNEL)
-        .await?
-        .status
-        .and_then(|s| s.agent_deployment)
-        .context("no agent Deployment in the tunnel's status")?;
-    let labels = Api::<Deployment>::namespaced(client.clone(), ns)
-        .get(&deployment)
-        .await?
-        .spec
-        .selector
-        .match_labels
-        .context("the agent Deployment has no selector")?;
-    let selector: Vec<String> = labels.iter().map(|(k, v)| format!("{k}={v}")).collect();
-    let pods = Api::<Pod>::namespaced(client.clone(), ns)
-        .list(&ListParams::default().labels(&selector.join(",")))
-        .await?
-        .items;
+    let (_, pods) = super::rstream_operator::agent_pods(client, ns, TUNNEL).await?;
     let port = u16::try_from(rstream_operator::manager::children::HEALTH_PORT)?;
     let mut out = Vec::new();
     for pod in pods {

@@ -300,7 +300,7 @@ async fn agent_pod_ip(
 }
 
 /// The agent Deployment of tunnel `tunnel` (from its status) and the Pods its selector matches.
-async fn agent_pods(
+pub(super) async fn agent_pods(
     client: &kube::Client,
     ns: &str,
     tunnel: &str,
