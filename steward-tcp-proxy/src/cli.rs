@@ -73,6 +73,17 @@ pub struct Args {
     #[arg(long, env = "STEWARD_ENDPOINT_MODE", value_enum, default_value_t = EndpointMode::PodIp)]
     pub endpoint_mode: EndpointMode,
 
+    /// Pod-ip mode: the leader dials each published replica's health port (the port of
+    /// --health-addr) this often, and leaves out of the endpoints a replica that does not answer
+    /// within it, long before its node is marked NotReady (Go duration; 0 = off).
+    #[arg(long, env = "STEWARD_PEER_CHECK_INTERVAL", default_value = "1s", value_parser = parse_duration)]
+    pub peer_check_interval: Duration,
+
+    /// Failed peer checks in a row that leave a replica out of the endpoints (at least 1); one
+    /// success brings it back.
+    #[arg(long, env = "STEWARD_PEER_CHECK_FAILURES", default_value_t = 2)]
+    pub peer_check_failures: u32,
+
     #[command(flatten)]
     pub client: ClientArgs,
 
@@ -201,6 +212,12 @@ impl Args {
                 self.service_namespace
             )
         })?;
+        if self.peer_check_failures == 0 {
+            return Err(
+                "--peer-check-failures must be at least 1 (failed checks in a row before a replica is left out)"
+                    .to_owned(),
+            );
+        }
         // The runtime starts every worker up front; a typo must not try to spawn a million.
         if let Some(threads) = self.threads
             && threads.get() > MAX_THREADS
@@ -265,6 +282,8 @@ mod tests {
         assert_eq!(args.reconcile_interval, Duration::from_secs(30));
         assert_eq!(args.service_namespace, "kube-system");
         assert_eq!(args.threads, None);
+        assert_eq!(args.peer_check_interval, Duration::from_secs(1));
+        assert_eq!(args.peer_check_failures, 2);
         assert!(args.metrics.metrics_secure, "metrics are secure by default");
         assert!(args.validate().is_ok());
         let args = parse(&["--upstream-addr", "h:1", "--threads", "1"]).unwrap();
@@ -361,6 +380,28 @@ mod tests {
         let plain = parse(&[same[0], same[1], "--metrics-secure=false"]).unwrap();
         assert!(!plain.metrics.metrics_secure);
         assert!(plain.validate().is_ok());
+    }
+
+    #[test]
+    fn peer_check_flags_are_checked() {
+        let args = parse(&["--upstream-addr=h:1", "--peer-check-failures=0"]).unwrap();
+        assert_eq!(
+            args.validate().unwrap_err(),
+            "--peer-check-failures must be at least 1 (failed checks in a row before a replica is left out)"
+        );
+        let args = parse(&[
+            "--upstream-addr=h:1",
+            "--peer-check-failures=1",
+            "--peer-check-interval=0",
+        ])
+        .unwrap();
+        assert!(args.validate().is_ok());
+        assert!(args.peer_check_interval.is_zero(), "0 turns the check off");
+        let args = parse(&["--upstream-addr=h:1", "--peer-check-interval=250ms"]).unwrap();
+        assert_eq!(args.peer_check_interval, Duration::from_millis(250));
+        for bad in ["--peer-check-interval=1", "--peer-check-failures=-1"] {
+            assert!(parse(&["--upstream-addr=h:1", bad]).is_err(), "{bad}");
+        }
     }
 
     #[test]

@@ -15,8 +15,11 @@
 //! missing permission is found by asking ([`k8s_reconcile::permissions`]) at start, or from the first 403,
 //! then reported once (log, metric, `/readyz` detail) and re-checked by asking again every
 //! [`PERMISSION_RECHECK`], so no reconcile hits a 403 in between.
+//!
+//! In pod-ip mode a [`PeerCheck`] leaves out replicas that stopped answering, long before the
+//! node controller marks their node NotReady (see [`crate::peers`]).
 
-use std::collections::VecDeque;
+use std::collections::{BTreeSet, VecDeque};
 use std::net::IpAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -38,6 +41,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
 use crate::cli::EndpointMode;
+use crate::peers::PeerCheck;
 
 /// The Service whose endpoints we own.
 pub const KUBERNETES_SERVICE: &str = "kubernetes";
@@ -271,6 +275,8 @@ pub struct EndpointsReconciler {
     /// Pruning other slices is denied: they are left alone rather than refused one 403 per
     /// reconcile.
     prune_denied: bool,
+    /// Pod-ip mode: leaves out replicas that fail their peer checks.
+    peer_check: Option<PeerCheck>,
 }
 
 impl EndpointsReconciler {
@@ -292,7 +298,15 @@ impl EndpointsReconciler {
             endpoints_denied: Mutex::new(None),
             events_denied: None,
             prune_denied: false,
+            peer_check: None,
         }
+    }
+
+    /// Tracks the published replicas in `check` and leaves out those it finds down.
+    #[must_use]
+    pub fn peer_check(mut self, check: Option<PeerCheck>) -> Self {
+        self.peer_check = check;
+        self
     }
 
     /// Starts with writing the Endpoints denied (found out by asking at start).
@@ -442,6 +456,12 @@ impl EndpointsReconciler {
                     }
                 }
                 endpoints.sort_by_key(|e| e.ip);
+                if let Some(check) = &self.peer_check {
+                    // Every ready address is tracked, down or not: a down one is checked on, so
+                    // that it comes back as soon as it answers.
+                    check.track(endpoints.iter().map(|e| e.ip));
+                    endpoints = without_down_peers(endpoints, &check.down());
+                }
                 Ok((
                     endpoints,
                     port.unwrap_or(i32::from(self.config.service_port)),
@@ -586,6 +606,28 @@ impl Reconciler for EndpointsReconciler {
     }
 }
 
+/// `endpoints` without the `down` ones, unless that leaves none: then all of them, since a
+/// peer check that fails everywhere more likely says the check cannot get through (a network
+/// policy, a firewall) than that every replica died, and no endpoints would cut every client off.
+fn without_down_peers(
+    endpoints: Vec<ServiceEndpoint>,
+    down: &BTreeSet<IpAddr>,
+) -> Vec<ServiceEndpoint> {
+    if down.is_empty() {
+        return endpoints;
+    }
+    let (up, left_out): (Vec<_>, Vec<_>) =
+        endpoints.into_iter().partition(|e| !down.contains(&e.ip));
+    if up.is_empty() && !left_out.is_empty() {
+        tracing::warn!(
+            down = ?down,
+            "every ready replica fails its peer check; publishing them all rather than none"
+        );
+        return left_out;
+    }
+    up
+}
+
 /// `outcome` with the Endpoints write added.
 fn with_endpoints(
     mut outcome: EndpointsOutcome,
@@ -651,6 +693,36 @@ mod tests {
             assert_eq!(fight.hold_off(t0 + Duration::from_secs(i)), None);
         }
         assert!(fight.record(Drift::Other, t0 + Duration::from_secs(9)));
+    }
+
+    fn endpoint(last: u8) -> ServiceEndpoint {
+        ServiceEndpoint::ready(IpAddr::from([10, 244, 0, last]))
+    }
+
+    fn ips(endpoints: &[ServiceEndpoint]) -> Vec<IpAddr> {
+        endpoints.iter().map(|e| e.ip).collect()
+    }
+
+    #[test]
+    fn down_peers_are_left_out_but_never_all_of_them() {
+        let ready = vec![endpoint(1), endpoint(2), endpoint(3)];
+        let down = BTreeSet::from([endpoint(2).ip]);
+        let published = without_down_peers(ready.clone(), &down);
+        assert_eq!(ips(&published), ips(&[endpoint(1), endpoint(3)]));
+        assert_eq!(
+            ips(&without_down_peers(ready.clone(), &BTreeSet::new())),
+            ips(&ready)
+        );
+        // Down addresses that are no longer ready do not count.
+        let down = BTreeSet::from([endpoint(1).ip, endpoint(9).ip]);
+        assert_eq!(
+            ips(&without_down_peers(ready.clone(), &down)),
+            ips(&ready[1..])
+        );
+        // Every one down: all are published, never none.
+        let down: BTreeSet<_> = ips(&ready).into_iter().collect();
+        assert_eq!(ips(&without_down_peers(ready.clone(), &down)), ips(&ready));
+        assert!(without_down_peers(Vec::new(), &down).is_empty());
     }
 
     #[test]

@@ -11,6 +11,7 @@
 
 mod cli;
 mod endpoints;
+mod peers;
 mod relay;
 mod tls;
 
@@ -42,6 +43,7 @@ use crate::endpoints::{
     EndpointsConfig, EndpointsMetrics, EndpointsReconciler, KUBERNETES_NAMESPACE,
     KUBERNETES_SERVICE, MANAGER,
 };
+use crate::peers::{PeerCheck, PeerCheckConfig, PeerMetrics};
 use crate::relay::{Relay, RelaySettings};
 use crate::tls::TerminatingAcceptor;
 
@@ -62,6 +64,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
     let registry = builder.registry();
     let observer = Arc::new(PrometheusObserver::register(registry));
     let endpoint_metrics = EndpointsMetrics::register(registry);
+    let peer_metrics = PeerMetrics::register(registry);
     let missing_permissions =
         MissingPermissions::register(registry.sub_registry_with_prefix("steward"));
     let controller_metrics = ControllerMetrics::register(registry);
@@ -111,6 +114,10 @@ async fn run(args: Args) -> anyhow::Result<()> {
         shutdown.clone(),
     );
 
+    let peer_check = peer_check(&args, peer_metrics);
+    if let Some(check) = &peer_check {
+        tokio::spawn(check.clone().run(shutdown.clone()));
+    }
     let controller = endpoints_controller(
         &args,
         client,
@@ -118,6 +125,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         endpoint_metrics,
         controller_metrics,
         missing_permissions,
+        peer_check,
     )
     .await?;
     let controller_task = tokio::spawn(controller.run(shutdown.child_token()));
@@ -175,6 +183,25 @@ fn tls_settings(
     })))
 }
 
+/// The peer check the flags ask for; says once why when it is off.
+fn peer_check(args: &Args, metrics: PeerMetrics) -> Option<PeerCheck> {
+    match PeerCheckConfig::from_flags(
+        args.endpoint_mode,
+        args.health_addr,
+        args.peer_check_interval,
+        args.peer_check_failures,
+    ) {
+        Ok(config) => {
+            tracing::info!(port = config.port, interval = ?config.interval, failures = config.failures.get(), "peer check: the leader dials each published replica's health port");
+            Some(PeerCheck::new(config, metrics))
+        }
+        Err(why) => {
+            tracing::info!("peer check off: {why}");
+            None
+        }
+    }
+}
+
 async fn endpoints_controller(
     args: &Args,
     client: kube::Client,
@@ -182,6 +209,7 @@ async fn endpoints_controller(
     metrics: EndpointsMetrics,
     controller_metrics: ControllerMetrics,
     permissions: MissingPermissions,
+    peer_check: Option<PeerCheck>,
 ) -> anyhow::Result<ControllerBuilder<EndpointsReconciler>> {
     let ns = args.service_namespace.clone();
     let service = ObjectRef::<Service>::new(&args.service_name).within(&ns);
@@ -209,7 +237,8 @@ async fn endpoints_controller(
     )
     .endpoints_denied(cannot_write)
     .events_denied(cannot_record)
-    .prune_denied(cannot_prune);
+    .prune_denied(cannot_prune)
+    .peer_check(peer_check.clone());
     let mut builder = ControllerBuilder::new(client.clone(), "endpoints", reconciler)
         .namespaced(&ns)
         .watcher_config(
@@ -242,6 +271,11 @@ async fn endpoints_controller(
                 .labels(&format!("kubernetes.io/service-name={}", args.service_name)),
             to(&service),
         );
+    }
+    if let Some(check) = peer_check {
+        // A peer going down or coming back is published at once, not at the next resync.
+        let service = service.clone();
+        builder = builder.reconcile_on(move || check.triggers(service.clone()));
     }
     if args.leader_elect {
         let identity = app::leader_identity(args.identity.as_deref(), "steward-tcp-proxy");
