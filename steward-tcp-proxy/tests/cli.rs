@@ -32,6 +32,10 @@ fn bad_flags_exit_with_status_2_and_a_clear_message() {
             &["--upstream-addr=h:1", "--tls-cert-file=/x.pem"],
             "--tls-key-file",
         ),
+        (
+            &["--upstream-addr=h:1", "--peer-check-failures=0"],
+            "--peer-check-failures must be at least 1",
+        ),
         (&[], "--upstream-addr"),
     ];
     for (args, message) in cases {
