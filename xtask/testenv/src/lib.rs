@@ -277,11 +277,6 @@ impl ControlPlane {
         &self.nodes
     }
 
-    /// Node `index`, to change it (e.g. [`node::Node::lose`]).
-    pub fn node_mut(&mut self, index: usize) -> Option<&mut node::Node> {
-        self.nodes.get_mut(index)
-    }
-
     /// The control plane shared by all tests of this test binary, started on first use.
     ///
     /// It lives until the test binary exits; its guardian then removes the processes and files.

@@ -34,7 +34,7 @@ where
 
 #[tokio::test]
 async fn a_lost_node_turns_not_ready_and_its_pod_leaves_the_service() {
-    let mut plane = ControlPlane::builder()
+    let plane = ControlPlane::builder()
         .nodes(2)
         .start_timeout(Duration::from_secs(300))
         .start()
@@ -90,7 +90,7 @@ async fn a_lost_node_turns_not_ready_and_its_pod_leaves_the_service() {
     let seen = check::reach_all(addr, &both).await.unwrap();
     println!("before: {addr} answered by {seen:?}");
 
-    plane.node_mut(1).unwrap().lose().unwrap();
+    plane.nodes()[1].lose().unwrap();
     let lost_at = Instant::now();
 
     let nodes: Api<Node> = Api::all(client.clone());

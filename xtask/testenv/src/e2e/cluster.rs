@@ -85,11 +85,17 @@ const CLUSTER_START_LIMIT: Duration = Duration::from_secs(240);
 /// reconciler, as a hosted control plane runs it (the node points `default/kubernetes` at the
 /// API server once; steward takes it over).
 pub async fn start_cluster() -> anyhow::Result<ControlPlane> {
+    start_cluster_of(1).await
+}
+
+/// [`start_cluster`] with `nodes` nodes (the node-loss scenarios run on two).
+pub async fn start_cluster_of(nodes: usize) -> anyhow::Result<ControlPlane> {
     ControlPlane::builder()
         .apiserver_arg("--endpoint-reconciler-type=none")
-        .node()
-        .start_timeout(CLUSTER_START_LIMIT)
+        .nodes(nodes)
+        // Each further node starts its own containerd, kubelet and kube-proxy.
+        .start_timeout(CLUSTER_START_LIMIT * u32::try_from(nodes.max(1)).unwrap_or(1))
         .start()
         .await
-        .context("starting the control plane with its node")
+        .with_context(|| format!("starting the control plane with {nodes} node(s)"))
 }

@@ -145,9 +145,13 @@ fn steady_stream(addr: SocketAddr, stop: Arc<AtomicBool>) -> tokio::task::JoinHa
     })
 }
 
-/// The agents' `rstream_agent_active` values by Pod (Running Pods with an IP only).
-async fn active_agents(client: &kube::Client, ns: &str) -> anyhow::Result<Vec<(String, i64)>> {
-    let (_, pods) = super::rstream_operator::agent_pods(client, ns, TUNNEL).await?;
+/// The `rstream_agent_active` values of `tunnel`'s agents by Pod (Running Pods with an IP only).
+pub(super) async fn active_agents(
+    client: &kube::Client,
+    ns: &str,
+    tunnel: &str,
+) -> anyhow::Result<Vec<(String, i64)>> {
+    let (_, pods) = super::rstream_operator::agent_pods(client, ns, tunnel).await?;
     let port = u16::try_from(rstream_operator::manager::children::HEALTH_PORT)?;
     let mut out = Vec::new();
     for pod in pods {
@@ -179,7 +183,7 @@ async fn active_agents(client: &kube::Client, ns: &str) -> anyhow::Result<Vec<(S
 async fn one_holder(client: &kube::Client, ns: &str) -> anyhow::Result<String> {
     let started = Instant::now();
     loop {
-        let agents = active_agents(client, ns).await?;
+        let agents = active_agents(client, ns, TUNNEL).await?;
         let holders: Vec<_> = agents.iter().filter(|(_, v)| *v == 1).collect();
         if agents.len() == 2 && holders.len() == 1 {
             return Ok(holders[0].0.clone());

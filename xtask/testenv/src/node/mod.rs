@@ -161,15 +161,18 @@ impl Node {
     /// and containerd are killed and its link to the host goes down, so nothing reaches its Pods
     /// (whose processes keep running, cut off) and the node stops reporting. The first node
     /// cannot be lost: it runs the cluster's controller-manager and scheduler.
-    pub fn lose(&mut self) -> Result<(), TestingError> {
+    ///
+    /// Takes `&self` so that a test can lose a node while it holds the plane borrowed; the
+    /// processes are killed by signal and reaped when the node is dropped.
+    pub fn lose(&self) -> Result<(), TestingError> {
         if self.slot.index == 0 {
             return Err(TestingError::Config(
                 "the first node runs the controller-manager and scheduler; lose another one"
                     .to_owned(),
             ));
         }
-        for process in self.processes.iter_mut().rev() {
-            process.stop();
+        for process in self.processes.iter().rev() {
+            process.signal(rustix::process::Signal::KILL);
         }
         network::cut_node_link(self.slot)
     }

@@ -27,7 +27,7 @@ mod v2;
 use access::{SCRAPER, metrics_access, other_source_refused};
 use lifecycle::{expiry, judge_restore, mappings};
 use setup::tls_default;
-pub use setup::{chart_ca, debugger_accounts, install, wait_routed};
+pub use setup::{chart_ca, debugger_accounts, install, install_with, wait_routed};
 use upgrades::{cluster_ip_target, haproxy_backend};
 use v2::{deleted_pod_gets_nothing, v2_port, web_deployment};
 

@@ -17,8 +17,18 @@ use super::{API_PORT, RELEASE, V2_END, V2_START};
 /// API, V1 and V2 on, its Service as a NodePort, mappings allowed in `work` only; returns helm's
 /// output.
 pub async fn install(env: &Env<'_>, ns: &str, work: &str) -> anyhow::Result<String> {
+    install_with(env, ns, work, &[]).await
+}
+
+/// [`install`] with more `--set` values (`extra`).
+pub async fn install_with(
+    env: &Env<'_>,
+    ns: &str,
+    work: &str,
+    extra: &[String],
+) -> anyhow::Result<String> {
     let (repository, tag) = env.image("pod-proxier")?;
-    let values = [
+    let mut values = vec![
         format!("image.repository={repository},image.tag={tag}"),
         // hostNetwork is off and the Service on by default; NodePort for the host's clients.
         "service.type=NodePort".to_owned(),
@@ -28,6 +38,7 @@ pub async fn install(env: &Env<'_>, ns: &str, work: &str) -> anyhow::Result<Stri
         // `helm test` over HTTPS with the chart's CA (mounted at /etc/pod-proxier/ca).
         "tests.caArgs={--ca-file,/etc/pod-proxier/ca/ca.crt}".to_owned(),
     ];
+    values.extend_from_slice(extra);
     let output = env.install_chart(RELEASE, ns, &values).await?;
     let ca = chart_ca(env, ns).await?;
     let name = format!("{RELEASE}.{ns}.svc");

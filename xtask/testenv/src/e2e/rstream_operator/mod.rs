@@ -252,7 +252,7 @@ async fn scenarios(env: &Env<'_>, report: &mut ChartReport) -> anyhow::Result<()
 }
 
 /// A tunnel's condition `(status, reason, message)`.
-fn condition(t: &RstreamTunnel, type_: &str) -> Option<(String, String, String)> {
+pub(super) fn condition(t: &RstreamTunnel, type_: &str) -> Option<(String, String, String)> {
     t.status
         .as_ref()?
         .conditions
@@ -355,12 +355,18 @@ async fn wait_available(
 /// `helm install` of the chart with the release image (its CRDs included); returns helm's
 /// output.
 pub async fn install(env: &Env<'_>, ns: &str) -> anyhow::Result<String> {
+    install_with(env, ns, &[]).await
+}
+
+/// [`install`] with more `--set` values (`extra`).
+pub async fn install_with(env: &Env<'_>, ns: &str, extra: &[String]) -> anyhow::Result<String> {
     let (repository, tag) = env.image("rstream-operator")?;
     // The scenarios scrape /metrics as plain HTTP: they are not about who may scrape (the
     // secure default is covered by k8s-reconcile's tests/secure_metrics.rs).
-    let values = [format!(
+    let mut values = vec![format!(
         "image.repository={repository},image.tag={tag},metrics.secure=false"
     )];
+    values.extend_from_slice(extra);
     env.install_chart(RELEASE, ns, &values).await
 }
 

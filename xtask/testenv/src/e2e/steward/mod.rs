@@ -399,10 +399,16 @@ async fn scenarios(
 /// `helm install` of the chart with its defaults (2 replicas, leader election, `pod-ip` mode),
 /// the release image, and the API server as Pods reach it for upstream; returns helm's output.
 pub async fn install(env: &Env<'_>, ns: &str) -> anyhow::Result<String> {
+    install_with(env, ns, &[]).await
+}
+
+/// [`install`] with more `--set` values (`extra`).
+pub async fn install_with(env: &Env<'_>, ns: &str, extra: &[String]) -> anyhow::Result<String> {
     let (repository, tag) = env.image("steward-tcp-proxy")?;
-    let values = [
+    let mut values = vec![
         format!("upstreamAddr={}", env.apiserver),
         format!("image.repository={repository},image.tag={tag}"),
     ];
+    values.extend_from_slice(extra);
     env.install_chart(RELEASE, ns, &values).await
 }

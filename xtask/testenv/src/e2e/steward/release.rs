@@ -24,6 +24,11 @@ pub struct Published {
 }
 
 impl Published {
+    /// Whether `ip` is published in the Endpoints or the EndpointSlice.
+    pub fn has_ip(&self, ip: &str) -> bool {
+        (self.endpoints.iter().chain(&self.slices)).any(|(published, _)| published == ip)
+    }
+
     pub(super) fn both_equal(&self, want: &BTreeSet<(String, i32)>) -> bool {
         !want.is_empty() && &self.endpoints == want && &self.slices == want
     }

@@ -1,0 +1,543 @@
+//! Two nodes, and the loss of one: the three charts with a replica on each node and a steady
+//! client of each, then the second node dies as a machine does ([`crate::node::Node::lose`]: its
+//! kubelet, kube-proxy and containerd killed and its link down, no drain). Each scenario counts
+//! the requests that failed from the loss on and reports the time to recover (from the loss to
+//! the last failed request).
+//!
+//! - steward: 2 replicas, one per node (`podAntiAffinity=hard`), the leader on the surviving
+//!   node; a kube-rs client of `https://10.96.0.1` (its own connection pool) asks for `/version`
+//!   every [`PAUSE`]. The lost replica must leave `default/kubernetes`, and no request sent
+//!   after that (and kube-proxy's reaction, [`ROUTED_MARGIN`]) may fail.
+//! - pod-proxier: 2 replicas, one per node, the leader on the lost node; a V2 mapping of a
+//!   Service whose Pod runs on the surviving node, a GET through its entry port (the chart's
+//!   ClusterIP) every [`PAUSE`]. The mapping must answer again, and a mapping asked for after
+//!   the loss must be given (by the new leader) and answer.
+//! - rstream-operator: 2 manager replicas, one per node, the leader on the lost node; a tunnel
+//!   with 2 agents, one per node, the one holding the tunnel on the lost node; a GET through the
+//!   engine every [`PAUSE`]. The leader must move to the surviving node, the tunnel be Ready and
+//!   answer again.
+//!
+//! Every Pod the clients reach behind a chart (the `web` workloads) runs on the surviving node:
+//! the scenarios are about the charts' replicas, not about the workloads'.
+
+mod placement;
+mod stream;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, bail};
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::Service;
+use kube::api::{Api, Patch, PatchParams, PostParams};
+use rstream_client::engine::LocalEngine;
+use rstream_operator::api::RstreamTunnel;
+use serde_json::json;
+
+use super::pod_proxier_api::http;
+use super::rstream_operator as operator_chart;
+use super::steward::Release;
+use super::{ChartReport, Env, RestartWatch, pod_proxier, steward, token};
+use crate::node::check;
+use placement::{agent_holder_on, lease_holder, lease_holder_on, node_of, wait_for};
+use stream::{Seen, steady};
+
+/// The name of this run in `cargo xtask e2e --chart` and in the report.
+pub const PHASE: &str = "node-loss";
+
+const STEWARD_LOSS: &str = "node lost under steward: 2 replicas (one per node, the leader on the surviving one), a client of 10.96.0.1 asking every 50 ms; the lost replica leaves default/kubernetes and no request sent after that fails (failed requests and recovery time reported)";
+const POD_PROXIER_LOSS: &str = "node lost under pod-proxier: 2 replicas (one per node, the leader on the lost one), a GET through a V2 mapping every 50 ms; the mapping answers again from the surviving replica, and a mapping asked for after the loss is given and answers (failed requests and recovery time reported)";
+const OPERATOR_LOSS: &str = "node lost under rstream-operator: 2 managers and a tunnel's 2 agents (one per node, the leader and the tunnel's holder on the lost one), a GET through the engine every 50 ms; the leader moves to the surviving node, the tunnel is Ready and answers again (failed requests and recovery time reported)";
+
+/// Every scenario this run records, in order.
+pub fn expected_scenarios() -> Vec<String> {
+    [STEWARD_LOSS, POD_PROXIER_LOSS, OPERATOR_LOSS]
+        .map(str::to_owned)
+        .into()
+}
+
+/// How long each role may take to recover after the loss: the node controller's grace period
+/// (20 s with several nodes), Lease expiry and the engine's liveness timeout, on a busy machine.
+const RECOVERY_LIMIT: Duration = Duration::from_secs(180);
+/// How long after steward wrote the endpoints kube-proxy may still route to the lost replica.
+const ROUTED_MARGIN: Duration = Duration::from_secs(5);
+/// How long the clients keep going once every role has recovered.
+const AFTERWARDS: Duration = Duration::from_secs(5);
+
+/// The tunnel of the operator's part, and its hostname at the engine.
+const TUNNEL: &str = "web";
+const HOSTNAME: &str = "web.node-loss.e2e.test";
+/// pod-proxier's leader election Lease (its `--lease-name` default).
+const POD_PROXIER_LEASE: &str = "pod-proxier";
+
+/// Installs the three charts on a cluster of two nodes, loses the second node, records the
+/// scenarios.
+pub async fn run(env: &Env<'_>) -> ChartReport {
+    let mut report = ChartReport::new(PHASE);
+    let mut watch = None;
+    let outcome = scenarios(env, &mut report, &mut watch).await;
+    super::finish_chart(report, outcome, watch).await
+}
+
+/// `--set` values for one replica per node: a required anti-affinity on `labels`.
+fn one_per_node(labels: &[(&str, &str)]) -> Vec<String> {
+    let term = "affinity.podAntiAffinity.requiredDuringSchedulingIgnoredDuringExecution[0]";
+    let mut values = vec![format!("{term}.topologyKey=kubernetes.io/hostname")];
+    for (key, value) in labels {
+        // Helm's --set splits keys at dots; a label key's dots are escaped.
+        let key = key.replace('.', "\\.");
+        values.push(format!("{term}.labelSelector.matchLabels.{key}={value}"));
+    }
+    values
+}
+
+/// Pins `web` of `ns` to `node` (a Deployment of the testbox) and waits for its Pod.
+async fn pin_web(env: &Env<'_>, ns: &str, node: &str) -> anyhow::Result<()> {
+    Api::<Deployment>::namespaced(env.plane.client().await?, ns)
+        .patch(
+            "web",
+            &PatchParams::default(),
+            &Patch::Merge(json!({ "spec": { "template": { "spec": {
+                "nodeSelector": { "kubernetes.io/hostname": node },
+            }}}})),
+        )
+        .await?;
+    wait_for(RECOVERY_LIMIT, move || async move {
+        let pods = check::wait_pods_ready(env.plane, ns, "app=web", 1).await?;
+        let client = env.plane.client().await?;
+        Ok((node_of(&client, ns, &pods[0].0).await? == node).then_some(()))
+    })
+    .await
+    .with_context(|| format!("{ns}/web on {node}"))
+}
+
+/// What the steward part set up.
+struct StewardSide {
+    cluster: Release,
+    lost_ip: String,
+}
+
+async fn steward_side(env: &Env<'_>, kept: &str, lost: &str) -> anyhow::Result<StewardSide> {
+    let ns = env.restricted_namespace("steward-ha").await?;
+    let cluster = Release::new(env, &ns).await?;
+    steward::install_with(env, &ns, &["podAntiAffinity=hard".to_owned()]).await?;
+    check::wait_pods_ready(env.plane, &ns, steward::SELECTOR, 2).await?;
+    let lease = (steward::RELEASE, steward::SELECTOR, 2);
+    lease_holder_on(env, &ns, lease, kept).await?;
+    // Moving the leader replaced Pods: both replicas ready again before they are read.
+    check::wait_pods_ready(env.plane, &ns, steward::SELECTOR, 2).await?;
+    cluster
+        .wait_published("pod-ip", Duration::from_secs(60))
+        .await?;
+    cluster.wait_routed_through_steward().await?;
+    let mut lost_ip = None;
+    for (pod, ip) in cluster.ready_pods().await? {
+        if node_of(&cluster.client, &ns, &pod).await? == lost {
+            lost_ip = Some(ip);
+        }
+    }
+    let lost_ip = lost_ip.with_context(|| format!("no steward replica on {lost}"))?;
+    Ok(StewardSide { cluster, lost_ip })
+}
+
+/// What the pod-proxier part set up.
+struct PodProxierSide {
+    ns: String,
+    work: String,
+    cluster_ip: String,
+    api: SocketAddr,
+    entry: SocketAddr,
+    token: String,
+    leader: String,
+}
+
+async fn pod_proxier_side(env: &Env<'_>, kept: &str, lost: &str) -> anyhow::Result<PodProxierSide> {
+    let ns = env.restricted_namespace("pod-proxier-ha").await?;
+    let work = env.restricted_namespace("debuggee-ha").await?;
+    let client = env.plane.client().await?;
+    Api::<Deployment>::namespaced(client.clone(), &work)
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(check::testbox_deployment("web", 1))?,
+        )
+        .await?;
+    // Two Services over the same Pod: one mapped before the loss, one after it.
+    for service in ["web", "web-after"] {
+        Api::<Service>::namespaced(client.clone(), &work)
+            .create(
+                &PostParams::default(),
+                &serde_json::from_value(json!({
+                    "metadata": { "name": service },
+                    "spec": { "selector": { "app": "web" },
+                              "ports": [{ "name": "debug", "port": 80, "targetPort": 8080 }] },
+                }))?,
+            )
+            .await?;
+    }
+    pin_web(env, &work, kept).await?;
+    pod_proxier::debugger_accounts(env, &work).await?;
+    let mut values = vec!["replicaCount=2".to_owned()];
+    values.extend(one_per_node(&[(
+        "app.kubernetes.io/name",
+        pod_proxier::RELEASE,
+    )]));
+    pod_proxier::install_with(env, &ns, &work, &values).await?;
+    check::wait_pods_ready(env.plane, &ns, pod_proxier::SELECTOR, 2).await?;
+    let lease = (POD_PROXIER_LEASE, pod_proxier::SELECTOR, 2);
+    let leader = lease_holder_on(env, &ns, lease, lost).await?;
+    let cluster_ip = Api::<Service>::namespaced(client.clone(), &ns)
+        .get(pod_proxier::RELEASE)
+        .await?
+        .spec
+        .and_then(|s| s.cluster_ip)
+        .context("the pod-proxier Service has no ClusterIP")?;
+    let api: SocketAddr = format!("{cluster_ip}:{}", pod_proxier::API_PORT).parse()?;
+    pod_proxier::wait_routed(api).await?;
+    let token = token(env, &work, "debugger").await?;
+    let port = v2_entry_port(api, &token, &work, "web").await?;
+    let entry: SocketAddr = format!("{cluster_ip}:{port}").parse()?;
+    answers(entry).await?;
+    Ok(PodProxierSide {
+        ns,
+        work,
+        cluster_ip,
+        api,
+        entry,
+        token,
+        leader,
+    })
+}
+
+/// The entry port of the V2 mapping of Service `ns/service`'s port `debug`, asked for until it
+/// is given (an API request may meet the lost replica, and only a leader gives new ports).
+async fn v2_entry_port(
+    api: SocketAddr,
+    token: &str,
+    ns: &str,
+    service: &str,
+) -> anyhow::Result<i64> {
+    let path = format!("/api/v2/mapping?service={ns}/{service}");
+    let started = Instant::now();
+    loop {
+        let last = match http(api, "GET", &path, Some(token), None).await {
+            Ok((200, answer)) if answer["data"]["entry_port"].is_i64() => {
+                return answer["data"]["entry_port"]
+                    .as_i64()
+                    .context("entry_port is not a number");
+            }
+            Ok((status, answer)) => format!("{status} {answer}"),
+            Err(e) => format!("{e:#}"),
+        };
+        if started.elapsed() > RECOVERY_LIMIT {
+            bail!("no V2 mapping of {ns}/{service} within {RECOVERY_LIMIT:?}; last answer: {last}");
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
+/// GETs `/` through `addr` until the testbox answers (bounded).
+async fn answers(addr: SocketAddr) -> anyhow::Result<Duration> {
+    let started = Instant::now();
+    wait_for(RECOVERY_LIMIT, move || async move {
+        Ok(check::http_get(addr, "/")
+            .await
+            .ok()
+            .filter(|body| body.contains("\"pod\":\"web-"))
+            .map(|_| ()))
+    })
+    .await
+    .with_context(|| format!("an answer through {addr}"))?;
+    Ok(started.elapsed())
+}
+
+/// What the operator part set up.
+struct OperatorSide {
+    ns: String,
+    engine: LocalEngine,
+    public: SocketAddr,
+    leader: String,
+    holder: String,
+}
+
+const OPERATOR_SELECTOR: &str =
+    "app.kubernetes.io/name=rstream-operator,app.kubernetes.io/component=manager";
+
+async fn operator_side(env: &Env<'_>, kept: &str, lost: &str) -> anyhow::Result<OperatorSide> {
+    let ns = env.restricted_namespace("operator-ha").await?;
+    let client = env.plane.client().await?;
+    let mut values = vec!["replicaCount=2".to_owned()];
+    values.extend(one_per_node(&[
+        ("app.kubernetes.io/name", operator_chart::RELEASE),
+        ("app.kubernetes.io/component", "manager"),
+    ]));
+    operator_chart::install_with(env, &ns, &values).await?;
+    check::wait_pods_ready(env.plane, &ns, OPERATOR_SELECTOR, 2).await?;
+    let engine = operator_chart::start_engine(None).await?;
+    let mut spec = operator_chart::http_tunnel_spec();
+    spec["hostname"] = json!(HOSTNAME);
+    spec["agent"] = json!({ "affinity": { "podAntiAffinity": {
+        "requiredDuringSchedulingIgnoredDuringExecution": [{
+            "labelSelector": { "matchLabels": {
+                "rstream.io/tunnel-name": TUNNEL,
+                "app.kubernetes.io/component": "agent",
+            }},
+            "topologyKey": "kubernetes.io/hostname",
+        }],
+    }}});
+    operator_chart::quick_start(&client, &ns, &engine, &[(TUNNEL, spec)]).await?;
+    pin_web(env, &ns, kept).await?;
+    let web = operator_chart::http_tunnel(env, &engine, &ns, TUNNEL).await?;
+    if !web.passed() {
+        bail!("the tunnel does not carry traffic: {}", web.describe());
+    }
+    let lease = (rstream_operator::manager::LEASE_NAME, OPERATOR_SELECTOR, 2);
+    let leader = lease_holder_on(env, &ns, lease, lost).await?;
+    let holder = agent_holder_on(env, &ns, TUNNEL, lost).await?;
+    let public = engine
+        .hostname_ingress_addr(HOSTNAME)
+        .context("the engine has no address for the tunnel's hostname")?;
+    answers(public).await?;
+    Ok(OperatorSide {
+        ns,
+        engine,
+        public,
+        leader,
+        holder,
+    })
+}
+
+/// When each role recovered after the loss (`None`: not yet).
+#[derive(Default)]
+struct Recovered {
+    steward_unpublished: Option<Duration>,
+    pod_proxier_leader: Option<(Duration, String)>,
+    operator_leader: Option<(Duration, String)>,
+    /// The Ready condition of the tunnel each time it was read not True: (after the loss, status).
+    tunnel_not_ready: Vec<(Duration, String)>,
+}
+
+impl Recovered {
+    fn all(&self) -> bool {
+        self.steward_unpublished.is_some()
+            && self.pod_proxier_leader.is_some()
+            && self.operator_leader.is_some()
+    }
+}
+
+async fn scenarios(
+    env: &Env<'_>,
+    report: &mut ChartReport,
+    watch: &mut Option<RestartWatch>,
+) -> anyhow::Result<()> {
+    let [kept, lost] = env.plane.nodes() else {
+        bail!("the node-loss scenarios need a cluster of exactly two nodes");
+    };
+    let (kept_name, lost_name) = (kept.name(), lost.name());
+    let started = Instant::now();
+    let steward_side = steward_side(env, &kept_name, &lost_name).await?;
+    let pp = pod_proxier_side(env, &kept_name, &lost_name).await?;
+    let op = operator_side(env, &kept_name, &lost_name).await?;
+    report.install_to_ready_ms = Some(started.elapsed().as_millis());
+    report.namespace = [&steward_side.cluster.ns, &pp.ns, &pp.work, &op.ns]
+        .map(String::as_str)
+        .join(", ");
+    *watch = Some(
+        RestartWatch::start(
+            env.plane,
+            &[&steward_side.cluster.ns, &pp.ns, &pp.work, &op.ns],
+        )
+        .await?,
+    );
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let service_client = steward::service_client(env).await?;
+    let steward_stream = steady(
+        move || {
+            let client = service_client.clone();
+            async move {
+                client
+                    .apiserver_version()
+                    .await
+                    .map(|_| ())
+                    .map_err(|e| e.to_string().chars().take(160).collect())
+            }
+        },
+        stop.clone(),
+    );
+    let testbox = |addr: SocketAddr| {
+        move || async move {
+            let body = check::http_get(addr, "/").await?;
+            if body.contains("\"pod\":\"web-") {
+                Ok(())
+            } else {
+                Err(format!("unexpected answer: {body}"))
+            }
+        }
+    };
+    let pp_stream = steady(testbox(pp.entry), stop.clone());
+    let op_stream = steady(testbox(op.public), stop.clone());
+    tokio::time::sleep(Duration::from_secs(3)).await;
+
+    lost.lose()?;
+    let lost_at = Instant::now();
+    println!("  lost {lost_name}");
+    let client = env.plane.client().await?;
+    let tunnels: Api<RstreamTunnel> = Api::namespaced(client.clone(), &op.ns);
+    let mut recovered = Recovered::default();
+    while !recovered.all() && lost_at.elapsed() < RECOVERY_LIMIT {
+        let now = lost_at.elapsed();
+        if recovered.steward_unpublished.is_none()
+            && !steward_side
+                .cluster
+                .published()
+                .await?
+                .has_ip(&steward_side.lost_ip)
+        {
+            recovered.steward_unpublished = Some(now);
+        }
+        if recovered.pod_proxier_leader.is_none()
+            && let Some(holder) =
+                lease_holder(&client, &pp.ns, POD_PROXIER_LEASE, pod_proxier::SELECTOR).await?
+            && holder != pp.leader
+        {
+            recovered.pod_proxier_leader = Some((now, holder));
+        }
+        if recovered.operator_leader.is_none()
+            && let Some(holder) = lease_holder(
+                &client,
+                &op.ns,
+                rstream_operator::manager::LEASE_NAME,
+                OPERATOR_SELECTOR,
+            )
+            .await?
+            && holder != op.leader
+        {
+            recovered.operator_leader = Some((now, holder));
+        }
+        let tunnel = tunnels.get(TUNNEL).await?;
+        if let Some((status, reason, _)) = operator_chart::condition(&tunnel, "Ready")
+            && status != "True"
+        {
+            recovered
+                .tunnel_not_ready
+                .push((now, format!("{status} {reason}")));
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    // A mapping asked for after the loss: only the new leader gives ports.
+    let asked = Instant::now();
+    let new_mapping = async {
+        let port = v2_entry_port(pp.api, &pp.token, &pp.work, "web-after").await?;
+        let entry: SocketAddr = format!("{}:{port}", pp.cluster_ip).parse()?;
+        answers(entry).await?;
+        anyhow::Ok(port)
+    }
+    .await;
+    let new_mapping_took = asked.elapsed();
+    // The tunnel must be Ready again (it may have turned unready while no agent held it).
+    let tunnel_ready =
+        operator_chart::wait_condition(&tunnels, TUNNEL, "Ready", "True", RECOVERY_LIMIT)
+            .await
+            .map(|_| lost_at.elapsed());
+    let everything = Instant::now();
+    tokio::time::sleep(AFTERWARDS).await;
+    stop.store(true, Ordering::SeqCst);
+    let (steward_seen, pp_seen, op_seen) =
+        (steward_stream.await?, pp_stream.await?, op_stream.await?);
+    let tail = |seen: &Seen| {
+        seen.failures_since(everything).is_empty() && seen.answered_since(everything) > 0
+    };
+
+    // steward: nothing sent after the endpoints left (plus kube-proxy's margin) may fail.
+    let unpublished = recovered.steward_unpublished;
+    let late_failures = unpublished.map(|after| {
+        steward_seen
+            .failures_since(lost_at + after + ROUTED_MARGIN)
+            .len()
+    });
+    report.record(
+        STEWARD_LOSS,
+        late_failures == Some(0) && tail(&steward_seen),
+        lost_at,
+        format!(
+            "the lost replica ({}) left default/kubernetes {}; {}; {}",
+            steward_side.lost_ip,
+            seconds_after(unpublished),
+            steward_seen.describe_since(lost_at),
+            late_failures.map_or_else(String::new, |n| format!(
+                "{n} failed more than {ROUTED_MARGIN:?} after that"
+            )),
+        ),
+    );
+
+    // pod-proxier: the existing mapping answers again, a new one is given and answers.
+    report.record(
+        POD_PROXIER_LOSS,
+        new_mapping.is_ok() && tail(&pp_seen),
+        lost_at,
+        format!(
+            "leader {} -> {}; existing mapping {}: {}; a new mapping asked for {:.1}s after the loss: {}",
+            pp.leader,
+            recovered
+                .pod_proxier_leader
+                .as_ref()
+                .map_or_else(|| "none".to_owned(), |(at, holder)| format!("{holder} {:.1}s after the loss", at.as_secs_f64())),
+            pp.entry,
+            pp_seen.describe_since(lost_at),
+            asked.duration_since(lost_at).as_secs_f64(),
+            match &new_mapping {
+                Ok(port) => format!("port {port}, answered {:.1}s later", new_mapping_took.as_secs_f64()),
+                Err(e) => format!("{e:#}"),
+            },
+        ),
+    );
+
+    // rstream-operator: the leader moved, the tunnel is Ready and answers.
+    let moved = match &recovered.operator_leader {
+        Some((_, holder)) => node_of(&client, &op.ns, holder).await? == kept_name,
+        None => false,
+    };
+    report.record(
+        OPERATOR_LOSS,
+        moved && tunnel_ready.is_ok() && tail(&op_seen),
+        lost_at,
+        format!(
+            "leader {} -> {}; tunnel holder was {}; Ready {}{}; through {}: {}",
+            op.leader,
+            recovered.operator_leader.as_ref().map_or_else(
+                || "none".to_owned(),
+                |(at, holder)| format!("{holder} {:.1}s after the loss", at.as_secs_f64())
+            ),
+            op.holder,
+            match &tunnel_ready {
+                Ok(at) => format!("True at {:.1}s", at.as_secs_f64()),
+                Err(e) => format!("{e:#}"),
+            },
+            match (
+                recovered.tunnel_not_ready.first(),
+                recovered.tunnel_not_ready.last()
+            ) {
+                (Some((first, status)), Some((last, _))) => format!(
+                    " (read not True {} times, {:.1}s to {:.1}s after the loss: {status})",
+                    recovered.tunnel_not_ready.len(),
+                    first.as_secs_f64(),
+                    last.as_secs_f64()
+                ),
+                _ => " (read True throughout)".to_owned(),
+            },
+            op.public,
+            op_seen.describe_since(lost_at),
+        ),
+    );
+    op.engine.shutdown().await;
+    Ok(())
+}
+
+fn seconds_after(after: Option<Duration>) -> String {
+    after.map_or_else(
+        || format!("not within {RECOVERY_LIMIT:?}"),
+        |after| format!("{:.1}s after the loss", after.as_secs_f64()),
+    )
+}

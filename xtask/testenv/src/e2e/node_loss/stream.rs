@@ -1,0 +1,111 @@
+//! A steady client: one request every [`PAUSE`], each bounded by [`REQUEST_LIMIT`], with the
+//! moment it was sent and how it ended.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+/// The pause between two requests.
+pub(super) const PAUSE: Duration = Duration::from_millis(50);
+/// How long one request may take before it counts as failed (a request to a dead address hangs
+/// until then).
+pub(super) const REQUEST_LIMIT: Duration = Duration::from_secs(3);
+
+/// Every request a stream sent: when, and why it failed (`None`: answered).
+#[derive(Default)]
+pub(super) struct Seen {
+    pub(super) requests: Vec<(Instant, Option<String>)>,
+}
+
+impl Seen {
+    /// The failed requests sent at or after `from`.
+    pub(super) fn failures_since(&self, from: Instant) -> Vec<&(Instant, Option<String>)> {
+        (self.requests.iter())
+            .filter(|(at, failure)| *at >= from && failure.is_some())
+            .collect()
+    }
+
+    /// The requests sent at or after `from` that were answered.
+    pub(super) fn answered_since(&self, from: Instant) -> usize {
+        (self.requests.iter())
+            .filter(|(at, failure)| *at >= from && failure.is_none())
+            .count()
+    }
+
+    /// Requests sent at or after `from`.
+    pub(super) fn sent_since(&self, from: Instant) -> usize {
+        self.requests.iter().filter(|(at, _)| *at >= from).count()
+    }
+
+    /// One line: what failed from `lost_at` on, and the time from the loss to the end of the
+    /// last failed request (the recovery time; zero when nothing failed).
+    pub(super) fn describe_since(&self, lost_at: Instant) -> String {
+        let failed = self.failures_since(lost_at);
+        let recovery = failed
+            .last()
+            .map_or(Duration::ZERO, |(at, _)| at.duration_since(lost_at));
+        format!(
+            "{} of {} requests from the loss on failed, recovered {:.1}s after the loss{}",
+            failed.len(),
+            self.sent_since(lost_at),
+            recovery.as_secs_f64(),
+            failed
+                .first()
+                .and_then(|(_, why)| why.as_deref())
+                .map(|why| format!(" (first: {why})"))
+                .unwrap_or_default()
+        )
+    }
+}
+
+/// Runs `request` every [`PAUSE`] until `stop`; a request that errs or takes longer than
+/// [`REQUEST_LIMIT`] is a failure.
+pub(super) fn steady<F, Fut>(request: F, stop: Arc<AtomicBool>) -> tokio::task::JoinHandle<Seen>
+where
+    F: Fn() -> Fut + Send + 'static,
+    Fut: Future<Output = Result<(), String>> + Send,
+{
+    tokio::spawn(async move {
+        let mut seen = Seen::default();
+        while !stop.load(Ordering::SeqCst) {
+            let at = Instant::now();
+            let failure = match tokio::time::timeout(REQUEST_LIMIT, request()).await {
+                Ok(Ok(())) => None,
+                Ok(Err(why)) => Some(why),
+                Err(_) => Some(format!("no answer within {REQUEST_LIMIT:?}")),
+            };
+            seen.requests.push((at, failure));
+            tokio::time::sleep(PAUSE).await;
+        }
+        seen
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn failures_and_recovery_count_from_the_loss_on() {
+        let start = Instant::now();
+        let at = |ms| start + Duration::from_millis(ms);
+        let seen = Seen {
+            requests: vec![
+                (at(0), Some("before".to_owned())),
+                (at(100), None),
+                (at(200), Some("dead".to_owned())),
+                (at(1_200), Some("dead again".to_owned())),
+                (at(1_300), None),
+            ],
+        };
+        let lost_at = at(100);
+        assert_eq!(seen.failures_since(lost_at).len(), 2);
+        assert_eq!(seen.answered_since(lost_at), 2);
+        assert_eq!(seen.sent_since(lost_at), 4);
+        assert_eq!(
+            seen.describe_since(lost_at),
+            "2 of 4 requests from the loss on failed, recovered 1.1s after the loss (first: dead)"
+        );
+    }
+}
