@@ -611,6 +611,100 @@ async fn missing_heartbeat_acks_are_detected_within_the_negotiated_timeout() {
     engine.shutdown().await;
 }
 
+/// A TCP relay to `target` that, once the flag is set, stops forwarding and keeps both
+/// connections open: what a client's lost node looks like to the engine (no FIN, no reset).
+async fn freezable_relay(
+    target: std::net::SocketAddr,
+) -> (
+    std::net::SocketAddr,
+    std::sync::Arc<std::sync::atomic::AtomicBool>,
+) {
+    use std::sync::Arc;
+    use std::sync::atomic::AtomicBool;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let frozen = Arc::new(AtomicBool::new(false));
+    let flag = frozen.clone();
+    tokio::spawn(async move {
+        while let Ok((down, _)) = listener.accept().await {
+            let up = TcpStream::connect(target).await.unwrap();
+            let (dr, dw) = down.into_split();
+            let (ur, uw) = up.into_split();
+            for (mut from, mut to) in [
+                (
+                    Box::new(dr) as Box<dyn tokio::io::AsyncRead + Unpin + Send>,
+                    Box::new(uw) as Box<dyn tokio::io::AsyncWrite + Unpin + Send>,
+                ),
+                (Box::new(ur), Box::new(dw)),
+            ] {
+                let flag = flag.clone();
+                tokio::spawn(async move {
+                    let mut buf = vec![0u8; 16 * 1024];
+                    loop {
+                        let read = from.read(&mut buf).await;
+                        if flag.load(Ordering::SeqCst) {
+                            break;
+                        }
+                        match read {
+                            Ok(0) | Err(_) => {
+                                let _ = to.shutdown().await;
+                                return;
+                            }
+                            Ok(n) => {
+                                if to.write_all(&buf[..n]).await.is_err() {
+                                    return;
+                                }
+                            }
+                        }
+                    }
+                    // Frozen: hold both halves open forever, nothing more gets through.
+                    let _held = (from, to);
+                    std::future::pending::<()>().await;
+                });
+            }
+        }
+    });
+    (addr, frozen)
+}
+
+#[tokio::test]
+async fn a_silent_client_is_closed_after_the_liveness_timeout_and_frees_its_hostname() {
+    let engine = engine().await;
+    let (relay, frozen) = freezable_relay(engine.addr()).await;
+    let control = builder(&engine)
+        .engine(relay.to_string())
+        .heartbeat_interval(Some(Duration::from_secs(1)))
+        .build()
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let hostname = "lost.t.example.io";
+    let _tunnel = control
+        .create_tunnel(TunnelOptions::http().hostname(hostname))
+        .await
+        .unwrap();
+    // Heartbeats keep the channel open well past the 3 s timeout.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert_eq!(engine.control_channels(), 1);
+    assert_eq!(engine.silent_channels_closed(), 0);
+    frozen.store(true, Ordering::SeqCst);
+    let started = Instant::now();
+    assert!(eventually(20, || engine.control_channels() == 0).await);
+    eprintln!(
+        "the engine closed the silent channel {:?} after the freeze (timeout 3 s)",
+        started.elapsed()
+    );
+    assert_eq!(engine.silent_channels_closed(), 1);
+    // Its hostname is free: another client takes it.
+    let other = client(&engine).connect().await.unwrap();
+    other
+        .create_tunnel(TunnelOptions::http().hostname(hostname))
+        .await
+        .unwrap();
+    engine.shutdown().await;
+}
+
 #[tokio::test]
 async fn stalled_engine_is_detected() {
     let engine = LocalEngine::builder()

@@ -4,7 +4,8 @@
 //! `127.0.0.1` and `::1`, ALPN `rstrm/1`) on a loopback port:
 //!
 //! * control channels with token checks, protocol-version checks, liveness negotiation and heartbeat
-//!   acknowledgements; the accepted tokens can change at run time ([`LocalEngine::set_auth`]),
+//!   acknowledgements; a client silent past the negotiated timeout is closed as dead, its tunnels
+//!   with it ([`LocalEngine::silent_channels_closed`]); the accepted tokens can change at run time ([`LocalEngine::set_auth`]),
 //!   which closes the control channels of a revoked token, and every login is recorded with its
 //!   token and outcome ([`LocalEngine::control_logins`]);
 //! * tunnels with IDs `tun_<n>`, validated with the client rules; duplicate stable hostnames are
@@ -207,6 +208,7 @@ struct EngineShared {
     heartbeats: AtomicU64,
     redirected_legs: AtomicU64,
     hostname_misses: AtomicU64,
+    silent_channels_closed: AtomicU64,
     next_id: AtomicU64,
     proxy_conn_rsps: Mutex<Vec<proto::ProxyConnRsp>>,
     client_details: Mutex<Vec<proto::ClientDetails>>,
@@ -354,6 +356,7 @@ impl LocalEngineBuilder {
             heartbeats: AtomicU64::new(0),
             redirected_legs: AtomicU64::new(0),
             hostname_misses: AtomicU64::new(0),
+            silent_channels_closed: AtomicU64::new(0),
             next_id: AtomicU64::new(0),
             proxy_conn_rsps: Mutex::new(Vec::new()),
             client_details: Mutex::new(Vec::new()),
@@ -518,6 +521,12 @@ impl LocalEngine {
     /// gap of a hand-over between agents, as an edge would see it).
     pub fn hostname_misses(&self) -> u64 {
         self.shared.hostname_misses.load(Ordering::SeqCst)
+    }
+
+    /// Control channels the engine closed because their client stayed silent past the
+    /// negotiated liveness timeout (a client whose node or network died).
+    pub fn silent_channels_closed(&self) -> u64 {
+        self.shared.silent_channels_closed.load(Ordering::SeqCst)
     }
 
     /// `ProxyConnRsp` messages received, in order.

@@ -193,6 +193,11 @@ pub(super) async fn control_connection(
                 heartbeat_timeout_ms: timeout_ms as u32,
             }
         });
+    // The negotiated timeout binds the engine too: a client silent that long is dead (a lost
+    // node leaves its connection open, and its tunnels would otherwise be held forever).
+    let silence_limit = liveness
+        .as_ref()
+        .map(|l| Duration::from_millis(u64::from(l.heartbeat_timeout_ms)));
     let conn_id = shared.id();
     let ok = proto::open_control_channel_rsp::Ok {
         client_id: format!("cli_{conn_id}"),
@@ -239,8 +244,20 @@ pub(super) async fn control_connection(
     let mut commands = shared.commands.subscribe();
     let mut tick = tokio::time::interval(Duration::from_millis(20));
     let mut graceful = false;
+    let mut last_heard = tokio::time::Instant::now();
     loop {
         let stalled = shared.faults.stall_control.load(Ordering::SeqCst);
+        if stalled {
+            // Not reading is the engine's choice, not the client's silence.
+            last_heard = tokio::time::Instant::now();
+        }
+        if let Some(limit) = silence_limit
+            && last_heard.elapsed() > limit
+        {
+            debug!(%client_id, ?limit, "closing a control channel silent past its liveness timeout");
+            shared.silent_channels_closed.fetch_add(1, Ordering::SeqCst);
+            break;
+        }
         tokio::select! {
             _ = shared.shutdown.cancelled() => break,
             _ = tick.tick() => continue,
@@ -276,6 +293,7 @@ pub(super) async fn control_connection(
             },
             frame = reader.read_frame(), if !stalled => match frame {
                 Ok(message) => {
+                    last_heard = tokio::time::Instant::now();
                     if handle_control_frame(shared, conn_id, message, &tx).await {
                         graceful = true;
                         break;
