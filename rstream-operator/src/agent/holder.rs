@@ -305,7 +305,18 @@ impl<H: HandOver> Holder<H> {
                         standing_by = true;
                         self.emit(HolderState::Standby);
                     }
-                    tokio::select! {
+                    // Between two slow requests: is the holder leaving? Then take it up fast.
+                    // The read takes at most the pause: an API server out of reach (a connection
+                    // through a lost node hangs) must not stop the requests for the hostname.
+                    let pause = self.backoff.delay(1);
+                    let leaving = async {
+                        let (_, read) = tokio::join!(
+                            tokio::time::sleep(pause),
+                            tokio::time::timeout(pause, self.handover.leaving())
+                        );
+                        read.unwrap_or(false)
+                    };
+                    let leaving = tokio::select! {
                         () = self.stopping() => {
                             let _ = control.close().await;
                             return Ended::Stopped;
@@ -313,10 +324,9 @@ impl<H: HandOver> Holder<H> {
                         closed = control.wait_closed() => {
                             return Ended::Failed(closed.err().unwrap_or(Error::ControlClosed));
                         }
-                        () = tokio::time::sleep(self.backoff.delay(1)) => {}
-                    }
-                    // Between two slow requests: is the holder leaving? Then take it up fast.
-                    if !self.handover.leaving().await {
+                        leaving = leaving => leaving,
+                    };
+                    if !leaving {
                         continue;
                     }
                     tracing::info!(
@@ -626,6 +636,58 @@ mod tests {
         .await;
         assert!(read.is_ok(), "the connection stayed open with no holder");
         assert_eq!(engine.hostname_misses(), 1);
+        engine.shutdown().await;
+    }
+
+    /// A hand-over channel whose reads never answer: an API server behind a dead connection.
+    struct Unreachable;
+
+    impl HandOver for Unreachable {
+        async fn announce(&self) {}
+        async fn taken_up(&self) -> bool {
+            std::future::pending().await
+        }
+        async fn leaving(&self) -> bool {
+            std::future::pending().await
+        }
+        async fn take_up(&self) {}
+    }
+
+    /// The holder's channel dies without a hand-over while the standby cannot read the
+    /// hand-over channel: the standby keeps asking for the hostname and takes it.
+    #[tokio::test]
+    async fn a_standby_takes_the_hostname_when_the_hand_over_channel_hangs() {
+        let engine = LocalEngine::builder().token("t").start().await.unwrap();
+        let options = TunnelOptions::http().hostname("web.example.test");
+        let first = HolderHandle::spawn(
+            engine_client(&engine),
+            options.clone(),
+            backoff(),
+            Arc::new(NoHandOver),
+        );
+        let mut first_state = first.watch();
+        wait_state(&mut first_state, "active", |s| {
+            matches!(s, HolderState::Active { .. })
+        })
+        .await;
+        let second = HolderHandle::spawn(
+            engine_client(&engine),
+            options,
+            backoff(),
+            Arc::new(Unreachable),
+        );
+        let mut second_state = second.watch();
+        wait_state(&mut second_state, "standby", |s| {
+            matches!(s, HolderState::Standby)
+        })
+        .await;
+        // The holder goes without a hand-over (as a lost one does).
+        first.shutdown().await;
+        wait_state(&mut second_state, "active with the channel hanging", |s| {
+            matches!(s, HolderState::Active { .. })
+        })
+        .await;
+        second.shutdown().await;
         engine.shutdown().await;
     }
 
