@@ -13,9 +13,8 @@ pub struct Args {
     #[arg(long)]
     pub skip_build: bool,
     /// Run only these charts (repeatable: steward-tcp-proxy, pod-proxier, rstream-operator, or
-    /// node-loss: the three on two nodes, one lost); the three charts when not given (node-loss
-    /// runs only when named: its scenarios do not pass yet). A run of fewer says so in its report
-    /// and closing line.
+    /// node-loss: the three on two nodes, one lost); all four when not given. A run of fewer says
+    /// so in its report and closing line.
     #[arg(long = "chart", value_name = "RELEASE")]
     pub charts: Vec<String>,
 }

@@ -226,12 +226,14 @@ pub fn expected_scenario_count() -> u64 {
     let count = steward::expected_scenarios().len()
         + pod_proxier::expected_scenarios().len()
         + rstream_operator::expected_scenarios().len()
-        + rollout::expected_scenarios().len();
+        + rollout::expected_scenarios().len()
+        + node_loss::expected_scenarios().len();
     u64::try_from(count).unwrap_or(u64::MAX)
 }
 
-/// Runs the charts' scenarios (`charts`: only these releases, all three when empty) on a fresh
-/// control plane with its node, with Helm at `helm` and the release images `built` (pod-proxier's
+/// Runs the charts' scenarios (`charts`: only these releases or the node-loss run, all four when
+/// empty): the three charts on a fresh control plane with one node, then the node-loss run on a
+/// cluster of two; with Helm at `helm` and the release images `built` (pod-proxier's
 /// HAProxy sidecar among them when pod-proxier runs); writes `target/e2e/report.{json,md}`.
 pub fn run(charts: &[String], helm: PathBuf, built: &[Built]) -> anyhow::Result<()> {
     let wall = Instant::now();
@@ -254,8 +256,6 @@ pub fn run(charts: &[String], helm: PathBuf, built: &[Built]) -> anyhow::Result<
         }
     }
     let wanted = |release: &str| charts.is_empty() || charts.iter().any(|c| c == release);
-    // Only when named: the node-loss scenarios do not pass yet (see issue 41).
-    let node_loss_named = charts.iter().any(|c| c == node_loss::PHASE);
     let runtime = tokio::runtime::Runtime::new()?;
     let one_node = [
         steward::RELEASE,
@@ -276,7 +276,7 @@ pub fn run(charts: &[String], helm: PathBuf, built: &[Built]) -> anyhow::Result<
             one_node_charts(&env, &wanted, &mut charts).await;
             plane.stop();
         }
-        if node_loss_named {
+        if wanted(node_loss::PHASE) {
             // A cluster of its own: losing a node is the last thing a cluster sees.
             let started = Instant::now();
             let plane = start_cluster_of(2).await?;

@@ -17,8 +17,9 @@
 //!   engine every [`PAUSE`]. The leader must move to the surviving node, the tunnel be Ready and
 //!   answer again.
 //!
-//! Every Pod the clients reach behind a chart (the `web` workloads) runs on the surviving node:
-//! the scenarios are about the charts' replicas, not about the workloads'.
+//! Every Pod the clients reach behind a chart (the `web` workloads) and the cluster's CoreDNS
+//! run on the surviving node: the scenarios are about the charts' replicas, not about the
+//! workloads' or the cluster's DNS.
 
 mod placement;
 mod stream;
@@ -30,8 +31,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail};
 use k8s_openapi::api::apps::v1::Deployment;
-use k8s_openapi::api::core::v1::Service;
-use kube::api::{Api, Patch, PatchParams, PostParams};
+use k8s_openapi::api::core::v1::{Pod, Service};
+use kube::api::{Api, ListParams, LogParams, Patch, PatchParams, PostParams};
 use rstream_client::engine::LocalEngine;
 use rstream_operator::api::RstreamTunnel;
 use serde_json::json;
@@ -93,11 +94,16 @@ fn one_per_node(labels: &[(&str, &str)]) -> Vec<String> {
     values
 }
 
-/// Pins `web` of `ns` to `node` (a Deployment of the testbox) and waits for its Pod.
-async fn pin_web(env: &Env<'_>, ns: &str, node: &str) -> anyhow::Result<()> {
+/// Pins Deployment `ns/name` (its Pods: `selector`, one replica) to `node` and waits for its
+/// Pod there.
+async fn pin(
+    env: &Env<'_>,
+    (ns, name, selector): (&str, &str, &str),
+    node: &str,
+) -> anyhow::Result<()> {
     Api::<Deployment>::namespaced(env.plane.client().await?, ns)
         .patch(
-            "web",
+            name,
             &PatchParams::default(),
             &Patch::Merge(json!({ "spec": { "template": { "spec": {
                 "nodeSelector": { "kubernetes.io/hostname": node },
@@ -105,12 +111,17 @@ async fn pin_web(env: &Env<'_>, ns: &str, node: &str) -> anyhow::Result<()> {
         )
         .await?;
     wait_for(RECOVERY_LIMIT, move || async move {
-        let pods = check::wait_pods_ready(env.plane, ns, "app=web", 1).await?;
+        let pods = check::wait_pods_ready(env.plane, ns, selector, 1).await?;
         let client = env.plane.client().await?;
         Ok((node_of(&client, ns, &pods[0].0).await? == node).then_some(()))
     })
     .await
-    .with_context(|| format!("{ns}/web on {node}"))
+    .with_context(|| format!("{ns}/{name} on {node}"))
+}
+
+/// Pins `web` of `ns` (a Deployment of the testbox) to `node`.
+async fn pin_web(env: &Env<'_>, ns: &str, node: &str) -> anyhow::Result<()> {
+    pin(env, (ns, "web", "app=web"), node).await
 }
 
 /// What the steward part set up.
@@ -126,8 +137,6 @@ async fn steward_side(env: &Env<'_>, kept: &str, lost: &str) -> anyhow::Result<S
     check::wait_pods_ready(env.plane, &ns, steward::SELECTOR, 2).await?;
     let lease = (steward::RELEASE, steward::SELECTOR, 2);
     lease_holder_on(env, &ns, lease, kept).await?;
-    // Moving the leader replaced Pods: both replicas ready again before they are read.
-    check::wait_pods_ready(env.plane, &ns, steward::SELECTOR, 2).await?;
     cluster
         .wait_published("pod-ip", Duration::from_secs(60))
         .await?;
@@ -259,6 +268,7 @@ struct OperatorSide {
     public: SocketAddr,
     leader: String,
     holder: String,
+    standby: String,
 }
 
 const OPERATOR_SELECTOR: &str =
@@ -294,7 +304,7 @@ async fn operator_side(env: &Env<'_>, kept: &str, lost: &str) -> anyhow::Result<
     }
     let lease = (rstream_operator::manager::LEASE_NAME, OPERATOR_SELECTOR, 2);
     let leader = lease_holder_on(env, &ns, lease, lost).await?;
-    let holder = agent_holder_on(env, &ns, TUNNEL, lost).await?;
+    let (holder, standby) = agent_holder_on(env, &ns, TUNNEL, lost).await?;
     let public = engine
         .hostname_ingress_addr(HOSTNAME)
         .context("the engine has no address for the tunnel's hostname")?;
@@ -305,6 +315,7 @@ async fn operator_side(env: &Env<'_>, kept: &str, lost: &str) -> anyhow::Result<
         public,
         leader,
         holder,
+        standby,
     })
 }
 
@@ -336,6 +347,13 @@ async fn scenarios(
     };
     let (kept_name, lost_name) = (kept.name(), lost.name());
     let started = Instant::now();
+    // The cluster's DNS (one CoreDNS) stays up too: the agents resolve their upstream Service.
+    pin(
+        env,
+        ("kube-system", "coredns", "k8s-app=kube-dns"),
+        &kept_name,
+    )
+    .await?;
     let steward_side = steward_side(env, &kept_name, &lost_name).await?;
     let pp = pod_proxier_side(env, &kept_name, &lost_name).await?;
     let op = operator_side(env, &kept_name, &lost_name).await?;
@@ -504,13 +522,14 @@ async fn scenarios(
         moved && tunnel_ready.is_ok() && tail(&op_seen),
         lost_at,
         format!(
-            "leader {} -> {}; tunnel holder was {}; Ready {}{}; through {}: {}",
+            "leader {} -> {}; tunnel holder was {} (standby {}); Ready {}{}; through {}: {}; the engine closed {} silent control channels, {} connections found no holder",
             op.leader,
             recovered.operator_leader.as_ref().map_or_else(
                 || "none".to_owned(),
                 |(at, holder)| format!("{holder} {:.1}s after the loss", at.as_secs_f64())
             ),
             op.holder,
+            op.standby,
             match &tunnel_ready {
                 Ok(at) => format!("True at {:.1}s", at.as_secs_f64()),
                 Err(e) => format!("{e:#}"),
@@ -529,10 +548,40 @@ async fn scenarios(
             },
             op.public,
             op_seen.describe_since(lost_at),
+            op.engine.silent_channels_closed(),
+            op.engine.hostname_misses(),
         ),
     );
+    if !report.passed() {
+        print_agent_logs(&client, &op.ns, &kept_name).await;
+    }
     op.engine.shutdown().await;
     Ok(())
+}
+
+/// The last lines of each tunnel agent's log on `node` (the survivors), for a failed run.
+async fn print_agent_logs(client: &kube::Client, ns: &str, node: &str) {
+    let pods = Api::<Pod>::namespaced(client.clone(), ns);
+    let Ok(list) = pods
+        .list(&ListParams::default().labels("app.kubernetes.io/component=agent"))
+        .await
+    else {
+        return;
+    };
+    for pod in list.items {
+        let name = pod.metadata.name.unwrap_or_default();
+        if pod.spec.and_then(|s| s.node_name).as_deref() != Some(node) {
+            continue;
+        }
+        let params = LogParams {
+            tail_lines: Some(40),
+            ..LogParams::default()
+        };
+        match pods.logs(&name, &params).await {
+            Ok(log) => eprintln!("--- agent {ns}/{name} on {node} ---\n{log}"),
+            Err(e) => eprintln!("--- agent {ns}/{name} on {node}: no log: {e} ---"),
+        }
+    }
 }
 
 fn seconds_after(after: Option<Duration>) -> String {
