@@ -5,6 +5,9 @@
 //! * The leader renews every retry period and **steps down by itself** when it could not renew for
 //!   the renew deadline, which is shorter than the lease duration: it stops acting before anyone
 //!   else may start, so at most one replica leads at any time.
+//! * One attempt takes at most [`LeaseConfig::attempt_limit`]: a request that hangs on a dead
+//!   connection is dropped with it and the next attempt dials again at once, so a lost API server
+//!   endpoint delays a successor by seconds, not by the renew deadline.
 //! * On shutdown the leader releases the Lease (empty holder), so a successor takes over at its next
 //!   retry instead of waiting for expiry.
 //! * Every write carries the `resourceVersion` it read, so two candidates never both win.
@@ -54,6 +57,13 @@ impl LeaseConfig {
             renew_deadline: Duration::from_secs(10),
             retry_period: Duration::from_secs(2),
         }
+    }
+
+    /// The longest one attempt (a read and a write of the Lease) may take: a third of the renew
+    /// deadline, so a leader whose requests hang gets at least three tries, each on a new
+    /// connection, before it steps down.
+    pub fn attempt_limit(&self) -> Duration {
+        self.renew_deadline / 3
     }
 
     /// Checks `retry_period < renew_deadline < lease_duration`, whole seconds for the lease, and
@@ -138,13 +148,18 @@ impl LeaderElector {
         let mut last_renew: Option<Instant> = None;
         loop {
             // A leader must know it failed before its renew deadline passes, even if the API call
-            // hangs: bound the attempt by what is left of the deadline.
-            let budget = match last_renew {
+            // hangs: bound the attempt by what is left of the deadline. And by a third of it, so
+            // a request stuck on a dead connection (an API server endpoint behind a lost node)
+            // costs one short attempt, not the whole deadline: hyper drops the connection with the
+            // request and the next attempt, started at once, dials again.
+            let left = match last_renew {
                 Some(at) => self.config.renew_deadline.saturating_sub(at.elapsed()),
                 None => self.config.renew_deadline,
             };
+            let budget = left.min(self.config.attempt_limit());
             let attempt =
                 tokio::time::timeout(budget, self.try_acquire_or_renew(&mut observed)).await;
+            let timed_out = attempt.is_err();
             let attempt = attempt.unwrap_or_else(|_| {
                 Err(Error::Timeout(format!(
                     "leader election attempt took longer than {budget:?}"
@@ -171,9 +186,15 @@ impl LeaderElector {
                     }
                 }
             }
+            // An attempt that timed out has already waited its share; the next goes at once.
+            let pause = if timed_out {
+                Duration::ZERO
+            } else {
+                self.config.retry_period
+            };
             tokio::select! {
                 () = shutdown.cancelled() => break,
-                () = tokio::time::sleep(self.config.retry_period) => {}
+                () = tokio::time::sleep(pause) => {}
             }
         }
         if self.state.borrow().is_leader() {

@@ -18,7 +18,9 @@ use k8s_reconcile::metrics::ControllerMetrics;
 use k8s_reconcile::ops::Health;
 use k8s_reconcile::{Action, Applier, Context, ControllerBuilder, Reconciler};
 use kube::api::{Api, ListParams, ObjectMeta, Patch, PatchParams, PostParams};
+use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::{Client, ResourceExt as _};
+use netkit_testenv::fixtures::FreezableRelay;
 use netkit_testenv::{ControlPlane, Identity, eventually};
 use tokio_util::sync::CancellationToken;
 
@@ -250,6 +252,80 @@ async fn race_lease(plane: &ControlPlane, ns: &str) -> (Option<String>, Option<T
         spec.holder_identity.filter(|h| !h.is_empty()),
         spec.renew_time.map(|t| t.0),
     )
+}
+
+/// An admin client whose connections to the API server pass through a relay that can freeze them.
+async fn client_through_relay(plane: &ControlPlane) -> (Client, FreezableRelay) {
+    let kubeconfig = Kubeconfig::read_from(plane.kubeconfig_path()).unwrap();
+    let mut config =
+        kube::Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
+            .await
+            .unwrap();
+    let apiserver = config
+        .cluster_url
+        .authority()
+        .unwrap()
+        .as_str()
+        .parse()
+        .unwrap();
+    let relay = FreezableRelay::start(apiserver).await.unwrap();
+    // The serving certificate names 127.0.0.1, whatever the port.
+    config.cluster_url = format!("https://{}", relay.addr()).parse().unwrap();
+    (Client::try_from(config).unwrap(), relay)
+}
+
+#[tokio::test]
+async fn a_leader_whose_connection_hangs_renews_over_a_new_one_and_keeps_leading() {
+    let plane = ControlPlane::shared().await.unwrap();
+    let ns = plane.create_namespace("lease-hang").await.unwrap();
+    let (client, relay) = client_through_relay(plane).await;
+    let config = lease(&ns, "a");
+    let renew_deadline = config.renew_deadline;
+    let elector = LeaderElector::new(client, config).unwrap();
+    let mut state = elector.subscribe();
+    let token = CancellationToken::new();
+    let task = tokio::spawn(elector.run(token.clone()));
+    tokio::time::timeout(
+        Duration::from_secs(30),
+        state.wait_for(LeaderState::is_leader),
+    )
+    .await
+    .expect("the only candidate leads within 30 s")
+    .unwrap();
+
+    // Its pooled connection now hangs like one to an API server endpoint on a lost node: no
+    // answer, no reset. Over three renew deadlines it must renew through new connections and never
+    // step down (an attempt that waited the whole deadline on the dead connection would).
+    let (_, before) = race_lease(plane, &ns).await;
+    relay.freeze_open_connections();
+    state.mark_unchanged();
+    let frozen_at = Instant::now();
+    let mut renewals = BTreeSet::new();
+    while frozen_at.elapsed() < 3 * renew_deadline {
+        assert!(
+            state.borrow().is_leader() && !state.has_changed().unwrap(),
+            "the leader stepped down {:?} after its connection froze",
+            frozen_at.elapsed()
+        );
+        let (holder, renewed) = race_lease(plane, &ns).await;
+        assert_eq!(holder.as_deref(), Some("a"));
+        if renewed != before {
+            renewals.insert(renewed);
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        renewals.len() >= 3,
+        "the Lease was renewed only {} times after the freeze",
+        renewals.len()
+    );
+    eprintln!(
+        "{} renewals over new connections in {:?} after the freeze",
+        renewals.len(),
+        frozen_at.elapsed()
+    );
+    token.cancel();
+    task.await.unwrap();
 }
 
 #[tokio::test]

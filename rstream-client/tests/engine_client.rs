@@ -8,12 +8,13 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use common::*;
+use netkit_testenv::fixtures::FreezableRelay;
 use rstream_client::engine::{EngineAuth, LocalControlPlane, LocalEngine};
 use rstream_client::frame::FrameError;
 use rstream_client::proto::ErrorCode;
 use rstream_client::resolve::ControlPlaneOptions;
 use rstream_client::tunnel::{TlsMode, TunnelOptions, TunnelProtocol};
-use rstream_client::{Client, EngineErrorCode, Error, forward};
+use rstream_client::{Client, ClientBuilder, ControlChannel, EngineErrorCode, Error, forward};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
@@ -579,13 +580,7 @@ async fn missing_heartbeat_acks_are_detected_within_the_negotiated_timeout() {
         .start()
         .await
         .unwrap();
-    let control = builder(&engine)
-        .heartbeat_interval(Some(Duration::from_secs(1)))
-        .build()
-        .unwrap()
-        .connect()
-        .await
-        .unwrap();
+    let control = heartbeating(builder(&engine)).await;
     assert_eq!(
         control.liveness_timeout(),
         Some(Duration::from_millis(1500))
@@ -611,74 +606,22 @@ async fn missing_heartbeat_acks_are_detected_within_the_negotiated_timeout() {
     engine.shutdown().await;
 }
 
-/// A TCP relay to `target` that, once the flag is set, stops forwarding and keeps both
-/// connections open: what a client's lost node looks like to the engine (no FIN, no reset).
-async fn freezable_relay(
-    target: std::net::SocketAddr,
-) -> (
-    std::net::SocketAddr,
-    std::sync::Arc<std::sync::atomic::AtomicBool>,
-) {
-    use std::sync::Arc;
-    use std::sync::atomic::AtomicBool;
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let frozen = Arc::new(AtomicBool::new(false));
-    let flag = frozen.clone();
-    tokio::spawn(async move {
-        while let Ok((down, _)) = listener.accept().await {
-            let up = TcpStream::connect(target).await.unwrap();
-            let (dr, dw) = down.into_split();
-            let (ur, uw) = up.into_split();
-            for (mut from, mut to) in [
-                (
-                    Box::new(dr) as Box<dyn tokio::io::AsyncRead + Unpin + Send>,
-                    Box::new(uw) as Box<dyn tokio::io::AsyncWrite + Unpin + Send>,
-                ),
-                (Box::new(ur), Box::new(dw)),
-            ] {
-                let flag = flag.clone();
-                tokio::spawn(async move {
-                    let mut buf = vec![0u8; 16 * 1024];
-                    loop {
-                        let read = from.read(&mut buf).await;
-                        if flag.load(Ordering::SeqCst) {
-                            break;
-                        }
-                        match read {
-                            Ok(0) | Err(_) => {
-                                let _ = to.shutdown().await;
-                                return;
-                            }
-                            Ok(n) => {
-                                if to.write_all(&buf[..n]).await.is_err() {
-                                    return;
-                                }
-                            }
-                        }
-                    }
-                    // Frozen: hold both halves open forever, nothing more gets through.
-                    let _held = (from, to);
-                    std::future::pending::<()>().await;
-                });
-            }
-        }
-    });
-    (addr, frozen)
-}
-
-#[tokio::test]
-async fn a_silent_client_is_closed_after_the_liveness_timeout_and_frees_its_hostname() {
-    let engine = engine().await;
-    let (relay, frozen) = freezable_relay(engine.addr()).await;
-    let control = builder(&engine)
-        .engine(relay.to_string())
+/// A control channel of `builder`'s client that sends a heartbeat every second.
+async fn heartbeating(builder: ClientBuilder) -> ControlChannel {
+    builder
         .heartbeat_interval(Some(Duration::from_secs(1)))
         .build()
         .unwrap()
         .connect()
         .await
-        .unwrap();
+        .unwrap()
+}
+
+#[tokio::test]
+async fn a_silent_client_is_closed_after_the_liveness_timeout_and_frees_its_hostname() {
+    let engine = engine().await;
+    let relay = FreezableRelay::start(engine.addr()).await.unwrap();
+    let control = heartbeating(builder(&engine).engine(relay.addr().to_string())).await;
     let hostname = "lost.t.example.io";
     let _tunnel = control
         .create_tunnel(TunnelOptions::http().hostname(hostname))
@@ -688,7 +631,7 @@ async fn a_silent_client_is_closed_after_the_liveness_timeout_and_frees_its_host
     tokio::time::sleep(Duration::from_secs(5)).await;
     assert_eq!(engine.control_channels(), 1);
     assert_eq!(engine.silent_channels_closed(), 0);
-    frozen.store(true, Ordering::SeqCst);
+    relay.freeze_open_connections();
     let started = Instant::now();
     assert!(eventually(20, || engine.control_channels() == 0).await);
     eprintln!(
@@ -713,13 +656,7 @@ async fn stalled_engine_is_detected() {
         .start()
         .await
         .unwrap();
-    let control = builder(&engine)
-        .heartbeat_interval(Some(Duration::from_secs(1)))
-        .build()
-        .unwrap()
-        .connect()
-        .await
-        .unwrap();
+    let control = heartbeating(builder(&engine)).await;
     engine.faults().stall_control.store(true, Ordering::SeqCst);
     let err = within(5, control.wait_closed()).await.unwrap_err();
     assert!(matches!(err, Error::ControlLiveness(_)), "{err}");

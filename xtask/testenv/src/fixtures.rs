@@ -10,7 +10,8 @@ use std::io;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
@@ -73,9 +74,7 @@ pub fn free_port_range(count: u16) -> io::Result<(u16, u16)> {
     let mut hasher = RandomState::new().build_hasher();
     hasher.write_u32(std::process::id());
     let start = hasher.finish() % u64::from(slots);
-    let mut handed_out = HANDED_OUT
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let mut handed_out = HANDED_OUT.lock().unwrap_or_else(PoisonError::into_inner);
     for step in 0..u64::from(slots) {
         let slot = u16::try_from((start + step) % u64::from(slots))
             .map_err(|_| invalid("a port slot out of range"))?;
@@ -117,6 +116,85 @@ pub async fn echo_server() -> io::Result<SocketAddr> {
         }
     });
     Ok(addr)
+}
+
+/// A TCP relay on 127.0.0.1 to `target` whose open connections can be frozen: what a peer behind
+/// a lost node looks like (no FIN, no reset, no bytes). Connections made after a freeze pass.
+pub struct FreezableRelay {
+    addr: SocketAddr,
+    open: Arc<Mutex<Vec<Arc<AtomicBool>>>>,
+}
+
+impl FreezableRelay {
+    /// Starts relaying; it lives as long as the runtime.
+    pub async fn start(target: SocketAddr) -> io::Result<Self> {
+        let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).await?;
+        let addr = listener.local_addr()?;
+        let open: Arc<Mutex<Vec<Arc<AtomicBool>>>> = Arc::default();
+        let registry = open.clone();
+        tokio::spawn(async move {
+            while let Ok((down, _)) = listener.accept().await {
+                let Ok(up) = TcpStream::connect(target).await else {
+                    continue;
+                };
+                let frozen = Arc::new(AtomicBool::new(false));
+                registry
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .push(frozen.clone());
+                let (down_read, down_write) = down.into_split();
+                let (up_read, up_write) = up.into_split();
+                tokio::spawn(Self::pump(down_read, up_write, frozen.clone()));
+                tokio::spawn(Self::pump(up_read, down_write, frozen));
+            }
+        });
+        Ok(Self { addr, open })
+    }
+
+    /// Where clients connect.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Freezes every connection open now: nothing more gets through them, yet they stay open.
+    pub fn freeze_open_connections(&self) {
+        for frozen in self
+            .open
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .drain(..)
+        {
+            frozen.store(true, Ordering::SeqCst);
+        }
+    }
+
+    async fn pump(
+        mut from: tokio::net::tcp::OwnedReadHalf,
+        mut to: tokio::net::tcp::OwnedWriteHalf,
+        frozen: Arc<AtomicBool>,
+    ) {
+        let mut buf = vec![0u8; 16 * 1024];
+        loop {
+            let read = from.read(&mut buf).await;
+            if frozen.load(Ordering::SeqCst) {
+                break;
+            }
+            match read {
+                Ok(0) | Err(_) => {
+                    let _ = to.shutdown().await;
+                    return;
+                }
+                Ok(n) => {
+                    if to.write_all(&buf[..n]).await.is_err() {
+                        return;
+                    }
+                }
+            }
+        }
+        // Frozen: hold both halves open for good, nothing more gets through.
+        let _held = (from, to);
+        std::future::pending::<()>().await;
+    }
 }
 
 /// The largest UDP payload over IPv4 (65 535 − 20 − 8).
@@ -395,7 +473,7 @@ impl Tinyproxy {
             )
         })?;
         static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
         let dir = std::env::temp_dir().join(format!("tinyproxy-{}-{n}", std::process::id()));
         std::fs::create_dir_all(&dir)?;
         let addr = free_addr()?;
