@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use netkit_testenv::e2e::pod_proxier;
+use netkit_testenv::images::Built;
 
 #[derive(clap::Args, Default)]
 pub struct Args {
@@ -30,18 +31,33 @@ pub fn ensure_tools() -> anyhow::Result<PathBuf> {
 }
 
 pub fn run(args: &Args) -> anyhow::Result<()> {
+    let pod_proxier =
+        args.charts.is_empty() || args.charts.iter().any(|c| c == pod_proxier::RELEASE);
+    let (helm, built) = prepare(args.skip_build, pod_proxier)?;
+    netkit_testenv::e2e::run(&args.charts, helm, &built)
+}
+
+/// `cargo xtask bench node-loss`: the images the node-loss run needs, then its rounds.
+pub fn bench_on_cluster(args: &netkit_testenv::bench::Args) -> anyhow::Result<()> {
+    let (helm, built) = prepare(false, false)?;
+    netkit_testenv::bench::run_on_cluster(args, helm, &built)
+}
+
+/// Helm's path and the release images (built unless `skip_build`), with pod-proxier's HAProxy
+/// sidecar image when `haproxy`.
+fn prepare(skip_build: bool, haproxy: bool) -> anyhow::Result<(PathBuf, Vec<Built>)> {
     let started = Instant::now();
     let helm = ensure_tools()?;
     let mut built = crate::image::run(&crate::image::Args {
         which: "all".to_owned(),
         repository: crate::image::DEFAULT_REPOSITORY.to_owned(),
         tag: None,
-        skip_build: args.skip_build,
+        skip_build,
     })?;
-    if args.charts.is_empty() || args.charts.iter().any(|c| c == pod_proxier::RELEASE) {
+    if haproxy {
         // pod-proxier's HAProxy backend runs it as a sidecar; no registry has it for the node.
         built.push(crate::node_images::haproxy_image()?);
     }
     println!("tools and images ready in {:.1?}", started.elapsed());
-    netkit_testenv::e2e::run(&args.charts, helm, &built)
+    Ok((helm, built))
 }

@@ -74,7 +74,8 @@ enum Task {
     E2e(e2e::Args),
     /// Run every check CI runs: fmt, clippy, tests, docs.
     Test(test::Args),
-    /// Benchmark the relays on loopback (proxy-core vs HAProxy, steward, rstream); see bench/mod.rs.
+    /// Benchmark the relays on loopback (proxy-core vs HAProxy, steward, rstream), or a node loss
+    /// on two nodes (node-loss, root); see bench/mod.rs.
     Bench(netkit_testenv::bench::Args),
     /// Count each binary's own logic in lines (no blanks, comments or tests) against its goal.
     Loc,
@@ -124,6 +125,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Task::VerifyImages(args) => image::verify(&args),
         Task::E2e(args) => e2e::run(&args),
         Task::Test(args) => test::run(&args),
+        Task::Bench(args) if args.needs_cluster() => e2e::bench_on_cluster(&args),
         Task::Bench(args) => netkit_testenv::bench::run(&args),
         Task::Loc => loc::run(),
         Task::Consumers => consumers::run(),

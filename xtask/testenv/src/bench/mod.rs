@@ -1,4 +1,6 @@
 //! `cargo xtask bench <proxy|steward|rstream|operator|pod-proxier|all>`: benchmarks on loopback.
+//! `cargo xtask bench node-loss`: the e2e's node loss on a cluster of two nodes, round after round,
+//! its timings as figures ([`node_loss`]; not part of `all`, it needs the release images).
 //!
 //! Every bench measures its baseline in the same run, alternates its contenders (A B C A B C ...)
 //! over several rounds, reports medians with min/max, prints a Markdown table and writes
@@ -9,6 +11,7 @@
 mod cgroup;
 mod heaptrack;
 mod load;
+mod node_loss;
 mod operator;
 mod pod_proxier;
 mod procs;
@@ -53,6 +56,7 @@ enum Which {
     Rstream,
     Operator,
     PodProxier,
+    NodeLoss,
     All,
 }
 
@@ -95,6 +99,41 @@ const BENCHES: [(&str, Which, Bench, Contenders); 5] = [
     ),
 ];
 
+impl Args {
+    /// Whether the bench runs on a cluster (the caller builds the images and hands them to
+    /// [`run_on_cluster`]) rather than on loopback ([`run`]).
+    pub fn needs_cluster(&self) -> bool {
+        self.bench == Which::NodeLoss
+    }
+}
+
+/// Runs `bench node-loss` with Helm at `helm` and the release images `built`, and writes its
+/// report as [`run`] does.
+pub fn run_on_cluster(
+    args: &Args,
+    helm: std::path::PathBuf,
+    built: &[crate::images::Built],
+) -> anyhow::Result<()> {
+    let settings = settings(args);
+    let report = run_one(
+        "node-loss",
+        |settings| node_loss::run(settings, &helm, built),
+        node_loss::contenders,
+        &settings,
+    )?;
+    println!("{}", report::markdown(&report));
+    write_out(&crate::workspace::root().join(&args.out), &[report], &[])
+}
+
+fn settings(args: &Args) -> Settings {
+    Settings {
+        rounds: args.rounds.unwrap_or(if args.quick { 2 } else { 5 }).max(1),
+        quick: args.quick,
+        profile: args.profile,
+        fd_limit: system::raise_fd_limit(),
+    }
+}
+
 /// Set in the release build of xtask that a debug build hands the bench to.
 const RELEASE_ENV: &str = "NETKIT_BENCH_RELEASE";
 
@@ -108,12 +147,10 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
     if cfg!(debug_assertions) && std::env::var_os(RELEASE_ENV).is_none() {
         return rerun_in_release();
     }
-    let settings = Settings {
-        rounds: args.rounds.unwrap_or(if args.quick { 2 } else { 5 }).max(1),
-        quick: args.quick,
-        profile: args.profile,
-        fd_limit: system::raise_fd_limit(),
-    };
+    if args.needs_cluster() {
+        bail!("bench node-loss runs on a cluster: `cargo xtask bench node-loss` builds its images");
+    }
+    let settings = settings(args);
     let out = crate::workspace::root().join(&args.out);
     eprintln!(
         "bench: open-file limit {}, {}",
@@ -130,7 +167,6 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
         match run_one(name, bench, contenders, &settings) {
             Ok(report) => {
                 println!("{}", report::markdown(&report));
-                report::write_json(&out.join(format!("{name}.json")), &report)?;
                 reports.push(report);
             }
             // `all` goes on with the other benches and reports the failure in the summary.
@@ -141,24 +177,32 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
             Err(error) => return Err(error.context(format!("bench {name}"))),
         }
     }
-    // Every run writes its summary (for `all`, every bench's), and each bench's Markdown.
-    for report in &reports {
+    write_out(&out, &reports, &failures)?;
+    if !failures.is_empty() {
+        bail!("{} bench(es) failed", failures.len());
+    }
+    Ok(())
+}
+
+/// Each bench's Markdown and `summary.md` (for `all`, over every bench) into `out`.
+fn write_out(
+    out: &std::path::Path,
+    reports: &[Report],
+    failures: &[(String, String)],
+) -> anyhow::Result<()> {
+    for report in reports {
+        report::write_json(&out.join(format!("{}.json", report.bench)), report)?;
         std::fs::write(
             out.join(format!("{}.md", report.bench)),
             report::markdown(report),
         )?;
     }
-    {
-        let summary = report::summary_markdown(&reports, &failures);
-        let path = out.join("summary.md");
-        std::fs::create_dir_all(&out)?;
-        std::fs::write(&path, &summary)?;
-        println!("{summary}");
-        eprintln!("wrote {}", path.display());
-    }
-    if !failures.is_empty() {
-        bail!("{} bench(es) failed", failures.len());
-    }
+    let summary = report::summary_markdown(reports, failures);
+    let path = out.join("summary.md");
+    std::fs::create_dir_all(out)?;
+    std::fs::write(&path, &summary)?;
+    println!("{summary}");
+    eprintln!("wrote {}", path.display());
     Ok(())
 }
 
@@ -177,7 +221,7 @@ fn rerun_in_release() -> anyhow::Result<()> {
 
 fn run_one(
     name: &str,
-    bench: Bench,
+    bench: impl FnOnce(&Settings) -> anyhow::Result<Outcome>,
     contenders: Contenders,
     settings: &Settings,
 ) -> anyhow::Result<Report> {

@@ -19,7 +19,7 @@
 //! each chart's `install` and the steps the demo shows are shared from here, so they exist once.
 
 mod cluster;
-mod node_loss;
+pub mod node_loss;
 pub mod partition;
 pub mod pod_proxier;
 pub mod pod_proxier_api;

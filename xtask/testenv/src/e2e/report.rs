@@ -71,7 +71,7 @@ impl ChartReport {
     /// (the chart stopped before it) counts as failed, and so does one the list does not name
     /// (the list must say what the run checks). A run that executed fewer scenarios than the list
     /// can therefore never pass.
-    pub(super) fn expect(&mut self, expected: &[String]) {
+    pub fn expect(&mut self, expected: &[String]) {
         let unlisted: Vec<String> = (self.scenarios.iter())
             .filter(|s| !expected.contains(&s.name))
             .map(|s| s.name.clone())
@@ -99,7 +99,8 @@ impl ChartReport {
         }
     }
 
-    pub(super) fn passed(&self) -> bool {
+    /// Whether every scenario passed and the chart ended without an error.
+    pub fn passed(&self) -> bool {
         self.error.is_none()
             && self.scenarios.iter().all(|s| s.ok)
             && self.restarts.iter().all(|r| r.restarts == 0)

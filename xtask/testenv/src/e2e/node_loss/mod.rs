@@ -45,6 +45,7 @@ use super::steward::Release;
 use super::{ChartReport, Env, RestartWatch, pod_proxier, steward, token};
 use crate::node::check;
 use placement::{agent_holder_on, lease_holder, lease_holder_on, node_of, wait_for};
+pub use stream::Tally;
 use stream::{Seen, steady};
 
 /// The name of this run in `cargo xtask e2e --chart` and in the report.
@@ -82,10 +83,40 @@ const POD_PROXIER_LEASE: &str = "pod-proxier";
 /// Installs the three charts on a cluster of two nodes, loses the second node, records the
 /// scenarios.
 pub async fn run(env: &Env<'_>) -> ChartReport {
+    measure(env).await.0
+}
+
+/// [`run`], with the timings for `cargo xtask bench node-loss` (`None` when the run ended before
+/// the loss was measured).
+pub async fn measure(env: &Env<'_>) -> (ChartReport, Option<LossFigures>) {
     let mut report = ChartReport::new(PHASE);
     let mut watch = None;
-    let outcome = scenarios(env, &mut report, &mut watch).await;
-    super::finish_chart(report, outcome, watch).await
+    let mut figures = None;
+    let outcome = scenarios(env, &mut report, &mut watch, &mut figures).await;
+    (super::finish_chart(report, outcome, watch).await, figures)
+}
+
+/// One node loss in numbers; a time is `None` when that role did not move or recover in the run.
+#[derive(Debug, Clone)]
+pub struct LossFigures {
+    /// From the loss until the lost steward replica left `default/kubernetes` (its peer check).
+    pub steward_unpublished: Option<Duration>,
+    /// From the loss until Kubernetes took the lost pod-proxier replica out of its Service's
+    /// endpoints (the node controller, after its grace period): what a Service gets without a
+    /// check of its own.
+    pub node_controller_unrouted: Option<Duration>,
+    /// From the loss until a pod-proxier replica on the surviving node held the Lease.
+    pub pod_proxier_leader: Option<Duration>,
+    /// From the loss until another operator manager held the Lease.
+    pub operator_leader: Option<Duration>,
+    /// From the loss until the tunnel read Ready again.
+    pub tunnel_ready: Option<Duration>,
+    /// The client of `10.96.0.1` (through steward).
+    pub steward_client: Tally,
+    /// The client of pod-proxier's existing mapping.
+    pub pod_proxier_client: Tally,
+    /// The client of the tunnel.
+    pub operator_client: Tally,
 }
 
 /// `--set` values for one replica per node: a required anti-affinity on `labels`.
@@ -361,6 +392,7 @@ async fn scenarios(
     env: &Env<'_>,
     report: &mut ChartReport,
     watch: &mut Option<RestartWatch>,
+    figures: &mut Option<LossFigures>,
 ) -> anyhow::Result<()> {
     let [kept, lost] = env.plane.nodes() else {
         bail!("the node-loss scenarios need a cluster of exactly two nodes");
@@ -489,6 +521,21 @@ async fn scenarios(
     stop.store(true, Ordering::SeqCst);
     let (steward_seen, pp_seen, op_seen) =
         (steward_stream.await?, pp_stream.await?, op_stream.await?);
+    *figures = Some(LossFigures {
+        steward_unpublished: recovered.steward_unpublished,
+        node_controller_unrouted: recovered.pod_proxier_unrouted,
+        pod_proxier_leader: recovered.pod_proxier_leader.as_ref().map(|(at, _)| *at),
+        operator_leader: recovered.operator_leader.as_ref().map(|(at, _)| *at),
+        tunnel_ready: tunnel_ready.as_ref().ok().copied(),
+        steward_client: steward_seen.tally_since(lost_at),
+        pod_proxier_client: pp_seen.tally_since(lost_at),
+        operator_client: op_seen.tally_since(lost_at),
+    });
+    // The failed requests sent once a lost replica was out of its Service `after` the loss, and
+    // kube-proxy had had its margin.
+    let late = |seen: &Seen, after: Option<Duration>| {
+        after.map(|after| seen.failures_since(lost_at + after + ROUTED_MARGIN).len())
+    };
     let tail = |seen: &Seen| {
         seen.failures_since(everything).is_empty() && seen.answered_since(everything) > 0
     };
@@ -497,11 +544,7 @@ async fn scenarios(
     // margin) failed.
     let unpublished = recovered.steward_unpublished;
     let in_time = unpublished.is_some_and(|after| after <= UNPUBLISH_LIMIT);
-    let late_failures = unpublished.map(|after| {
-        steward_seen
-            .failures_since(lost_at + after + ROUTED_MARGIN)
-            .len()
-    });
+    let late_failures = late(&steward_seen, unpublished);
     report.record(
         STEWARD_LOSS,
         in_time && late_failures == Some(0) && tail(&steward_seen),
@@ -522,11 +565,7 @@ async fn scenarios(
     // margin) are reported, not gated on: one run in five saw one such failure (cause not yet
     // known), and the Done-when of issue 41 is not claimed for pod-proxier.
     let pp_unrouted = recovered.pod_proxier_unrouted;
-    let pp_late = pp_unrouted.map(|after| {
-        pp_seen
-            .failures_since(lost_at + after + ROUTED_MARGIN)
-            .len()
-    });
+    let pp_late = late(&pp_seen, pp_unrouted);
     report.record(
         POD_PROXIER_LOSS,
         new_mapping.is_ok() && pp_seen.answered_since(everything) > 0,

@@ -38,25 +38,45 @@ impl Seen {
         self.requests.iter().filter(|(at, _)| *at >= from).count()
     }
 
-    /// One line: what failed from `lost_at` on, and the time from the loss to the end of the
-    /// last failed request (the recovery time; zero when nothing failed).
-    pub(super) fn describe_since(&self, lost_at: Instant) -> String {
+    /// What failed from `lost_at` on, and the time from the loss to the start of the last failed
+    /// request (the recovery time; zero when nothing failed).
+    pub(super) fn tally_since(&self, lost_at: Instant) -> Tally {
         let failed = self.failures_since(lost_at);
-        let recovery = failed
-            .last()
-            .map_or(Duration::ZERO, |(at, _)| at.duration_since(lost_at));
+        Tally {
+            failed: failed.len(),
+            sent: self.sent_since(lost_at),
+            recovery: failed
+                .last()
+                .map_or(Duration::ZERO, |(at, _)| at.duration_since(lost_at)),
+        }
+    }
+
+    /// [`Self::tally_since`] in one line, with the first failure's reason.
+    pub(super) fn describe_since(&self, lost_at: Instant) -> String {
+        let tally = self.tally_since(lost_at);
         format!(
             "{} of {} requests from the loss on failed, recovered {:.1}s after the loss{}",
-            failed.len(),
-            self.sent_since(lost_at),
-            recovery.as_secs_f64(),
-            failed
+            tally.failed,
+            tally.sent,
+            tally.recovery.as_secs_f64(),
+            self.failures_since(lost_at)
                 .first()
                 .and_then(|(_, why)| why.as_deref())
                 .map(|why| format!(" (first: {why})"))
                 .unwrap_or_default()
         )
     }
+}
+
+/// One client's count from the loss on.
+#[derive(Debug, Clone, Copy)]
+pub struct Tally {
+    /// Requests that failed.
+    pub failed: usize,
+    /// Requests sent.
+    pub sent: usize,
+    /// From the loss to the last failed request.
+    pub recovery: Duration,
 }
 
 /// Runs `request` every [`PAUSE`] until `stop`; a request that errs or takes longer than

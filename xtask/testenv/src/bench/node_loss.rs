@@ -1,0 +1,237 @@
+//! `cargo xtask bench node-loss`: the e2e's node loss ([`crate::e2e::node_loss`]) once per round,
+//! each on a fresh cluster of two nodes, and its timings as figures: how soon the lost replica
+//! stops getting traffic (steward's peer check against Kubernetes' own node controller, both
+//! measured in the same round), how soon the leaders move, how many requests the steady clients
+//! lose and when the last one failed.
+//!
+//! A round is one cluster and one loss, so the contenders of a figure are measured in the same
+//! round by construction; there is no order to randomise.
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, bail};
+
+use super::report::{Bound, Goal, Metric, Recorder, Verdict, verdict_of_rounds};
+use super::{Outcome, Settings};
+use crate::e2e::node_loss::{self, LossFigures};
+use crate::e2e::{Env, start_cluster_of};
+use crate::images::Built;
+
+const UNROUTED: Metric = Metric::lower(
+    "loss to the lost replica out of its Service's endpoints",
+    "s",
+);
+const LEADER: Metric = Metric::lower("loss to a new leader holding the Lease", "s");
+const FAILED: Metric = Metric::lower(
+    "requests failed from the loss on (one every 50 ms)",
+    "requests",
+);
+const RECOVERY: Metric = Metric::lower("loss to the last failed request", "s");
+const TUNNEL_READY: Metric = Metric::lower("loss to the tunnel read Ready", "s");
+
+const STEWARD: &str = "steward (peer check)";
+const NODE_CONTROLLER: &str = "Kubernetes (node controller)";
+const POD_PROXIER: &str = "pod-proxier";
+const OPERATOR: &str = "rstream-operator";
+
+/// The charts' Lease duration (their default), which bounds a leader move from below.
+const LEASE_DURATION: Duration = Duration::from_secs(15);
+/// A new leader within the Lease duration plus this much: its expiry seen at the next retry,
+/// one attempt cut short by a dead connection, and the write.
+const LEADER_MARGIN: Duration = Duration::from_secs(5);
+
+pub fn contenders(_: &Settings) -> Vec<(&'static str, String)> {
+    vec![
+        (
+            STEWARD,
+            "2 replicas, one per node; peerCheck.interval 1 s (the chart's default): a replica \
+             whose peer fails two dials in a row is unpublished from default/kubernetes"
+                .to_owned(),
+        ),
+        (
+            NODE_CONTROLLER,
+            "kube-controller-manager with --node-monitor-grace-period 20 s (the test cluster's): \
+             the lost pod-proxier replica leaves its Service once its node is NotReady"
+                .to_owned(),
+        ),
+        (
+            POD_PROXIER,
+            "2 replicas, one per node, the leader on the lost node; Lease 15 s / renew 10 s / \
+             retry 2 s"
+                .to_owned(),
+        ),
+        (
+            OPERATOR,
+            "2 managers and a tunnel's 2 agents, one per node, the leader and the tunnel's \
+             holder on the lost node; Lease 15 s / renew 10 s / retry 2 s"
+                .to_owned(),
+        ),
+    ]
+}
+
+/// Runs [`Settings::rounds`] node losses and turns them into figures.
+pub fn run(settings: &Settings, helm: &Path, built: &[Built]) -> anyhow::Result<Outcome> {
+    let runtime = tokio::runtime::Runtime::new()?;
+    let mut recorder = Recorder::default();
+    let mut failed_rounds = Vec::new();
+    for round in 0..settings.rounds {
+        let started = Instant::now();
+        eprintln!("bench node-loss: round {}/{}", round + 1, settings.rounds);
+        let (figures, passed) = runtime
+            .block_on(one_loss(helm, built))
+            .with_context(|| format!("round {}", round + 1))?;
+        if !passed {
+            failed_rounds.push(round + 1);
+        }
+        record(&mut recorder, round, &figures);
+        eprintln!(
+            "bench node-loss: round {} done in {:.0?}{}",
+            round + 1,
+            started.elapsed(),
+            if passed { "" } else { " (an e2e check failed)" }
+        );
+    }
+    let figures = recorder.finish(&[NODE_CONTROLLER]);
+    let per_round = |metric: &Metric, contender: &str| -> Vec<f64> {
+        figures
+            .iter()
+            .find(|f| f.name == metric.name)
+            .and_then(|f| f.series.iter().find(|s| s.contender == contender))
+            .map(|s| s.samples.clone())
+            .unwrap_or_default()
+    };
+    let unrouted_ratios = figures
+        .iter()
+        .find(|f| f.name == UNROUTED.name)
+        .map(|f| f.paired_ratios(STEWARD, NODE_CONTROLLER))
+        .unwrap_or_default();
+    let bound = Bound::AtMost(0.5);
+    let mut goals = vec![Goal {
+        goal: format!(
+            "{}: {STEWARD} {} {NODE_CONTROLLER}",
+            UNROUTED.name,
+            bound.relation()
+        ),
+        measured: spread(&unrouted_ratios, "x"),
+        met: verdict_of_rounds(&unrouted_ratios, bound),
+    }];
+    let steward_failed = per_round(&FAILED, STEWARD);
+    goals.push(Goal {
+        goal: format!(
+            "{STEWARD}: a lost node costs its clients at most the request in flight (the client \
+             sends one at a time): <= 1 failed request"
+        ),
+        measured: spread(&steward_failed, " requests"),
+        met: every_round(&steward_failed, |n| n <= 1.0),
+    });
+    let limit = (LEASE_DURATION + LEADER_MARGIN).as_secs_f64();
+    for contender in [POD_PROXIER, OPERATOR] {
+        let moves = per_round(&LEADER, contender);
+        goals.push(Goal {
+            goal: format!(
+                "{contender}: {} <= {limit:.0} s (the Lease's {} s, then one retry and one \
+                 attempt cut short)",
+                LEADER.name,
+                LEASE_DURATION.as_secs()
+            ),
+            measured: spread(&moves, " s"),
+            met: every_round(&moves, |s| s <= limit),
+        });
+    }
+    let mut notes = vec![
+        "Each round is one `cargo xtask e2e --chart node-loss` run: a fresh cluster of two \
+         nodes, the three charts with a replica on each, a steady client of each (a request \
+         every 50 ms, 3 s limit), then the second node's kubelet, kube-proxy and containerd \
+         killed and its link taken down (no drain). Times run from that moment."
+            .to_owned(),
+        "The lost replica's time out of its Service compares steward's own peer check with what \
+         Kubernetes does for any Service: the same loss, the same round, pod-proxier's Service \
+         (the node controller marks the node NotReady after its grace period, then the \
+         EndpointSlice controller drops the Pod)."
+            .to_owned(),
+    ];
+    if !failed_rounds.is_empty() {
+        notes.push(format!(
+            "An e2e check failed in round(s) {failed_rounds:?} (see target/e2e/report.md of the \
+             last round); their figures are included as measured."
+        ));
+    }
+    if settings.rounds < 5 {
+        notes.push(format!(
+            "{} round(s): a smoke run, not enough for met or missed to mean much.",
+            settings.rounds
+        ));
+    }
+    Ok(Outcome {
+        figures,
+        goals,
+        notes,
+    })
+}
+
+/// One cluster of two nodes and one node loss: the figures, and whether every e2e check passed.
+async fn one_loss(helm: &Path, built: &[Built]) -> anyhow::Result<(LossFigures, bool)> {
+    let plane = start_cluster_of(2).await?;
+    let env = Env::new(&plane, helm.to_path_buf(), built)?;
+    let (mut report, figures) = node_loss::measure(&env).await;
+    report.expect(&node_loss::expected_scenarios());
+    plane.stop();
+    let Some(figures) = figures else {
+        bail!(
+            "the node loss was not measured: {}",
+            report.error.as_deref().unwrap_or("no error recorded")
+        );
+    };
+    Ok((figures, report.passed()))
+}
+
+fn record(recorder: &mut Recorder, round: usize, figures: &LossFigures) {
+    let mut time = |metric: Metric, contender: &str, value: Option<Duration>| match value {
+        Some(value) => recorder.record_round(metric, contender, round, value.as_secs_f64()),
+        None => recorder.note(
+            metric,
+            contender,
+            format!("not reached in round {}", round + 1),
+        ),
+    };
+    time(UNROUTED, STEWARD, figures.steward_unpublished);
+    time(UNROUTED, NODE_CONTROLLER, figures.node_controller_unrouted);
+    time(LEADER, POD_PROXIER, figures.pod_proxier_leader);
+    time(LEADER, OPERATOR, figures.operator_leader);
+    time(TUNNEL_READY, OPERATOR, figures.tunnel_ready);
+    for (contender, tally) in [
+        (STEWARD, figures.steward_client),
+        (POD_PROXIER, figures.pod_proxier_client),
+        (OPERATOR, figures.operator_client),
+    ] {
+        #[expect(clippy::cast_precision_loss, reason = "request counts are small")]
+        recorder.record_round(FAILED, contender, round, tally.failed as f64);
+        recorder.record_round(RECOVERY, contender, round, tally.recovery.as_secs_f64());
+    }
+}
+
+/// Met when `holds` for every round, missed when for none, within noise otherwise.
+fn every_round(values: &[f64], holds: impl Fn(f64) -> bool) -> Verdict {
+    let holding = values.iter().filter(|v| holds(**v)).count();
+    match (values.len(), holding) {
+        (0, _) => Verdict::NotJudged,
+        (n, h) if h == n => Verdict::Met,
+        (_, 0) => Verdict::Missed,
+        _ => Verdict::WithinNoise,
+    }
+}
+
+/// "median (min–max, n rounds)".
+fn spread(values: &[f64], unit: &str) -> String {
+    let mut sorted = values.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    match (sorted.first(), sorted.last()) {
+        (Some(min), Some(max)) => format!(
+            "{:.2}{unit} ({min:.2}–{max:.2}, {} rounds)",
+            super::report::median_of_sorted(&sorted),
+            sorted.len()
+        ),
+        _ => "not measured".to_owned(),
+    }
+}
