@@ -14,9 +14,9 @@
 //!
 //! * [`server`]: listeners, live routes, connection limits, accept backoff, drain and shutdown
 //!   ([`server::ProxyServer`]), on the caller's runtime or on accept workers with a listening
-//!   socket each ([`server::ServerConfig::accept_workers`]); on Linux, plain TCP listeners can
-//!   relay on event-loop threads instead of a tokio task per connection
-//!   ([`server::DataPath::EventLoop`]). Uses everything below.
+//!   socket each ([`server::ServerConfig::accept_workers`]); on Linux, plain TCP listeners
+//!   relay on event-loop threads by default ([`server::DataPath::Auto`]), or on a tokio task
+//!   per connection when asked ([`server::DataPath::Tokio`]). Uses everything below.
 //! * [`source`]: which client addresses a listener admits ([`source::SourceFilter`], checked
 //!   at accept on both data paths).
 //! * [`accept`]: accept layers for listeners that do more than TCP to TCP (TLS termination):

@@ -70,17 +70,30 @@ pub fn run(
 
     let mut runs = Vec::new();
     for binary in binaries {
-        let mut command = Command::new(&binary.executable);
-        command
-            .current_dir(&binary.package_dir)
-            .args(test_args)
-            .envs(env.iter().copied())
-            // As `cargo test` runs it.
-            .env("CARGO_MANIFEST_DIR", &binary.package_dir)
-            .env("CARGO_PKG_NAME", &binary.package);
+        let command = || {
+            let mut command = Command::new(&binary.executable);
+            command
+                .current_dir(&binary.package_dir)
+                .args(test_args)
+                .envs(env.iter().copied())
+                // As `cargo test` runs it.
+                .env("CARGO_MANIFEST_DIR", &binary.package_dir)
+                .env("CARGO_PKG_NAME", &binary.package);
+            command
+        };
+        if let Some(path) = other_data_path(&binary) {
+            // proxy-core's server tests run on the data path this variable names: both are
+            // product paths, so both pass every test.
+            let mut again = command();
+            again.env(DATA_PATH_VAR, path);
+            runs.push(Run {
+                label: format!("{} ({DATA_PATH_VAR}={path})", binary.label),
+                command: again,
+            });
+        }
         runs.push(Run {
-            label: binary.label,
-            command,
+            label: binary.label.clone(),
+            command: command(),
         });
     }
     let mut doc = base();
@@ -119,6 +132,21 @@ pub fn run(
         );
     }
     Ok(results.failed_runs == 0)
+}
+
+/// Names the data path proxy-core's server tests run on (its `tests/common`).
+const DATA_PATH_VAR: &str = "PROXY_CORE_TEST_DATA_PATH";
+
+/// The data path a proxy-core integration test binary runs on a second time: the one that is
+/// not the default. Not for `tests/event_loop.rs`, which always uses the event loop.
+fn other_data_path(binary: &TestBinary) -> Option<&'static str> {
+    let integration = binary.label.starts_with("proxy-core tests/")
+        && !binary.label.ends_with("tests/event_loop.rs");
+    let other = match proxy_core::server::DataPath::default() {
+        proxy_core::server::DataPath::Tokio => "event-loop",
+        _ => "tokio",
+    };
+    (integration && cfg!(target_os = "linux")).then_some(other)
 }
 
 /// A test binary as `cargo test --no-run` reported it.
@@ -412,6 +440,28 @@ mod tests {
         Run {
             label: label.to_owned(),
             command: Command::new("true"),
+        }
+    }
+
+    #[test]
+    fn proxy_core_server_tests_run_again_on_the_other_data_path() {
+        let binary = |label: &str| TestBinary {
+            label: label.to_owned(),
+            package: label.split(' ').next().unwrap_or_default().to_owned(),
+            package_dir: PathBuf::from("/w"),
+            executable: PathBuf::from("/w/t"),
+        };
+        // The default is the event loops on Linux: the second pass is tokio's.
+        assert_eq!(
+            other_data_path(&binary("proxy-core tests/server.rs")),
+            Some("tokio")
+        );
+        for label in [
+            "proxy-core tests/event_loop.rs",
+            "proxy-core src/lib.rs",
+            "steward-tcp-proxy tests/cli.rs",
+        ] {
+            assert_eq!(other_data_path(&binary(label)), None, "{label}");
         }
     }
 
