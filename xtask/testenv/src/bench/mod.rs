@@ -115,12 +115,13 @@ pub fn run_on_cluster(
     built: &[crate::images::Built],
 ) -> anyhow::Result<()> {
     let settings = settings(args);
-    let report = run_one(
+    let mut report = run_one(
         "node-loss",
         |settings| node_loss::run(settings, &helm, built),
         node_loss::contenders,
         &settings,
     )?;
+    report.machine.pinning = node_loss::SCHEDULE.to_owned();
     println!("{}", report::markdown(&report));
     write_out(&crate::workspace::root().join(&args.out), &[report], &[])
 }
@@ -237,7 +238,7 @@ fn run_one(
             cpus: std::thread::available_parallelism().map_or(1, usize::from),
             load_at_start,
             load_at_end: system::loadavg(),
-            pinning: system::pinning_note(),
+            pinning: format!("{}; contenders alternated", system::pinning_note()),
         },
         contenders: contenders(settings)
             .into_iter()

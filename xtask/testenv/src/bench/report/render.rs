@@ -41,7 +41,7 @@ pub fn markdown(report: &Report) -> String {
     let m = &report.machine;
     let _ = writeln!(
         out,
-        "## bench {}{}\n\n{} CPUs; {}; at start: {}; at end: {}; {} round(s), contenders alternated.\n",
+        "## bench {}{}\n\n{} CPUs; {}; at start: {}; at end: {}; {} round(s).\n",
         report.bench,
         if report.quick { " (quick)" } else { "" },
         m.cpus,

@@ -109,8 +109,6 @@ pub struct LossFigures {
     pub pod_proxier_leader: Option<Duration>,
     /// From the loss until another operator manager held the Lease.
     pub operator_leader: Option<Duration>,
-    /// From the loss until the tunnel read Ready again.
-    pub tunnel_ready: Option<Duration>,
     /// The client of `10.96.0.1` (through steward).
     pub steward_client: Tally,
     /// The client of pod-proxier's existing mapping.
@@ -526,7 +524,6 @@ async fn scenarios(
         node_controller_unrouted: recovered.pod_proxier_unrouted,
         pod_proxier_leader: recovered.pod_proxier_leader.as_ref().map(|(at, _)| *at),
         operator_leader: recovered.operator_leader.as_ref().map(|(at, _)| *at),
-        tunnel_ready: tunnel_ready.as_ref().ok().copied(),
         steward_client: steward_seen.tally_since(lost_at),
         pod_proxier_client: pp_seen.tally_since(lost_at),
         operator_client: op_seen.tally_since(lost_at),
@@ -611,7 +608,7 @@ async fn scenarios(
             op.holder,
             op.standby,
             match &tunnel_ready {
-                Ok(at) => format!("True at {:.1}s", at.as_secs_f64()),
+                Ok(at) => format!("True when checked at {:.1}s", at.as_secs_f64()),
                 Err(e) => format!("{e:#}"),
             },
             match (
