@@ -1,6 +1,6 @@
 //! `cargo xtask bench <proxy|steward|rstream|operator|pod-proxier|all>`: benchmarks on loopback.
 //! `cargo xtask bench node-loss`: the e2e's node loss on a cluster of two nodes, round after round,
-//! its timings as figures ([`node_loss`]; not part of `all`, it needs the release images).
+//! its timings as figures (its `node_loss` module; not part of `all`, it needs the release images).
 //!
 //! Every bench measures its baseline in the same run, alternates its contenders (A B C A B C ...)
 //! over several rounds, reports medians with min/max, prints a Markdown table and writes
@@ -185,7 +185,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Each bench's Markdown and `summary.md` (for `all`, over every bench) into `out`.
+/// Each bench's JSON and Markdown, and `summary.md` (for `all`, over every bench), into `out`.
 fn write_out(
     out: &std::path::Path,
     reports: &[Report],

@@ -6,17 +6,17 @@
 //!
 //! - steward: 2 replicas, one per node (`podAntiAffinity=hard`), the leader on the surviving
 //!   node; a kube-rs client of `https://10.96.0.1` (its own connection pool) asks for `/version`
-//!   every [`PAUSE`]. The lost replica must leave `default/kubernetes` within
-//!   [`UNPUBLISH_LIMIT`] (steward's peer check; the node controller alone would take longer),
-//!   and no request sent after that (and kube-proxy's reaction, [`ROUTED_MARGIN`]) may fail.
+//!   every `PAUSE` (50 ms). The lost replica must leave `default/kubernetes` within
+//!   `UNPUBLISH_LIMIT` (steward's peer check; the node controller alone would take longer),
+//!   and no request sent after that (and kube-proxy's reaction, `ROUTED_MARGIN`) may fail.
 //! - pod-proxier: 2 replicas, one per node, the leader on the lost node; a V2 mapping of a
 //!   Service whose Pod runs on the surviving node, a GET through its entry port (the chart's
-//!   ClusterIP) every [`PAUSE`]. The mapping must answer again, and a mapping asked for after
-//!   the loss must be given (by the new leader) and answer.
+//!   ClusterIP) every `PAUSE` (50 ms). The mapping must answer again, and a mapping asked for
+//!   after the loss must be given (by the new leader) and answer.
 //! - rstream-operator: 2 manager replicas, one per node, the leader on the lost node; a tunnel
 //!   with 2 agents, one per node, the one holding the tunnel on the lost node; a GET through the
-//!   engine every [`PAUSE`]. The leader must move to the surviving node, the tunnel be Ready and
-//!   answer again.
+//!   engine every `PAUSE` (50 ms). The leader must move to the surviving node, the tunnel be
+//!   Ready and answer again.
 //!
 //! Every Pod the clients reach behind a chart (the `web` workloads) and the cluster's CoreDNS
 //! run on the surviving node: the scenarios are about the charts' replicas, not about the
