@@ -279,7 +279,11 @@ async fn a_leader_whose_connection_hangs_renews_over_a_new_one_and_keeps_leading
     let plane = ControlPlane::shared().await.unwrap();
     let ns = plane.create_namespace("lease-hang").await.unwrap();
     let (client, relay) = client_through_relay(plane).await;
-    let config = lease(&ns, "a");
+    // A longer renew deadline than the race Lease's, so each attempt has 3 s to dial a new TLS
+    // connection, read the Lease and write it even on a busy machine.
+    let mut config = lease(&ns, "a");
+    config.lease_duration = Duration::from_secs(12);
+    config.renew_deadline = Duration::from_secs(9);
     let renew_deadline = config.renew_deadline;
     let elector = LeaderElector::new(client, config).unwrap();
     let mut state = elector.subscribe();
