@@ -23,6 +23,8 @@
 //! * [`leading`]: work only the Lease holder does, one term at a time.
 //! * [`metrics`]: Prometheus metrics of reconciles and leadership.
 //! * [`watch_set`]: a pass over a whole set of watched objects (debounced, resynced).
+//! * [`peers`]: the peer check: which replicas of a binary still answer, known within seconds
+//!   of a node's loss.
 //! * [`permissions`]: what this process may do itself (SelfSubjectAccessReview), and what it
 //!   reports when a narrower role leaves something out.
 //! * [`pod`]: Pod spec pieces: `restricted` security contexts, env from Secrets and fields,
@@ -92,6 +94,7 @@ pub mod leader;
 pub mod leading;
 pub mod metrics;
 pub mod ops;
+pub mod peers;
 pub mod permissions;
 pub mod pod;
 pub mod watch_set;

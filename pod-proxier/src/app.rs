@@ -5,6 +5,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
+use k8s_openapi::api::core::v1::Pod;
 use k8s_reconcile::leader::LeaseConfig;
 use k8s_reconcile::leading::{Leadership, run_while_leading};
 use k8s_reconcile::metrics::ControllerMetrics;
@@ -24,6 +25,7 @@ use crate::dataplane::{DataPlane, DesiredPorts, PortRoute};
 use crate::expiry::sweep_expired;
 use crate::forwarding::spawn_sync_loop;
 use crate::metrics::Metrics;
+use crate::peers::PeersMetrics;
 use crate::pod_mappings::V1;
 use crate::service_ports::{V2Inputs, V2Reconciler};
 use crate::settings::Settings;
@@ -74,6 +76,12 @@ pub enum StartError {
          chart's RBAC rules (pod-proxier/chart/files/rbac-rules.yaml)"
     )]
     Forbidden(String),
+    /// `--peer-selector` is set, but pod-proxier's identity may not watch its peers' Pods.
+    #[error(
+        "--peer-selector is set, but pod-proxier's identity may not list Pods in namespace \
+         {0:?}: bind it to the chart's RBAC rules (pod-proxier/chart/files/rbac-rules.yaml)"
+    )]
+    PeersForbidden(String),
     /// The API's certificate or key cannot be used.
     #[error("the API's TLS certificate")]
     Tls(#[source] ApiTlsError),
@@ -214,12 +222,26 @@ pub async fn run(settings: Settings) -> Result<(), StartError> {
         }
         Err(err) => return Err(StartError::Kube(err)),
     }
+    let peer_pods: Api<Pod> = Api::namespaced(client.clone(), &settings.cluster.state_namespace);
+    if let Some(peers) = &settings.cluster.peers {
+        let list = ListParams::default().labels(&peers.selector).limit(1);
+        match peer_pods.list(&list).await {
+            Ok(_) => {}
+            Err(kube::Error::Api(status)) if status.code == 403 => {
+                return Err(StartError::PeersForbidden(
+                    settings.cluster.state_namespace.clone(),
+                ));
+            }
+            Err(err) => return Err(StartError::Kube(err)),
+        }
+    }
 
     let mut builder = App::builder("pod-proxier", env!("CARGO_PKG_VERSION"));
     let registry = builder.registry();
     let observer = Arc::new(PrometheusObserver::register(registry));
     let metrics = Metrics::register(registry);
     let controller_metrics = ControllerMetrics::register(registry);
+    let peers_metrics = PeersMetrics::register(registry);
     let health = builder.health().clone();
 
     let gated = gated_ports(&settings.policy);
@@ -269,6 +291,16 @@ pub async fn run(settings: Settings) -> Result<(), StartError> {
         health.clone(),
         shutdown.clone(),
     );
+
+    let peers_task = settings.cluster.peers.clone().map(|peers| {
+        tokio::spawn(crate::peers::run(
+            peer_pods,
+            peers,
+            settings.cluster.identity.clone(),
+            peers_metrics,
+            shutdown.clone(),
+        ))
+    });
 
     let leadership = Leadership {
         name: CONTROLLER.to_owned(),
@@ -356,6 +388,9 @@ pub async fn run(settings: Settings) -> Result<(), StartError> {
     let _ = api_task.await;
     let _ = leader_task.await;
     let _ = sync_task.await;
+    if let Some(task) = peers_task {
+        let _ = task.await;
+    }
     plane.shutdown(drain).await;
     app.finish().await;
     Ok(())

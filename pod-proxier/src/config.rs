@@ -10,6 +10,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
+use k8s_reconcile::peers::PeerCheckConfig;
 use netkit_runtime::SecondsOrDuration;
 use proxy_core::server::PortRange;
 use proxy_core::upstream::HealthCheck;
@@ -17,8 +18,8 @@ use proxy_core::upstream::HealthCheck;
 use crate::access::{Cidr, EntryAccess, SourcePolicy};
 use crate::names;
 use crate::settings::{
-    ApiSettings, ApiTls, ClusterSettings, MappingPolicy, PlaneSettings, Settings, V1Policy,
-    V1Ports, V2Policy,
+    ApiSettings, ApiTls, ClusterSettings, MappingPolicy, PeerSettings, PlaneSettings, Settings,
+    V1Policy, V1Ports, V2Policy,
 };
 pub use crate::settings::{
     AuthMode, BackendKind, RuntimeApiAddr, V2Target, parse_runtime_api_addr,
@@ -304,6 +305,34 @@ pub struct Cli {
     )]
     pub lease_name: String,
 
+    /// Label selector of this pod-proxier's own Pods in --state-namespace (the chart sets it;
+    /// empty: off). With it, every replica dials the others' health ports (the port of
+    /// --health-addr) every --peer-check-interval and marks a peer's Pod not Ready after
+    /// --peer-check-failures failures in a row, so its Service stops sending clients to a
+    /// replica lost with its node long before the node controller would. A peer that never
+    /// answered is never marked; the kubelet of a peer that is alive after all marks it Ready
+    /// again.
+    #[arg(
+        long,
+        env = "POD_PROXIER_PEER_SELECTOR",
+        default_value = "",
+        global = true
+    )]
+    pub peer_selector: String,
+
+    /// Time between two peer checks, and the timeout of each (Go duration).
+    #[arg(long, env = "POD_PROXIER_PEER_CHECK_INTERVAL", default_value = "1s", value_parser = netkit_runtime::parse_duration, global = true)]
+    pub peer_check_interval: Duration,
+
+    /// Failed peer checks in a row before a peer's Pod is marked not Ready (at least 1).
+    #[arg(
+        long,
+        env = "POD_PROXIER_PEER_CHECK_FAILURES",
+        default_value_t = 2,
+        global = true
+    )]
+    pub peer_check_failures: u32,
+
     /// Largest accepted request body, in bytes.
     #[arg(long, env = "POD_PROXIER_MAX_BODY_BYTES", default_value_t = 16 * 1024, global = true)]
     pub max_body_bytes: usize,
@@ -390,6 +419,28 @@ impl Cli {
     /// The API's certificate files, or none with --plain-http; running with neither is refused,
     /// so tokens never go over plain HTTP by accident. Subcommands that do not serve (`crd`,
     /// `haproxy-config`, ...) need neither.
+    /// The peer check of `--peer-selector` and its flags; `None` when the selector is empty.
+    fn peer_settings(&self) -> Result<Option<PeerSettings>, String> {
+        if self.peer_selector.trim().is_empty() {
+            return Ok(None);
+        }
+        let selector = parse_label_selector(&self.peer_selector)
+            .map_err(|e| format!("--peer-selector {:?}: {e}", self.peer_selector))?;
+        let check = PeerCheckConfig::new(
+            Some(self.health_addr),
+            self.peer_check_interval,
+            self.peer_check_failures,
+        )
+        .map_err(|off| {
+            format!(
+                "--peer-selector is set but the peer check cannot run: {off} (--health-addr, \
+                 --peer-check-interval, --peer-check-failures)"
+            )
+        })?
+        .down_only_after_an_answer();
+        Ok(Some(PeerSettings { selector, check }))
+    }
+
     fn api_tls(&self, serving: bool) -> Result<Option<ApiTls>, String> {
         match (&self.tls_cert_file, &self.tls_key_file, self.plain_http) {
             (Some(_), _, true) | (_, Some(_), true) => Err(
@@ -656,6 +707,7 @@ impl Cli {
                 resync: self.resync_time.duration,
             }),
         };
+        let peers = self.peer_settings()?;
         let tls = self.api_tls(need_a_version)?;
         let identity = netkit_runtime::leader_identity(self.identity.as_deref(), "pod-proxier");
         Ok(Settings {
@@ -694,6 +746,7 @@ impl Cli {
                 state_namespace: self.state_namespace.clone(),
                 identity,
                 lease_name: self.lease_name.clone(),
+                peers,
             },
             health_addr: self.health_addr,
             metrics_addr: self.metrics_addr,
@@ -701,6 +754,44 @@ impl Cli {
             warnings,
         })
     }
+}
+
+/// An equality-based label selector (`key=value[,key=value...]`), checked as the API server
+/// would check its keys and values, in its canonical form.
+fn parse_label_selector(text: &str) -> Result<String, String> {
+    fn label_name(name: &str) -> bool {
+        let ok = |c: char| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.');
+        name.len() <= 63
+            && name.chars().all(ok)
+            && name.starts_with(|c: char| c.is_ascii_alphanumeric())
+            && name.ends_with(|c: char| c.is_ascii_alphanumeric())
+    }
+    let mut requirements = Vec::new();
+    for requirement in text.split(',').map(str::trim) {
+        let Some((key, value)) = requirement.split_once('=') else {
+            return Err(format!(
+                "{requirement:?} is not key=value (only equality-based selectors are taken)"
+            ));
+        };
+        let value = value.strip_prefix('=').unwrap_or(value).trim();
+        let key = key.trim();
+        let name = match key.split_once('/') {
+            Some((prefix, name)) => {
+                netkit_runtime::validate_dns_subdomain(prefix)
+                    .map_err(|e| format!("the prefix of key {key:?}: {e}"))?;
+                name
+            }
+            None => key,
+        };
+        if name.is_empty() || !label_name(name) {
+            return Err(format!("{key:?} is not a label key"));
+        }
+        if !value.is_empty() && !label_name(value) {
+            return Err(format!("{value:?} is not a label value"));
+        }
+        requirements.push(format!("{key}={value}"));
+    }
+    Ok(requirements.join(","))
 }
 
 #[cfg(test)]
@@ -752,6 +843,50 @@ mod tests {
         .err()
         .unwrap();
         assert!(err.to_string().contains("unknown unit"), "{err}");
+    }
+
+    #[test]
+    fn the_peer_check_takes_an_equality_selector_and_a_reachable_health_port() {
+        let settings = cli(&["--enable-v2"]).validate(true).unwrap();
+        assert!(settings.cluster.peers.is_none(), "off without a selector");
+        let c = cli(&[
+            "--enable-v2",
+            "--peer-selector= app.kubernetes.io/name=pod-proxier , app.kubernetes.io/instance==px",
+            "--peer-check-interval=500ms",
+            "--peer-check-failures=3",
+        ]);
+        let peers = c.validate(true).unwrap().cluster.peers.unwrap();
+        assert_eq!(
+            peers.selector,
+            "app.kubernetes.io/name=pod-proxier,app.kubernetes.io/instance=px"
+        );
+        assert_eq!(peers.check.port, 8081, "the health port");
+        assert_eq!(peers.check.interval, Duration::from_millis(500));
+        assert_eq!(peers.check.failures.get(), 3);
+        assert!(peers.check.down_only_after_an_answer);
+        for (flags, reason) in [
+            (&["--peer-selector=app in (a,b)"][..], "only equality-based"),
+            (&["--peer-selector=-app=x"], "not a label key"),
+            (&["--peer-selector=app=x y"], "not a label value"),
+            (&["--peer-selector=Bad_/app=x"], "the prefix of key"),
+            (
+                &["--peer-selector=app=x", "--peer-check-interval=0s"],
+                "interval is 0",
+            ),
+            (
+                &["--peer-selector=app=x", "--peer-check-failures=0"],
+                "are 0",
+            ),
+            (
+                &["--peer-selector=app=x", "--health-addr=127.0.0.1:8081"],
+                "not reachable from the other replicas",
+            ),
+        ] {
+            let mut args = vec!["--enable-v2"];
+            args.extend_from_slice(flags);
+            let err = cli(&args).validate(true).unwrap_err();
+            assert!(err.contains(reason), "{flags:?}: {err}");
+        }
     }
 
     #[test]

@@ -11,6 +11,8 @@
 //! * [`pod_mappings`] (V1): one entry port to one Pod for a TTL; [`service_ports`] (V2): a port of
 //!   the range for every Service port named `--port-name`.
 //! * [`expiry`]: the Lease holder removes expired mappings (the leader wiring is in [`app`]).
+//! * [`peers`]: every replica marks a peer lost with its node not Ready, so the Service stops
+//!   routing to it within seconds.
 //! * [`api`], [`error`], [`openapi`]: the HTTP API (callers are checked with
 //!   [`k8s_reconcile::auth`]); [`access`]: whom a V1 entry port admits.
 //! * [`connect`]: `pod-proxier connect`, a client forwarding a local port through a mapping.
@@ -29,6 +31,7 @@ pub mod forwarding;
 pub mod metrics;
 pub mod names;
 pub mod openapi;
+pub mod peers;
 pub mod pod_mappings;
 pub mod service_ports;
 pub mod settings;

@@ -6,6 +6,7 @@ use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
 use std::time::Duration;
 
+use k8s_reconcile::peers::PeerCheckConfig;
 use proxy_core::server::PortRange;
 use proxy_core::upstream::HealthCheck;
 
@@ -210,6 +211,17 @@ pub struct ClusterSettings {
     pub identity: String,
     /// Lease name.
     pub lease_name: String,
+    /// The check of the other replicas (`--peer-selector`), when on.
+    pub peers: Option<PeerSettings>,
+}
+
+/// Which Pods are this pod-proxier's replicas, and how they check each other.
+#[derive(Debug, Clone)]
+pub struct PeerSettings {
+    /// Label selector of the replicas' Pods in the state namespace.
+    pub selector: String,
+    /// How often, on which port, after how many failures.
+    pub check: PeerCheckConfig,
 }
 
 /// Where the HAProxy Runtime API listens.

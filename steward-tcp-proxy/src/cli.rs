@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{Parser, ValueEnum};
+use k8s_reconcile::peers::PeerCheckConfig;
 use netkit_runtime::{
     ClientArgs, LogArgs, MetricsArgs, OpsBindFailure, OptionalListenAddr, parse_duration,
     parse_listen_addr, parse_optional_listen_addr, parse_positive_duration, validate_dns_label,
@@ -262,6 +263,26 @@ fn parse_upstream_addr(value: &str) -> Result<Upstream, String> {
     })
 }
 
+impl Args {
+    /// The peer check the flags ask for, or why it is off. A published replica that never
+    /// answers is left out too (it is as unreachable for the check as for the clients).
+    pub fn peer_check(&self) -> Result<PeerCheckConfig, String> {
+        if self.endpoint_mode == EndpointMode::ClusterIp {
+            return Err(
+                "--endpoint-mode cluster-ip publishes a ClusterIP, not the replicas".into(),
+            );
+        }
+        PeerCheckConfig::new(
+            self.health_addr,
+            self.peer_check_interval,
+            self.peer_check_failures,
+        )
+        .map_err(|off| {
+            format!("{off} (--health-addr, --peer-check-interval, --peer-check-failures)")
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -397,8 +418,23 @@ mod tests {
         .unwrap();
         assert!(args.validate().is_ok());
         assert!(args.peer_check_interval.is_zero(), "0 turns the check off");
+        assert!(args.peer_check().is_err(), "0 turns the check off");
         let args = parse(&["--upstream-addr=h:1", "--peer-check-interval=250ms"]).unwrap();
         assert_eq!(args.peer_check_interval, Duration::from_millis(250));
+        let check = args.peer_check().unwrap();
+        assert_eq!(
+            check.port,
+            args.health_addr.unwrap().port(),
+            "the health port"
+        );
+        assert!(!check.down_only_after_an_answer);
+        for off in [
+            &["--upstream-addr=h:1", "--endpoint-mode=cluster-ip"][..],
+            &["--upstream-addr=h:1", "--health-addr=0"],
+            &["--upstream-addr=h:1", "--health-addr=127.0.0.1:8081"],
+        ] {
+            assert!(parse(off).unwrap().peer_check().is_err(), "{off:?}");
+        }
         for bad in ["--peer-check-interval=1", "--peer-check-failures=-1"] {
             assert!(parse(&["--upstream-addr=h:1", bad]).is_err(), "{bad}");
         }

@@ -17,7 +17,7 @@
 //! [`PERMISSION_RECHECK`], so no reconcile hits a 403 in between.
 //!
 //! In pod-ip mode a [`PeerCheck`] leaves out replicas that stopped answering, long before the
-//! node controller marks their node NotReady (see [`crate::peers`]).
+//! node controller marks their node NotReady (see [`k8s_reconcile::peers`]).
 
 use std::collections::{BTreeSet, VecDeque};
 use std::net::IpAddr;
@@ -41,7 +41,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
 use crate::cli::EndpointMode;
-use crate::peers::PeerCheck;
+use k8s_reconcile::peers::PeerCheck;
 
 /// The Service whose endpoints we own.
 pub const KUBERNETES_SERVICE: &str = "kubernetes";

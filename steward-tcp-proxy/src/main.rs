@@ -2,7 +2,7 @@
 //! server through `kubernetes.default.svc`.
 //!
 //! It keeps the `default/kubernetes` EndpointSlices and Endpoints pointing at itself
-//! ([`endpoints`]), leaving out replicas that stop answering ([`peers`]), and relays every
+//! ([`endpoints`]), leaving out replicas that stop answering ([`k8s_reconcile::peers`]), and relays every
 //! connection to the real API server ([`relay`]). Operations:
 //! `/healthz`, `/readyz` (upstream dialable, endpoints correct, not shutting down), `/metrics`
 //! (over HTTPS behind TokenReview and SubjectAccessReview unless `--metrics-secure=false`),
@@ -12,7 +12,6 @@
 
 mod cli;
 mod endpoints;
-mod peers;
 mod relay;
 mod tls;
 
@@ -27,6 +26,7 @@ use k8s_reconcile::ControllerBuilder;
 use k8s_reconcile::leader::LeaseConfig;
 use k8s_reconcile::metrics::ControllerMetrics;
 use k8s_reconcile::ops::Health;
+use k8s_reconcile::peers::{PeerCheck, PeerMetrics};
 use k8s_reconcile::permissions::{self, MissingPermissions};
 use kube::api::Api;
 use kube::runtime::reflector::ObjectRef;
@@ -44,7 +44,6 @@ use crate::endpoints::{
     EndpointsConfig, EndpointsMetrics, EndpointsReconciler, KUBERNETES_NAMESPACE,
     KUBERNETES_SERVICE, MANAGER,
 };
-use crate::peers::{PeerCheck, PeerCheckConfig, PeerMetrics};
 use crate::relay::{Relay, RelaySettings};
 use crate::tls::TerminatingAcceptor;
 
@@ -65,7 +64,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
     let registry = builder.registry();
     let observer = Arc::new(PrometheusObserver::register(registry));
     let endpoint_metrics = EndpointsMetrics::register(registry);
-    let peer_metrics = PeerMetrics::register(registry);
+    let peer_metrics = PeerMetrics::register(registry.sub_registry_with_prefix("steward"));
     let missing_permissions =
         MissingPermissions::register(registry.sub_registry_with_prefix("steward"));
     let controller_metrics = ControllerMetrics::register(registry);
@@ -186,14 +185,9 @@ fn tls_settings(
 
 /// The peer check the flags ask for; says once why when it is off.
 fn peer_check(args: &Args, metrics: PeerMetrics) -> Option<PeerCheck> {
-    match PeerCheckConfig::from_flags(
-        args.endpoint_mode,
-        args.health_addr,
-        args.peer_check_interval,
-        args.peer_check_failures,
-    ) {
+    match args.peer_check() {
         Ok(config) => {
-            tracing::info!(port = config.port, interval = ?config.interval, failures = config.failures.get(), "peer check: the leader dials each published replica's health port");
+            tracing::info!(port = config.port, interval = ?config.interval, failures = config.failures.get(), "peer check: the leader dials each published replica's health port and leaves out of the kubernetes endpoints those that stop answering");
             Some(PeerCheck::new(config, metrics))
         }
         Err(why) => {

@@ -67,6 +67,11 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- if $p.offCheck }}
 - --off-check
 {{- end }}
+{{- if gt (int $p.peerCheckInterval) 0 }}
+- --peer-selector=app.kubernetes.io/name=pod-proxier,app.kubernetes.io/instance={{ .Release.Name }}
+- --peer-check-interval={{ $p.peerCheckInterval }}s
+- --peer-check-failures={{ $p.peerCheckFailures }}
+{{- end }}
 - --resync-time={{ $p.resyncTime }}
 - --v2-target={{ $p.v2Target }}
 - --backend={{ $p.backend }}
