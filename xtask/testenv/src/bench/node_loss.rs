@@ -1,8 +1,8 @@
 //! `cargo xtask bench node-loss`: the e2e's node loss ([`crate::e2e::node_loss`]) once per round,
 //! each on a fresh cluster of two nodes, and its timings as figures: how soon the lost replica
-//! stops getting traffic (steward's peer check against Kubernetes' own node controller, both
-//! measured in the same round), how soon the leaders move, how many requests the steady clients
-//! lose and when the last one failed.
+//! stops getting traffic (steward's and pod-proxier's peer checks against Kubernetes' own node
+//! controller, all measured in the same round), how soon the leaders move, how many requests the
+//! steady clients lose and when the last one failed.
 //!
 //! A round is one cluster and one loss, so the contenders of a figure are measured in the same
 //! round by construction; there is no order to randomise.
@@ -37,6 +37,7 @@ const RECOVERY: Metric = Metric::lower("loss to the last failed request", "s");
 const STEWARD: &str = "steward (peer check)";
 const NODE_CONTROLLER: &str = "Kubernetes (node controller)";
 const POD_PROXIER: &str = "pod-proxier";
+const POD_PROXIER_CHECK: &str = "pod-proxier (peer check)";
 const OPERATOR: &str = "rstream-operator";
 
 /// The latest a new leader may take the Lease, by the election's design with the charts' default
@@ -57,9 +58,16 @@ pub fn contenders(_: &Settings) -> Vec<(&'static str, String)> {
                 .to_owned(),
         ),
         (
+            POD_PROXIER_CHECK,
+            "2 replicas, one per node; peerCheckInterval 1 s, peerCheckFailures 2 (the chart's \
+             defaults): the survivor marks the lost replica's Pod not Ready"
+                .to_owned(),
+        ),
+        (
             NODE_CONTROLLER,
             "kube-controller-manager with --node-monitor-grace-period 20 s (the test cluster's): \
-             the lost pod-proxier replica leaves its Service once its node is NotReady"
+             a plain Deployment's Pod on the lost node leaves its Service once the node is \
+             NotReady"
                 .to_owned(),
         ),
         (
@@ -108,21 +116,24 @@ pub fn run(settings: &Settings, helm: &Path, built: &[Built]) -> anyhow::Result<
             .map(|s| s.samples.clone())
             .unwrap_or_default()
     };
-    let unrouted_ratios = figures
-        .iter()
-        .find(|f| f.name == UNROUTED.name)
-        .map(|f| f.paired_ratios(STEWARD, NODE_CONTROLLER))
-        .unwrap_or_default();
     let bound = Bound::AtMost(0.5);
-    let mut goals = vec![Goal {
-        goal: format!(
-            "{}: {STEWARD} {} {NODE_CONTROLLER}",
-            UNROUTED.name,
-            bound.relation()
-        ),
-        measured: spread(&unrouted_ratios, "x"),
-        met: verdict_of_rounds(&unrouted_ratios, bound),
-    }];
+    let mut goals = Vec::new();
+    for contender in [STEWARD, POD_PROXIER_CHECK] {
+        let ratios = figures
+            .iter()
+            .find(|f| f.name == UNROUTED.name)
+            .map(|f| f.paired_ratios(contender, NODE_CONTROLLER))
+            .unwrap_or_default();
+        goals.push(Goal {
+            goal: format!(
+                "{}: {contender} {} {NODE_CONTROLLER}",
+                UNROUTED.name,
+                bound.relation()
+            ),
+            measured: spread(&ratios, "x"),
+            met: verdict_of_rounds(&ratios, bound),
+        });
+    }
     let steward_failed = per_round(&FAILED, STEWARD);
     goals.push(Goal {
         goal: format!(
@@ -156,10 +167,11 @@ pub fn run(settings: &Settings, helm: &Path, built: &[Built]) -> anyhow::Result<
          paired one, on every round: met when it holds in all, missed when in none, within noise \
          otherwise."
             .to_owned(),
-        "The lost replica's time out of its Service compares steward's own peer check with what \
-         Kubernetes does for any Service: the same loss, the same round, pod-proxier's Service \
-         (the node controller marks the node NotReady after its grace period, then the \
-         EndpointSlice controller drops the Pod)."
+        "The lost replica's time out of its Service compares steward's and pod-proxier's peer \
+         checks with what Kubernetes does for any Service: the same loss, the same round, a \
+         plain Deployment's Pod on the lost node behind its own Service (the node controller \
+         marks the node NotReady after its grace period, then the EndpointSlice controller \
+         drops the Pod)."
             .to_owned(),
     ];
     if !failed_rounds.is_empty() {
@@ -207,6 +219,7 @@ fn record(recorder: &mut Recorder, round: usize, figures: &LossFigures) {
         ),
     };
     time(UNROUTED, STEWARD, figures.steward_unpublished);
+    time(UNROUTED, POD_PROXIER_CHECK, figures.pod_proxier_unrouted);
     time(UNROUTED, NODE_CONTROLLER, figures.node_controller_unrouted);
     time(LEADER, POD_PROXIER, figures.pod_proxier_leader);
     time(LEADER, OPERATOR, figures.operator_leader);

@@ -52,7 +52,7 @@ use stream::{Seen, steady};
 pub const PHASE: &str = "node-loss";
 
 const STEWARD_LOSS: &str = "node lost under steward: 2 replicas (one per node, the leader on the surviving one), a client of 10.96.0.1 asking every 50 ms; the lost replica leaves default/kubernetes within 15 s (its peer check, before the node controller's 20 s grace) and no request sent after that fails (failed requests and recovery time reported)";
-const POD_PROXIER_LOSS: &str = "node lost under pod-proxier: 2 replicas (one per node, the leader on the lost one), a GET through a V2 mapping every 50 ms; the mapping answers again from the surviving replica, and a mapping asked for after the loss is given and answers (failed requests and recovery time reported)";
+const POD_PROXIER_LOSS: &str = "node lost under pod-proxier: 2 replicas (one per node, the leader on the lost one), a GET through a V2 mapping every 50 ms; the surviving replica marks the lost one not Ready within 15 s (its peer check, before the node controller's 20 s grace), the mapping answers from the survivor, and a mapping asked for after the loss is given and answers (failed requests and recovery time reported)";
 const OPERATOR_LOSS: &str = "node lost under rstream-operator: 2 managers and a tunnel's 2 agents (one per node, the leader and the tunnel's holder on the lost one), a GET through the engine every 50 ms; the leader moves to the surviving node, the tunnel is Ready and answers again (failed requests and recovery time reported)";
 
 /// Every scenario this run records, in order.
@@ -65,11 +65,12 @@ pub fn expected_scenarios() -> Vec<String> {
 /// How long each role may take to recover after the loss: the node controller's grace period
 /// (20 s with several nodes), Lease expiry and the engine's liveness timeout, on a busy machine.
 const RECOVERY_LIMIT: Duration = Duration::from_secs(180);
-/// How long steward may take to leave the lost replica out of `default/kubernetes`: its peer
-/// check takes 2-3 s (two failed dials a second apart); without it, the replica would stay until
-/// the node controller's 20 s grace period has passed and the Pod turned unready.
+/// How long steward (pod-proxier) may take to have the lost replica out of `default/kubernetes`
+/// (its own Service): the peer check takes 2-3 s (two failed dials a second apart); without it,
+/// the replica would stay until the node controller's 20 s grace period has passed and the Pod
+/// turned unready.
 const UNPUBLISH_LIMIT: Duration = Duration::from_secs(15);
-/// How long after steward wrote the endpoints kube-proxy may still route to the lost replica.
+/// How long after the lost replica left the endpoints kube-proxy may still route to it.
 const ROUTED_MARGIN: Duration = Duration::from_secs(5);
 /// How long the clients keep going once every role has recovered.
 const AFTERWARDS: Duration = Duration::from_secs(5);
@@ -101,9 +102,12 @@ pub async fn measure(env: &Env<'_>) -> (ChartReport, Option<LossFigures>) {
 pub struct LossFigures {
     /// From the loss until the lost steward replica left `default/kubernetes` (its peer check).
     pub steward_unpublished: Option<Duration>,
-    /// From the loss until Kubernetes took the lost pod-proxier replica out of its Service's
-    /// endpoints (the node controller, after its grace period): what a Service gets without a
-    /// check of its own.
+    /// From the loss until the surviving pod-proxier replica's peer check had the lost one out
+    /// of its Service's endpoints.
+    pub pod_proxier_unrouted: Option<Duration>,
+    /// From the loss until Kubernetes took a plain Deployment's Pod on the lost node out of its
+    /// Service's endpoints (the node controller, after its grace period): what a Service gets
+    /// without a check of its own.
     pub node_controller_unrouted: Option<Duration>,
     /// From the loss until a pod-proxier replica on the surviving node held the Lease.
     pub pod_proxier_leader: Option<Duration>,
@@ -197,6 +201,8 @@ struct PodProxierSide {
     leader: String,
     /// The address of the replica on the lost node.
     lost_ip: String,
+    /// The address of `bystander` (a plain Deployment behind a Service, on the lost node).
+    bystander_ip: String,
 }
 
 async fn pod_proxier_side(env: &Env<'_>, kept: &str, lost: &str) -> anyhow::Result<PodProxierSide> {
@@ -223,6 +229,7 @@ async fn pod_proxier_side(env: &Env<'_>, kept: &str, lost: &str) -> anyhow::Resu
             .await?;
     }
     pin_web(env, &work, kept).await?;
+    let bystander_ip = bystander(env, &work, lost).await?;
     pod_proxier::debugger_accounts(env, &work).await?;
     let mut values = vec!["replicaCount=2".to_owned()];
     values.extend(one_per_node(&[(
@@ -261,7 +268,34 @@ async fn pod_proxier_side(env: &Env<'_>, kept: &str, lost: &str) -> anyhow::Resu
         token,
         leader,
         lost_ip,
+        bystander_ip,
     })
+}
+
+/// A Service with no check of its own: Deployment `bystander` (one testbox) pinned to `lost`,
+/// behind Service `bystander`. When its Pod leaves the endpoints is what Kubernetes alone does
+/// for a lost node (the node controller, after its grace period). Returns the Pod's address.
+async fn bystander(env: &Env<'_>, ns: &str, lost: &str) -> anyhow::Result<String> {
+    let client = env.plane.client().await?;
+    let mut deployment = check::testbox_deployment("bystander", 1);
+    deployment["spec"]["template"]["spec"]["nodeSelector"] =
+        json!({ "kubernetes.io/hostname": lost });
+    Api::<Deployment>::namespaced(client.clone(), ns)
+        .create(&PostParams::default(), &serde_json::from_value(deployment)?)
+        .await?;
+    Api::<Service>::namespaced(client, ns)
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(json!({
+                "metadata": { "name": "bystander" },
+                "spec": { "selector": { "app": "bystander" },
+                          "ports": [{ "name": "http", "port": 80, "targetPort": 8080 }] },
+            }))?,
+        )
+        .await?;
+    let pods = check::wait_pods_ready(env.plane, ns, "app=bystander", 1).await?;
+    let (_, ip) = pods.into_iter().next().context("no bystander Pod")?;
+    Ok(ip)
 }
 
 /// The entry port of the V2 mapping of Service `ns/service`'s port `debug`, asked for until it
@@ -369,9 +403,12 @@ async fn operator_side(env: &Env<'_>, kept: &str, lost: &str) -> anyhow::Result<
 struct Recovered {
     steward_unpublished: Option<Duration>,
     pod_proxier_leader: Option<(Duration, String)>,
-    /// When the lost pod-proxier replica left its Service's ready endpoints (the node
-    /// controller's doing, after its grace period).
+    /// When the lost pod-proxier replica left its Service's ready endpoints (the survivor's
+    /// peer check).
     pod_proxier_unrouted: Option<Duration>,
+    /// When the bystander left its Service's ready endpoints (the node controller's doing,
+    /// after its grace period).
+    bystander_unrouted: Option<Duration>,
     operator_leader: Option<(Duration, String)>,
     /// The Ready condition of the tunnel each time it was read not True: (after the loss, status).
     tunnel_not_ready: Vec<(Duration, String)>,
@@ -382,6 +419,7 @@ impl Recovered {
         self.steward_unpublished.is_some()
             && self.pod_proxier_leader.is_some()
             && self.pod_proxier_unrouted.is_some()
+            && self.bystander_unrouted.is_some()
             && self.operator_leader.is_some()
     }
 }
@@ -470,6 +508,11 @@ async fn scenarios(
         {
             recovered.pod_proxier_unrouted = Some(now);
         }
+        if recovered.bystander_unrouted.is_none()
+            && !ready_endpoint(&client, &pp.work, "bystander", &pp.bystander_ip).await?
+        {
+            recovered.bystander_unrouted = Some(now);
+        }
         if recovered.pod_proxier_leader.is_none()
             && let Some(holder) =
                 lease_holder(&client, &pp.ns, POD_PROXIER_LEASE, pod_proxier::SELECTOR).await?
@@ -521,7 +564,8 @@ async fn scenarios(
         (steward_stream.await?, pp_stream.await?, op_stream.await?);
     *figures = Some(LossFigures {
         steward_unpublished: recovered.steward_unpublished,
-        node_controller_unrouted: recovered.pod_proxier_unrouted,
+        pod_proxier_unrouted: recovered.pod_proxier_unrouted,
+        node_controller_unrouted: recovered.bystander_unrouted,
         pod_proxier_leader: recovered.pod_proxier_leader.as_ref().map(|(at, _)| *at),
         operator_leader: recovered.operator_leader.as_ref().map(|(at, _)| *at),
         steward_client: steward_seen.tally_since(lost_at),
@@ -557,18 +601,18 @@ async fn scenarios(
         ),
     );
 
-    // pod-proxier: the existing mapping answers again, and a new mapping is given and answers.
-    // Failures after Kubernetes took the lost replica out of the Service (plus kube-proxy's
-    // margin) are reported, not gated on: one run in five saw one such failure (cause not yet
-    // known), and the Done-when of issue 41 is not claimed for pod-proxier.
+    // pod-proxier: the survivor took the lost replica out of the Service in time, nothing sent
+    // after that (plus kube-proxy's margin) failed, the existing mapping answers, and a new
+    // mapping is given and answers.
     let pp_unrouted = recovered.pod_proxier_unrouted;
+    let pp_in_time = pp_unrouted.is_some_and(|after| after <= UNPUBLISH_LIMIT);
     let pp_late = late(&pp_seen, pp_unrouted);
     report.record(
         POD_PROXIER_LOSS,
-        new_mapping.is_ok() && pp_seen.answered_since(everything) > 0,
+        pp_in_time && pp_late == Some(0) && new_mapping.is_ok() && tail(&pp_seen),
         lost_at,
         format!(
-            "leader {} -> {}; the lost replica ({}) left the Service's endpoints {}; existing mapping {}: {}{}; a new mapping asked for {:.1}s after the loss: {}",
+            "leader {} -> {}; the lost replica ({}) left the Service's endpoints {} (limit {UNPUBLISH_LIMIT:?}; a bystander Service's Pod on the lost node left {}); existing mapping {}: {}{}; a new mapping asked for {:.1}s after the loss: {}",
             pp.leader,
             recovered
                 .pod_proxier_leader
@@ -576,6 +620,7 @@ async fn scenarios(
                 .map_or_else(|| "none".to_owned(), |(at, holder)| format!("{holder} {:.1}s after the loss", at.as_secs_f64())),
             pp.lost_ip,
             seconds_after(pp_unrouted),
+            seconds_after(recovered.bystander_unrouted),
             pp.entry,
             pp_seen.describe_since(lost_at),
             pp_late.map_or_else(String::new, |n| format!(
