@@ -368,7 +368,8 @@ struct Flow {
     eof: bool,
     /// EOF passed on (or left to the close): nothing more moves this way.
     done: bool,
-    /// The source's read interest is dropped until the destination takes the held bytes.
+    /// The source's read interest is dropped: set when the destination could not take the held
+    /// bytes, cleared only when the source runs dry (see [`Copier::pump`]).
     blocked: bool,
 }
 
@@ -1195,9 +1196,12 @@ struct Copier<'a> {
 
 impl Copier<'_> {
     /// Copies `src` to `dst` as far as readiness allows, within the turn's budget. Nothing is
-    /// read while earlier bytes wait for `dst`; then `src`'s read interest is dropped until
-    /// `dst` drains. At EOF, `dst` is half-closed unless `other_done` (the close that follows
-    /// sends the FIN).
+    /// read while earlier bytes wait for `dst`; then `src`'s read interest is dropped, and it
+    /// stays dropped after `dst` drains for as long as `src` still has bytes to read: only a
+    /// source that runs dry needs an event to resume. In a bulk transfer bound by `dst` the
+    /// interest is thus changed twice per stall of the source, not twice per full send buffer,
+    /// and no event wakes the loop for bytes it cannot move yet. At EOF, `dst` is half-closed
+    /// unless `other_done` (the close that follows sends the FIN).
     fn pump(
         &mut self,
         src: &mut Leg,
@@ -1225,11 +1229,6 @@ impl Copier<'_> {
                 self.flush(dst, flow, direction).map_err(fail)?;
                 continue;
             }
-            if flow.blocked {
-                src.want_read(true, self.registry, src_token)
-                    .map_err(fail)?;
-                flow.blocked = false;
-            }
             if flow.eof {
                 flow.give_back_pipe();
                 flow.done = true;
@@ -1239,6 +1238,12 @@ impl Copier<'_> {
                 return Ok(Pumped::Waiting);
             }
             if !src.readable {
+                if flow.blocked {
+                    // Registering again reports bytes that came in the meantime at once.
+                    src.want_read(true, self.registry, src_token)
+                        .map_err(fail)?;
+                    flow.blocked = false;
+                }
                 flow.give_back_pipe();
                 return Ok(Pumped::Waiting);
             }
