@@ -2,8 +2,8 @@
 //! server through `kubernetes.default.svc`.
 //!
 //! It keeps the `default/kubernetes` EndpointSlices and Endpoints pointing at itself
-//! ([`endpoints`]), leaving out replicas that stop answering ([`k8s_reconcile::peers`]), and relays every
-//! connection to the real API server ([`relay`]). Operations:
+//! ([`endpoints`]), leaving out replicas that stop answering ([`k8s_reconcile::peers`]), and
+//! relays every connection to the real API server ([`relay`]). Operations:
 //! `/healthz`, `/readyz` (upstream dialable, endpoints correct, not shutting down), `/metrics`
 //! (over HTTPS behind TokenReview and SubjectAccessReview unless `--metrics-secure=false`),
 //! leader election, and a drain on SIGTERM.
