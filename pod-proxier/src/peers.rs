@@ -62,7 +62,8 @@ impl PeersMetrics {
     }
 }
 
-/// Checks the peers in `namespace` until `stop`; `own_name` is this replica's Pod.
+/// Checks the peers that `pods` sees (its namespace, `settings.selector`) until `stop`;
+/// `own_name` is this replica's Pod, never checked.
 pub async fn run(
     pods: Api<Pod>,
     settings: PeerSettings,
