@@ -252,6 +252,7 @@ pub async fn run(settings: Settings) -> Result<(), StartError> {
                 observer,
                 settings.plane.health_check,
                 settings.plane.drain_timeout,
+                settings.plane.data_path,
             )
             .map_err(|e| StartError::DataPlane(DataPlaneError::Embedded(e)))?
             .with_source_checks(gated, metrics.source_refused.clone()),

@@ -12,7 +12,7 @@ use std::time::Duration;
 use clap::{Parser, Subcommand};
 use k8s_reconcile::peers::PeerCheckConfig;
 use netkit_runtime::SecondsOrDuration;
-use proxy_core::server::PortRange;
+use proxy_core::server::{DataPath, PortRange};
 use proxy_core::upstream::HealthCheck;
 
 use crate::access::{Cidr, EntryAccess, SourcePolicy};
@@ -250,6 +250,19 @@ pub struct Cli {
         global = true
     )]
     pub backend: BackendKind,
+
+    /// With the embedded backend, what relays the entry ports' connections: `event-loop`
+    /// (Linux: connection state machines on an epoll loop, the least CPU and memory), `tokio` (a
+    /// task per connection, the fallback if the loop misbehaves on a node) or `auto` (the event
+    /// loop on Linux).
+    #[arg(
+        long,
+        env = "POD_PROXIER_DATA_PATH",
+        default_value = "auto",
+        value_parser = str::parse::<DataPath>,
+        global = true
+    )]
+    pub data_path: DataPath,
 
     /// API authentication: Kubernetes tokens with RBAC, or none (explicit, logged as a warning).
     #[arg(
@@ -657,6 +670,12 @@ impl Cli {
         .iter()
         .filter_map(|(flag, value)| value.deprecation(flag))
         .collect();
+        if self.backend == BackendKind::Haproxy && self.data_path != DataPath::Auto {
+            return Err(format!(
+                "--data-path {} applies to --backend embedded; HAProxy relays for --backend haproxy",
+                self.data_path
+            ));
+        }
         let runtime_api = match (self.backend, parse_runtime_api_addr(&self.api_addr)) {
             (_, Ok(addr)) => Some(addr),
             (BackendKind::Haproxy, Err(message)) => return Err(message),
@@ -726,6 +745,7 @@ impl Cli {
                 runtime_api,
                 health_check,
                 drain_timeout: self.drain_timeout.duration,
+                data_path: self.data_path,
             },
             policy: MappingPolicy {
                 v1: self.enable_v1.then(|| V1Policy {
@@ -902,7 +922,21 @@ mod tests {
         // The original's `jprofiler_tcp` is not a valid port name; ours is.
         assert!(names::validate_port_name(&c.jprofiler_port_name).is_ok());
         assert!(names::validate_port_name("jprofiler_tcp").is_err());
-        c.validate(true).unwrap();
+        assert_eq!(c.data_path, DataPath::Auto);
+        let settings = c.validate(true).unwrap();
+        assert_eq!(settings.plane.data_path, DataPath::Auto);
+        let c = cli(&["--enable-v1", "--data-path", "event-loop"]);
+        assert_eq!(
+            c.validate(true).unwrap().plane.data_path,
+            DataPath::EventLoop
+        );
+        let unknown: Result<Cli, _> =
+            netkit_runtime::try_parse_args_from(["pod-proxier", "--data-path", "epoll"]);
+        let error = unknown.err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(
+            error.contains("expected auto, event-loop or tokio"),
+            "{error}"
+        );
     }
 
     #[test]
@@ -952,6 +986,16 @@ mod tests {
                 "Runtime API",
             ),
             (&["--enable-v1", "--listen-port", "8849"], "different ports"),
+            (
+                &[
+                    "--enable-v1",
+                    "--backend",
+                    "haproxy",
+                    "--data-path",
+                    "tokio",
+                ],
+                "--data-path tokio applies to --backend embedded",
+            ),
             (
                 &["--enable-v1", "--metrics-addr", "0.0.0.0:3343"],
                 "--metrics-addr 0.0.0.0:3343 collides",

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use k8s_reconcile::peers::PeerCheckConfig;
-use proxy_core::server::PortRange;
+use proxy_core::server::{DataPath, PortRange};
 use proxy_core::upstream::HealthCheck;
 
 use crate::access::{EntryAccess, SourcePolicy};
@@ -102,6 +102,8 @@ pub struct PlaneSettings {
     pub health_check: Option<HealthCheck>,
     /// How long established connections may continue on shutdown.
     pub drain_timeout: Duration,
+    /// What relays the embedded plane's connections.
+    pub data_path: DataPath,
 }
 
 /// What may be mapped: read by forwarding, V1, V2 and the API's scope checks.

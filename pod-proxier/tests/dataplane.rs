@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 use pod_proxier::dataplane::embedded::EmbeddedPlane;
 use pod_proxier::dataplane::{DesiredPorts, PortRoute};
 use proxy_core::metrics::NoopObserver;
+use proxy_core::server::DataPath;
 use proxy_core::upstream::HealthCheck;
 use support::{backend, free_port, greeting, greeting_from};
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
@@ -27,8 +28,7 @@ fn route(name: &str, upstreams: Vec<SocketAddr>, checked: bool, close: bool) -> 
     }
 }
 
-#[tokio::test]
-async fn a_service_route_balances_over_healthy_endpoints_only() {
+async fn a_service_route_balances_over_healthy_endpoints_only(data_path: DataPath) {
     let check =
         HealthCheck::new(Duration::from_millis(100), Duration::from_millis(100), 1, 1).unwrap();
     let plane = EmbeddedPlane::new(
@@ -36,6 +36,7 @@ async fn a_service_route_balances_over_healthy_endpoints_only() {
         Arc::new(NoopObserver),
         Some(check),
         Duration::from_secs(1),
+        data_path,
     )
     .unwrap();
     let e1 = backend("127.0.0.41", "e1").await;
@@ -139,13 +140,13 @@ async fn a_service_route_balances_over_healthy_endpoints_only() {
     plane.shutdown(Duration::from_millis(100)).await;
 }
 
-#[tokio::test]
-async fn a_mapping_that_asks_for_it_cuts_established_connections() {
+async fn a_mapping_that_asks_for_it_cuts_established_connections(data_path: DataPath) {
     let plane = EmbeddedPlane::new(
         "127.0.0.1".parse().unwrap(),
         Arc::new(NoopObserver),
         None,
         Duration::from_secs(1),
+        data_path,
     )
     .unwrap();
     let a = backend("127.0.0.45", "a").await;
@@ -173,8 +174,7 @@ async fn a_mapping_that_asks_for_it_cuts_established_connections() {
     plane.shutdown(Duration::from_millis(100)).await;
 }
 
-#[tokio::test]
-async fn a_checked_entry_port_admits_its_mappings_sources_and_follows_them() {
+async fn a_checked_entry_port_admits_its_mappings_sources_and_follows_them(data_path: DataPath) {
     use pod_proxier::metrics::EntryLabels;
     use prometheus_client::metrics::counter::Counter;
     use prometheus_client::metrics::family::Family;
@@ -191,6 +191,7 @@ async fn a_checked_entry_port_admits_its_mappings_sources_and_follows_them() {
         Arc::new(NoopObserver),
         None,
         Duration::from_secs(1),
+        data_path,
     )
     .unwrap()
     .with_source_checks([checked], refused.clone());
@@ -241,4 +242,85 @@ async fn a_checked_entry_port_admits_its_mappings_sources_and_follows_them() {
     assert_eq!(greeting_from("127.0.0.2", entry).await, None);
     assert_eq!(count(checked), 3);
     plane.shutdown(Duration::from_millis(100)).await;
+}
+
+/// Names the threads connections were opened on: the observer is called where a connection is
+/// relayed.
+#[derive(Default)]
+struct ThreadsObserver {
+    opened_on: std::sync::Mutex<Vec<String>>,
+}
+
+impl proxy_core::metrics::RelayObserver for ThreadsObserver {
+    fn connection_opened(&self, _: &proxy_core::metrics::RouteLabels) {
+        let thread = std::thread::current()
+            .name()
+            .unwrap_or("unnamed")
+            .to_owned();
+        self.opened_on.lock().unwrap().push(thread);
+    }
+}
+
+/// `--data-path` reaches the server: a mapping to one address is relayed on proxy-core's
+/// event-loop thread with `event-loop`, and on the test's runtime with `tokio`.
+#[tokio::test]
+async fn the_data_path_setting_chooses_what_relays_a_mapping() {
+    let upstream = backend("127.0.0.47", "up").await;
+    for (data_path, loop_thread) in [(DataPath::EventLoop, true), (DataPath::Tokio, false)] {
+        let observer = Arc::new(ThreadsObserver::default());
+        let plane = EmbeddedPlane::new(
+            "127.0.0.1".parse().unwrap(),
+            observer.clone(),
+            None,
+            Duration::from_secs(1),
+            data_path,
+        )
+        .unwrap();
+        let port = free_port();
+        plane
+            .sync(&[(port, route("v1", vec![upstream], false, false))].into())
+            .await;
+        let entry = SocketAddr::from(([127, 0, 0, 1], port));
+        assert_eq!(greeting(entry).await.as_deref(), Some("up"));
+        plane.shutdown(Duration::from_millis(100)).await;
+        let threads = observer.opened_on.lock().unwrap().clone();
+        assert_eq!(threads.len(), 1, "{data_path}: {threads:?}");
+        assert_eq!(
+            threads[0].starts_with("proxy-worker-"),
+            loop_thread,
+            "{data_path}: opened on {threads:?}"
+        );
+    }
+}
+
+// Each scenario on both data paths: the event loop (the default on Linux) and tokio tasks.
+
+#[tokio::test]
+async fn a_service_route_balances_over_healthy_endpoints_only_on_event_loop() {
+    a_service_route_balances_over_healthy_endpoints_only(DataPath::EventLoop).await;
+}
+
+#[tokio::test]
+async fn a_service_route_balances_over_healthy_endpoints_only_on_tokio() {
+    a_service_route_balances_over_healthy_endpoints_only(DataPath::Tokio).await;
+}
+
+#[tokio::test]
+async fn a_mapping_that_asks_for_it_cuts_established_connections_on_event_loop() {
+    a_mapping_that_asks_for_it_cuts_established_connections(DataPath::EventLoop).await;
+}
+
+#[tokio::test]
+async fn a_mapping_that_asks_for_it_cuts_established_connections_on_tokio() {
+    a_mapping_that_asks_for_it_cuts_established_connections(DataPath::Tokio).await;
+}
+
+#[tokio::test]
+async fn a_checked_entry_port_admits_its_mappings_sources_and_follows_them_on_event_loop() {
+    a_checked_entry_port_admits_its_mappings_sources_and_follows_them(DataPath::EventLoop).await;
+}
+
+#[tokio::test]
+async fn a_checked_entry_port_admits_its_mappings_sources_and_follows_them_on_tokio() {
+    a_checked_entry_port_admits_its_mappings_sources_and_follows_them(DataPath::Tokio).await;
 }

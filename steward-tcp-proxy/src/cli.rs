@@ -12,6 +12,7 @@ use netkit_runtime::{
     parse_listen_addr, parse_optional_listen_addr, parse_positive_duration, validate_dns_label,
 };
 use proxy_core::http_connect::HttpProxy;
+use proxy_core::server::DataPath;
 use proxy_core::upstream::Upstream;
 
 /// Most runtime threads `--threads` accepts.
@@ -149,6 +150,13 @@ pub struct Args {
     /// CPU].
     #[arg(long, env = "STEWARD_THREADS")]
     pub threads: Option<NonZeroUsize>,
+
+    /// What relays plain connections: `event-loop` (Linux: connection state machines on an
+    /// epoll loop, the least CPU and memory), `tokio` (a task per connection, the fallback if
+    /// the loop misbehaves on a node) or `auto` (the event loop on Linux). TLS termination
+    /// always uses tokio tasks.
+    #[arg(long, env = "STEWARD_DATA_PATH", default_value = "auto", value_parser = str::parse::<DataPath>)]
+    pub data_path: DataPath,
 
     #[command(flatten)]
     pub log: LogArgs,
@@ -309,6 +317,9 @@ mod tests {
         assert!(args.validate().is_ok());
         let args = parse(&["--upstream-addr", "h:1", "--threads", "1"]).unwrap();
         assert_eq!(args.threads.map(NonZeroUsize::get), Some(1));
+        assert_eq!(args.data_path, DataPath::Auto);
+        let args = parse(&["--upstream-addr", "h:1", "--data-path", "tokio"]).unwrap();
+        assert_eq!(args.data_path, DataPath::Tokio);
     }
 
     #[test]
@@ -355,6 +366,7 @@ mod tests {
             &["--upstream-addr", "h:1", "--service-port", "0"],
             &["--upstream-addr", "h:1", "--endpoint-mode", "node-ip"],
             &["--upstream-addr", "h:1", "--threads", "0"],
+            &["--upstream-addr", "h:1", "--data-path", "epoll"],
             &["--upstream-addr", "h:1", "--threads", "-1"],
             &["--upstream-addr", "h:1", "--tls-cert-file", "c.pem"], // key missing
             &["--upstream-addr", "h:1", "--leader-elect=maybe"],

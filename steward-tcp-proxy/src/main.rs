@@ -102,10 +102,11 @@ async fn run(args: Args) -> anyhow::Result<()> {
             tls,
             proxy,
             drain_idle: (!args.drain_idle.is_zero()).then_some(args.drain_idle),
+            data_path: args.data_path,
         },
         observer,
     )?;
-    tracing::info!(listen = %relay.local_addr(), upstream = %relay.upstream().describe(), mode = if args.tls_cert_file.is_some() { "tls-termination" } else { "passthrough" }, "relaying");
+    tracing::info!(listen = %relay.local_addr(), upstream = %relay.upstream().describe(), mode = if args.tls_cert_file.is_some() { "tls-termination" } else { "passthrough" }, data_path = %args.data_path, "relaying");
 
     spawn_upstream_check(
         relay.upstream().clone(),

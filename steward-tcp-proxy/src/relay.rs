@@ -15,7 +15,7 @@ use std::time::Duration;
 use proxy_core::http_connect::HttpProxy;
 use proxy_core::metrics::RelayObserver;
 use proxy_core::relay::{RelayConfig, Route};
-use proxy_core::server::{DrainReport, ListenerConfig, ProxyServer, ServerConfig};
+use proxy_core::server::{DataPath, DrainReport, ListenerConfig, ProxyServer, ServerConfig};
 use proxy_core::upstream::Upstream;
 
 use crate::tls::TerminatingAcceptor;
@@ -40,6 +40,8 @@ pub struct RelaySettings {
     pub proxy: Option<HttpProxy>,
     /// During the drain, close answered connections idle this long (None = at the deadline).
     pub drain_idle: Option<Duration>,
+    /// What relays plain connections.
+    pub data_path: DataPath,
 }
 
 /// A running data plane: proxy-core's server with one listener, TLS-terminating or not.
@@ -83,7 +85,7 @@ impl Relay {
             addr: settings.listen,
             cause,
         };
-        let mut server_config = ServerConfig::default();
+        let mut server_config = ServerConfig::default().with_data_path(settings.data_path);
         if let Some(idle) = settings.drain_idle {
             server_config = server_config.with_drain_idle(idle);
         }

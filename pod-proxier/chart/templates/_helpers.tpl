@@ -75,6 +75,9 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 - --resync-time={{ $p.resyncTime }}
 - --v2-target={{ $p.v2Target }}
 - --backend={{ $p.backend }}
+{{- if ne $p.backend "haproxy" }}
+- --data-path={{ $p.dataPath }}
+{{- end }}
 - --api-addr=unix:///run/haproxy/admin.sock
 - --auth={{ $p.auth }}
 - --log-level={{ $p.logLevel }}

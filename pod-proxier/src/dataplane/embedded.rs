@@ -18,7 +18,9 @@ use proxy_core::ConnectError;
 use proxy_core::copy::Direction;
 use proxy_core::metrics::{RelayObserver, RouteLabels, SourceRefusal};
 use proxy_core::relay::{RelayConfig, RelaySummary, Route};
-use proxy_core::server::{ExistingConnections, ListenerConfig, ProxyServer, ServerConfig};
+use proxy_core::server::{
+    DataPath, ExistingConnections, ListenerConfig, ProxyServer, ServerConfig,
+};
 use proxy_core::source::SourceFilter;
 use proxy_core::upstream::{HealthCheck, TargetAddr, TargetStatus, Upstream, UpstreamSet};
 use tokio::sync::Mutex;
@@ -108,19 +110,20 @@ pub struct EmbeddedPlane {
 }
 
 impl EmbeddedPlane {
-    /// A data plane binding its entry ports on `ip`.
+    /// A data plane binding its entry ports on `ip`, relayed by `data_path`.
     pub fn new(
         ip: IpAddr,
         observer: Arc<dyn RelayObserver>,
         health_check: Option<HealthCheck>,
         drain: Duration,
+        data_path: DataPath,
     ) -> Result<Self, proxy_core::ServerError> {
         let refused = Arc::new(OnceLock::new());
         let observer = Arc::new(EntryObserver {
             inner: observer,
             refused: Arc::clone(&refused),
         });
-        let server = ProxyServer::new(ServerConfig::default(), observer)?;
+        let server = ProxyServer::new(ServerConfig::default().with_data_path(data_path), observer)?;
         Ok(Self {
             server,
             ip,

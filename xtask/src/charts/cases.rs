@@ -65,13 +65,14 @@ pub(super) const CASES: &[Case] = &[
     Case {
         chart: "steward-tcp-proxy",
         namespace: "kube-system",
-        what: "cluster-ip mode, no leader election, one event loop",
+        what: "cluster-ip mode, no leader election, one thread, tokio data path",
         sets: &[
             STEWARD_UPSTREAM,
             "endpointMode=cluster-ip",
             "leaderElection.enabled=false",
             "replicaCount=1",
             "threads=1",
+            "dataPath=tokio",
         ],
     },
     Case {
@@ -267,6 +268,12 @@ pub(super) const WRONG: &[(&str, &[&str], &str)] = &[
         &[STEWARD_UPSTREAM, "threads=1025"],
         "threads",
     ),
+    (
+        "steward-tcp-proxy",
+        &[STEWARD_UPSTREAM, "dataPath=epoll"],
+        "dataPath",
+    ),
+    ("pod-proxier", &["podProxier.dataPath=uring"], "dataPath"),
     ("rstream-operator", &["logFormat=xml"], "logFormat"),
     // Unknown keys: a typo, and the values of before.
     (
