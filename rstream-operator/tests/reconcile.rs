@@ -7,12 +7,13 @@ mod common;
 
 use common::*;
 use k8s_openapi::api::apps::v1::Deployment;
-use k8s_openapi::api::core::v1::Secret;
+use k8s_openapi::api::core::v1::{Secret, Service};
 use kube::ResourceExt as _;
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use netkit_testenv::eventually;
 use rstream_operator::agent_config::AgentConfig;
 use rstream_operator::api::RstreamTunnel;
+use rstream_operator::manager::service as service_lb;
 use rstream_operator::names;
 
 #[tokio::test]
@@ -507,4 +508,192 @@ async fn a_tunnel_with_a_hostname_runs_standby_agents_kept_through_rollouts_and_
     budget_is(false).await;
 
     env.finish_without_403().await;
+}
+
+/// `(status, reason, message)` of the manager's condition on a Service, and its ingress.
+fn service_tunnel_state(
+    svc: &Service,
+) -> (
+    Option<(String, String, String)>,
+    Vec<k8s_openapi::api::core::v1::LoadBalancerIngress>,
+) {
+    let status = svc.status.clone().unwrap_or_default();
+    let condition = status
+        .conditions
+        .unwrap_or_default()
+        .into_iter()
+        .find(|c| c.type_ == service_lb::CONDITION)
+        .map(|c| (c.status, c.reason, c.message));
+    let ingress = status
+        .load_balancer
+        .and_then(|lb| lb.ingress)
+        .unwrap_or_default();
+    (condition, ingress)
+}
+
+fn load_balancer(name: &str, class: &str, annotations: serde_json::Value) -> Service {
+    serde_json::from_value(serde_json::json!({
+        "metadata": {"name": name, "annotations": annotations},
+        "spec": {
+            "type": "LoadBalancer",
+            "loadBalancerClass": class,
+            "ports": [{"name": "metrics", "port": 9090}, {"name": "http", "port": 80}],
+        },
+    }))
+    .unwrap()
+}
+
+#[tokio::test]
+async fn a_load_balancer_service_of_the_class_gets_a_tunnel_and_its_address() {
+    let env = manager_env("svc-lb").await;
+    let (admin, ns, tunnels) = (env.admin.clone(), env.ns.clone(), env.tunnels.clone());
+    let services: Api<Service> = Api::namespaced(admin.clone(), &ns);
+    let wait_service = |name: &'static str, reason: &'static str| {
+        let services = services.clone();
+        async move {
+            wait_for(&format!("{name}: {reason}"), WAIT, || async {
+                let svc = services.get(name).await.ok()?;
+                let (condition, _) = service_tunnel_state(&svc);
+                (condition?.1 == reason).then_some(svc)
+            })
+            .await
+        }
+    };
+
+    // A Service of the class, asking for its `http` port: a tunnel of its name, owned by it.
+    let annotations = serde_json::json!({service_lb::PORT_ANNOTATION: "http"});
+    let web = create(
+        &admin,
+        &ns,
+        &load_balancer("web", service_lb::LOAD_BALANCER_CLASS, annotations),
+    )
+    .await;
+    let tunnel = wait_for("the Service's tunnel", WAIT, || async {
+        tunnels.get_opt("web").await.unwrap()
+    })
+    .await;
+    assert_eq!(tunnel.spec.target.service.name, "web");
+    assert_eq!(
+        tunnel.spec.target.service.port,
+        k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::Int(80)
+    );
+    let owner = &tunnel.owner_references()[0];
+    assert_eq!(
+        (owner.kind.as_str(), owner.controller),
+        ("Service", Some(true))
+    );
+    assert_eq!(Some(&owner.uid), web.metadata.uid.as_ref());
+    assert_eq!(
+        tunnel
+            .labels()
+            .get(service_lb::SERVICE_LABEL)
+            .map(String::as_str),
+        Some("web")
+    );
+    let svc = wait_service("web", service_lb::reasons::WAITING_FOR_ADDRESS).await;
+    assert!(
+        service_tunnel_state(&svc).1.is_empty(),
+        "no address before the agent has one"
+    );
+
+    // The agent reports the public address (as rstream-agent does once it holds the tunnel):
+    // the Service shows it as its load balancer's ingress.
+    let status = serde_json::json!({"status": {"forwardingAddress": "https://localhost:41234", "hostname": "localhost"}});
+    tunnels
+        .patch_status("web", &PatchParams::default(), &Patch::Merge(&status))
+        .await
+        .unwrap();
+    let svc = wait_service("web", service_lb::reasons::ADDRESS_ASSIGNED).await;
+    let (condition, ingress) = service_tunnel_state(&svc);
+    assert_eq!(condition.unwrap().0, "True");
+    assert_eq!(ingress.len(), 1);
+    assert_eq!(ingress[0].hostname.as_deref(), Some("localhost"));
+    let ports = ingress[0].ports.clone().unwrap();
+    assert_eq!((ports[0].port, ports[0].protocol.as_str()), (41234, "TCP"));
+
+    // A bad annotation: said on the Service, the tunnel stays as it was.
+    let bad = serde_json::json!({"metadata": {"annotations": {service_lb::PROTOCOL_ANNOTATION: "gopher"}}});
+    services
+        .patch("web", &PatchParams::default(), &Patch::Merge(&bad))
+        .await
+        .unwrap();
+    let svc = wait_service("web", service_lb::reasons::INVALID_ANNOTATION).await;
+    let message = service_tunnel_state(&svc).0.unwrap().2;
+    assert!(
+        message.contains("\"gopher\" is not a tunnel protocol"),
+        "{message}"
+    );
+    let kept = tunnels.get("web").await.unwrap();
+    assert_eq!(kept.spec, tunnel.spec);
+
+    // A tunnel of the name that someone else made is left alone.
+    create(&admin, &ns, &tunnel_spec_for("taken")).await;
+    create(
+        &admin,
+        &ns,
+        &load_balancer(
+            "taken",
+            service_lb::LOAD_BALANCER_CLASS,
+            serde_json::json!({}),
+        ),
+    )
+    .await;
+    let svc = wait_service("taken", service_lb::reasons::NAME_TAKEN).await;
+    assert!(
+        service_tunnel_state(&svc)
+            .0
+            .unwrap()
+            .2
+            .contains("is not this Service's")
+    );
+    let theirs = tunnels.get("taken").await.unwrap();
+    assert!(theirs.owner_references().is_empty());
+    assert_eq!(theirs.spec.target.service.name, "elsewhere");
+
+    // Another class is another controller's: no tunnel, no status.
+    create(
+        &admin,
+        &ns,
+        &load_balancer("cloud", "example.com/cloud-lb", serde_json::json!({})),
+    )
+    .await;
+
+    // No longer a load balancer: the tunnel goes, and so does what the manager wrote.
+    let to_cluster_ip =
+        serde_json::json!({"spec": {"type": "ClusterIP", "loadBalancerClass": null}});
+    services
+        .patch(
+            "web",
+            &PatchParams::default(),
+            &Patch::Merge(&to_cluster_ip),
+        )
+        .await
+        .unwrap();
+    wait_for("the tunnel to be gone", WAIT, || async {
+        tunnels
+            .get_opt("web")
+            .await
+            .unwrap()
+            .is_none()
+            .then_some(())
+    })
+    .await;
+    wait_for("the Service's status to be cleared", WAIT, || async {
+        let svc = services.get("web").await.ok()?;
+        let (condition, ingress) = service_tunnel_state(&svc);
+        (condition.is_none() && ingress.is_empty()).then_some(())
+    })
+    .await;
+    let cloud = services.get("cloud").await.unwrap();
+    assert_eq!(service_tunnel_state(&cloud), (None, vec![]));
+    assert!(tunnels.get_opt("cloud").await.unwrap().is_none());
+
+    env.finish_without_403().await;
+}
+
+fn tunnel_spec_for(name: &str) -> RstreamTunnel {
+    tunnel(
+        name,
+        serde_json::json!({"target": {"service": {"name": "elsewhere", "port": 80}}}),
+    )
 }

@@ -62,10 +62,49 @@ struct Args {
     /// Watch only this namespace (default: the whole cluster, needed for cross-namespace targets).
     #[arg(long, env = "WATCH_NAMESPACE")]
     namespace: Option<String>,
+    /// Services of type LoadBalancer with this spec.loadBalancerClass get a tunnel and its public
+    /// address in their status; "" turns that off.
+    #[arg(long, env = "RSTREAM_LOAD_BALANCER_CLASS", default_value = manager::service::LOAD_BALANCER_CLASS, value_parser = load_balancer_class)]
+    load_balancer_class: String,
     #[command(flatten)]
     client: ClientArgs,
     #[command(flatten)]
     log: LogArgs,
+}
+
+/// A load balancer class as the API server takes it (a name with a DNS prefix, `a.b/c`), or ""
+/// (off).
+fn load_balancer_class(value: &str) -> Result<String, String> {
+    let value = value.trim();
+    if value.is_empty() {
+        return Ok(String::new());
+    }
+    let prefixed = value.split_once('/').is_some_and(|(prefix, name)| {
+        let label = |l: &str| {
+            !l.is_empty()
+                && l.len() <= 63
+                && l.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
+                && !l.starts_with('-')
+                && !l.ends_with('-')
+        };
+        let name_ok = !name.is_empty()
+            && name.len() <= 63
+            && name
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b))
+            && name.as_bytes()[0].is_ascii_alphanumeric()
+            && name.as_bytes()[name.len() - 1].is_ascii_alphanumeric();
+        prefix.len() <= 253
+            && prefix == prefix.to_ascii_lowercase()
+            && prefix.split('.').all(label)
+            && name_ok
+    });
+    if !prefixed {
+        return Err(format!(
+            "{value:?} is not a load balancer class: a name with a DNS prefix, e.g. example.com/tunnel"
+        ));
+    }
+    Ok(value.to_owned())
 }
 
 /// A value that is not blank, trimmed.
@@ -103,8 +142,9 @@ async fn run(args: Args) -> anyhow::Result<()> {
         resync: args.resync_period,
         concurrency: args.concurrency,
         namespace: args.namespace.clone().filter(|n| !n.is_empty()),
+        load_balancer_class: Some(args.load_balancer_class.clone()).filter(|c| !c.is_empty()),
     };
-    tracing::info!(agent_image = %options.agent_image, leader_elect = args.leader_elect, "starting the manager");
+    tracing::info!(agent_image = %options.agent_image, leader_elect = args.leader_elect, load_balancer_class = options.load_balancer_class.as_deref().unwrap_or("(off)"), "starting the manager");
     let result = manager::run(
         client,
         options,
@@ -167,7 +207,22 @@ mod tests {
         assert!(args.metrics.metrics_secure, "metrics are secure by default");
         let args = parse(&["--metrics-secure=false"]).unwrap();
         assert!(!args.metrics.metrics_secure);
+        assert_eq!(
+            args.load_balancer_class,
+            manager::service::LOAD_BALANCER_CLASS
+        );
+        let args = parse(&["--load-balancer-class="]).unwrap();
+        assert_eq!(
+            args.load_balancer_class, "",
+            "empty turns the Service controller off"
+        );
+        let args = parse(&["--load-balancer-class=example.com/edge_1"]).unwrap();
+        assert_eq!(args.load_balancer_class, "example.com/edge_1");
         for bad in [
+            &["--load-balancer-class=rstream"][..],
+            &["--load-balancer-class=Example.com/edge"],
+            &["--load-balancer-class=example.com/"],
+            &["--load-balancer-class=example.com/-edge"],
             &["--metrics-bind-address=nonsense"][..],
             &["--resync-period=30"],
             &["--resync-period=0s"],

@@ -1,11 +1,13 @@
 //! The manager: the RstreamConnection and RstreamTunnel controllers, with the watches that make a
-//! change of a Secret, Service or connection re-reconcile what depends on it. Secrets are read by
+//! change of a Secret, Service or connection re-reconcile what depends on it, and the Service
+//! controller that gives Services of the operator's load balancer class a tunnel ([`service`]). Secrets are read by
 //! name and watched one by one, only those the connections name ([`secrets`]).
 
 pub mod children;
 pub mod connection;
 pub mod resolve;
 pub mod secrets;
+pub mod service;
 pub mod tunnel;
 
 use std::time::Duration;
@@ -30,6 +32,7 @@ use tokio_util::sync::CancellationToken;
 use crate::api::{RstreamConnection, RstreamTunnel};
 
 pub use connection::ConnectionReconciler;
+pub use service::ServiceReconciler;
 pub use tunnel::TunnelReconciler;
 
 /// Errors of a reconcile (retried with backoff).
@@ -74,6 +77,9 @@ pub struct ManagerOptions {
     /// connections name are in their namespaces); `None` watches the whole cluster, which
     /// cross-namespace Service targets need.
     pub namespace: Option<String>,
+    /// Services of type LoadBalancer with this `spec.loadBalancerClass` get a tunnel
+    /// ([`service`]); `None` turns that controller off.
+    pub load_balancer_class: Option<String>,
 }
 
 fn api<K>(client: &Client, namespace: Option<&str>) -> Api<K>
@@ -138,7 +144,7 @@ fn connections_reading(
         .collect()
 }
 
-/// Runs both controllers until `shutdown`; `health` gets their readiness checks.
+/// Runs the controllers until `shutdown`; `health` gets their readiness checks.
 pub async fn run(
     client: Client,
     options: ManagerOptions,
@@ -225,7 +231,7 @@ pub async fn run(
             .resync(options.resync)
             .concurrency(options.concurrency)
             .health(health.scoped("connections"))
-            .metrics(metrics)
+            .metrics(metrics.clone())
             .reconcile_on({
                 let (changes, connections) = (secret_changes.clone(), connections.clone());
                 move || {
@@ -241,9 +247,29 @@ pub async fn run(
                 }
             });
 
+    let mut service_controller = options.load_balancer_class.clone().map(|class| {
+        ControllerBuilder::new(
+            client.clone(),
+            service::SERVICE_CONTROLLER,
+            ServiceReconciler {
+                class,
+                tunnels: tunnels.clone(),
+            },
+        )
+        .field_manager(FIELD_MANAGER)
+        .resync(options.resync)
+        .concurrency(options.concurrency)
+        .health(health.scoped("services"))
+        .metrics(metrics.clone())
+        .owns(
+            api::<RstreamTunnel>(&client, ns),
+            watcher::Config::default().labels(service::SERVICE_LABEL),
+        )
+    });
     if let Some(ns) = ns {
         tunnel_controller = tunnel_controller.namespaced(ns);
         connection_controller = connection_controller.namespaced(ns);
+        service_controller = service_controller.map(|c| c.namespaced(ns));
     }
     if let Some((namespace, identity)) = &options.leader_election {
         tunnel_controller =
@@ -253,13 +279,28 @@ pub async fn run(
             format!("{LEASE_NAME}-connections"),
             identity,
         ));
+        service_controller = service_controller.map(|c| {
+            c.leader_election(LeaseConfig::new(
+                namespace,
+                format!("{LEASE_NAME}-services"),
+                identity,
+            ))
+        });
     }
-    let (a, b) = tokio::join!(
+    let services = async {
+        match service_controller {
+            Some(controller) => controller.run(shutdown.clone()).await,
+            None => Ok(()),
+        }
+    };
+    let (a, b, c) = tokio::join!(
         tunnel_controller.run(shutdown.clone()),
-        connection_controller.run(shutdown.clone())
+        connection_controller.run(shutdown.clone()),
+        services
     );
     shutdown.cancel();
     a?;
     b?;
+    c?;
     Ok(())
 }

@@ -105,6 +105,7 @@ pub async fn start_manager_scoped(
         resync: Duration::from_secs(300),
         concurrency: 4,
         namespace: namespace.map(str::to_owned),
+        load_balancer_class: Some(manager::service::LOAD_BALANCER_CLASS.to_owned()),
     };
     let metrics = ControllerMetrics::register(&mut Registry::default());
     let health = Health::new();

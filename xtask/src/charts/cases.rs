@@ -275,6 +275,11 @@ pub(super) const WRONG: &[(&str, &[&str], &str)] = &[
     ),
     ("pod-proxier", &["podProxier.dataPath=uring"], "dataPath"),
     ("rstream-operator", &["logFormat=xml"], "logFormat"),
+    (
+        "rstream-operator",
+        &["loadBalancerClass=rstream"],
+        "loadBalancerClass",
+    ),
     // Unknown keys: a typo, and the values of before.
     (
         "rstream-operator",
