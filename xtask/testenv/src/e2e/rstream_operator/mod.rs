@@ -27,6 +27,7 @@ mod engine;
 mod faults;
 mod quick_start;
 mod rotation;
+mod service_lb;
 mod traffic;
 mod tunnels;
 mod upgrade;
@@ -52,6 +53,7 @@ pub(crate) const MANAGER_METRICS: &str = "the manager's /metrics through the cha
 pub(crate) const HTTP_TUNNEL: &str = "HTTP tunnel (Quick Start): agent Available by its probe, tunnel Ready, a request through the engine reaches the workload Pod via the Service name";
 pub(crate) const TCP_TUNNEL: &str =
     "TCP tunnel carries 64 MiB to the workload's echo port and back, intact";
+pub(crate) const SERVICE_LB: &str = "a Service of type LoadBalancer with the operator's loadBalancerClass: its status.loadBalancer.ingress gets the tunnel's public address, a request there reaches the workload Pod; the Service deleted: the garbage collector deletes its tunnel";
 pub(crate) const AGENT_METRICS: &str = "the echo tunnel's agent Pod /metrics has process_*, its build info and the tunnel and stream metrics";
 pub(crate) const TOKEN_ROTATED: &str = "token rotated in the Secret, then the old one revoked in the engine: both agents log in again with the new token (the engine's record of each login), a login with the old token is refused, the agent Deployment rolled (config hash), both tunnels carry traffic";
 pub(crate) const AGENT_KILLED: &str = "the echo tunnel's agent Pod killed (grace 0) while Ready: a new agent Pod, the tunnel Ready again with a new tunnel id, 1 MiB through it";
@@ -76,6 +78,7 @@ pub fn expected_scenarios() -> Vec<String> {
         MANAGER_METRICS,
         HTTP_TUNNEL,
         TCP_TUNNEL,
+        SERVICE_LB,
         AGENT_METRICS,
         TOKEN_ROTATED,
         AGENT_KILLED,
@@ -389,6 +392,6 @@ mod tests {
         let names = super::expected_scenarios();
         let unique: std::collections::BTreeSet<&String> = names.iter().collect();
         assert_eq!(unique.len(), names.len(), "{names:#?}");
-        assert_eq!(names.len(), 13);
+        assert_eq!(names.len(), 14);
     }
 }

@@ -21,9 +21,10 @@ use super::engine::{
 use super::faults::{LIVE_BYTES, LIVE_END_LIMIT, kill_agent, open_stream, stream_end};
 use super::quick_start::{http_tunnel, quick_start};
 use super::rotation::{OUTAGE_LIMIT, after_revocation, rotate_token, wait_logins};
+use super::service_lb::service_load_balancer;
 use super::traffic::{echo_bulk, echo_through, traffic};
 use super::{
-    AGENT_KILLED, AGENT_METRICS, ENGINE_KILLED, HTTP_TUNNEL, TCP_TUNNEL, TOKEN_ROTATED,
+    AGENT_KILLED, AGENT_METRICS, ENGINE_KILLED, HTTP_TUNNEL, SERVICE_LB, TCP_TUNNEL, TOKEN_ROTATED,
     TUNNEL_DELETED, agent_pod_ip, condition, engine_killed_live, http_tunnel_spec, tcp_tunnel_spec,
     wait_condition,
 };
@@ -95,6 +96,16 @@ pub(super) async fn tunnel_scenarios(
             ),
             Err(err) => format!("{err:#}"),
         },
+    );
+
+    // A Service as the way in: the manager's Service controller, on the node.
+    let started = Instant::now();
+    let outcome = service_load_balancer(&client, ns).await;
+    report.record(
+        SERVICE_LB,
+        outcome.is_ok(),
+        started,
+        outcome.unwrap_or_else(|e| format!("{e:#}")),
     );
 
     // The echo tunnel's agent counted what it carried, under the names its README lists.
