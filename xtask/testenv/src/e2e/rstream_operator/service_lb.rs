@@ -12,9 +12,7 @@ use rstream_operator::api::RstreamTunnel;
 use rstream_operator::manager::service as service_lb;
 use serde_json::json;
 
-use crate::node::check;
-
-use super::traffic::TRAFFIC_LIMIT;
+use super::traffic::{TRAFFIC_LIMIT, workload_answer};
 
 /// The Service's name (and so its tunnel's).
 const NAME: &str = "web-lb";
@@ -98,14 +96,8 @@ pub(super) async fn service_load_balancer(
     let assigned = started.elapsed();
     let asked = Instant::now();
     let answer = loop {
-        let last = match check::http_get(addr, "/").await {
-            Ok(body) if body.contains("\"pod\":\"web-") => {
-                break body.lines().last().unwrap_or_default().to_owned();
-            }
-            Ok(body) => format!(
-                "an answer without the workload Pod: {}",
-                body.chars().take(200).collect::<String>()
-            ),
+        let last = match workload_answer(addr).await {
+            Ok(answer) => break answer,
             Err(e) => e,
         };
         if asked.elapsed() > TRAFFIC_LIMIT {

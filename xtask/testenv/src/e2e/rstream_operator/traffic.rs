@@ -41,6 +41,20 @@ pub(super) async fn echo_bulk(addr: SocketAddr, len: usize) -> anyhow::Result<Du
     Ok(started.elapsed())
 }
 
+/// `GET /` at `addr`: the workload Pod's answer (its last line), or why there was none.
+pub(super) async fn workload_answer(addr: SocketAddr) -> Result<String, String> {
+    match check::http_get(addr, "/").await {
+        Ok(body) if body.contains("\"pod\":\"web-") => {
+            Ok(body.lines().last().unwrap_or_default().to_owned())
+        }
+        Ok(body) => Err(format!(
+            "an answer without the workload Pod: {}",
+            body.chars().take(200).collect::<String>()
+        )),
+        Err(e) => Err(e),
+    }
+}
+
 /// How long traffic may take to flow again after a step (the agent reconnecting, kube-proxy).
 pub(super) const TRAFFIC_LIMIT: Duration = Duration::from_secs(60);
 
@@ -63,14 +77,8 @@ pub(super) async fn traffic(
     let answer = loop {
         tries += 1;
         let last = match ingress(tunnels.get("web").await?) {
-            Ok(addr) => match check::http_get(addr, "/").await {
-                Ok(body) if body.contains("\"pod\":\"web-") => {
-                    break body.lines().last().unwrap_or_default().to_owned();
-                }
-                Ok(body) => format!(
-                    "an answer without the workload Pod: {}",
-                    body.chars().take(200).collect::<String>()
-                ),
+            Ok(addr) => match workload_answer(addr).await {
+                Ok(answer) => break answer,
                 Err(e) => e,
             },
             Err(e) => e,
