@@ -779,13 +779,6 @@ impl Cli {
 /// An equality-based label selector (`key=value[,key=value...]`), checked as the API server
 /// would check its keys and values, in its canonical form.
 fn parse_label_selector(text: &str) -> Result<String, String> {
-    fn label_name(name: &str) -> bool {
-        let ok = |c: char| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.');
-        name.len() <= 63
-            && name.chars().all(ok)
-            && name.starts_with(|c: char| c.is_ascii_alphanumeric())
-            && name.ends_with(|c: char| c.is_ascii_alphanumeric())
-    }
     let mut requirements = Vec::new();
     for requirement in text.split(',').map(str::trim) {
         let Some((key, value)) = requirement.split_once('=') else {
@@ -795,18 +788,9 @@ fn parse_label_selector(text: &str) -> Result<String, String> {
         };
         let value = value.strip_prefix('=').unwrap_or(value).trim();
         let key = key.trim();
-        let name = match key.split_once('/') {
-            Some((prefix, name)) => {
-                netkit_runtime::validate_dns_subdomain(prefix)
-                    .map_err(|e| format!("the prefix of key {key:?}: {e}"))?;
-                name
-            }
-            None => key,
-        };
-        if name.is_empty() || !label_name(name) {
-            return Err(format!("{key:?} is not a label key"));
-        }
-        if !value.is_empty() && !label_name(value) {
+        netkit_runtime::validate_qualified_name(key, false)
+            .map_err(|e| format!("label key: {e}"))?;
+        if !value.is_empty() && !netkit_runtime::is_qualified_name_part(value) {
             return Err(format!("{value:?} is not a label value"));
         }
         requirements.push(format!("{key}={value}"));
@@ -886,9 +870,15 @@ mod tests {
         assert!(peers.check.down_only_after_an_answer);
         for (flags, reason) in [
             (&["--peer-selector=app in (a,b)"][..], "only equality-based"),
-            (&["--peer-selector=-app=x"], "not a label key"),
+            (
+                &["--peer-selector=-app=x"],
+                "label key: \"-app\" is not a qualified name",
+            ),
             (&["--peer-selector=app=x y"], "not a label value"),
-            (&["--peer-selector=Bad_/app=x"], "the prefix of key"),
+            (
+                &["--peer-selector=Bad_/app=x"],
+                "its prefix may contain only",
+            ),
             (
                 &["--peer-selector=app=x", "--peer-check-interval=0s"],
                 "interval is 0",

@@ -94,9 +94,9 @@ pub use process::{
 };
 pub use secure_metrics::{MetricsAccess, MetricsArgs};
 pub use values::{
-    OptionalListenAddr, SecondsOrDuration, ValueError, parse_duration, parse_go_bool,
-    parse_listen_addr, parse_optional_listen_addr, parse_positive_duration,
-    parse_seconds_or_duration, validate_dns_label, validate_dns_subdomain,
+    OptionalListenAddr, SecondsOrDuration, ValueError, is_qualified_name_part, parse_duration,
+    parse_go_bool, parse_listen_addr, parse_optional_listen_addr, parse_positive_duration,
+    parse_seconds_or_duration, validate_dns_label, validate_dns_subdomain, validate_qualified_name,
 };
 
 // The README's code blocks are compiled as doctests, so its example stays true.

@@ -52,6 +52,14 @@ pub enum ValueError {
         /// The rule it breaks.
         reason: String,
     },
+    /// Not a qualified name (a label key, an annotation key, a load balancer class).
+    #[error("{name:?} is not a qualified name ([prefix/]name): {reason}")]
+    QualifiedName {
+        /// The name as given.
+        name: String,
+        /// The rule it breaks.
+        reason: String,
+    },
 }
 
 fn duration_error(input: &str, reason: impl Into<String>) -> ValueError {
@@ -238,6 +246,43 @@ pub fn validate_dns_label(name: &str) -> Result<(), ValueError> {
     Ok(())
 }
 
+/// A qualified name as the API server checks label keys, annotation keys and load balancer
+/// classes: an optional DNS-1123 subdomain prefix and `/`, then a name of at most 63 letters,
+/// digits, `-`, `_` or `.` that starts and ends with a letter or digit. `prefix_required` (a
+/// `loadBalancerClass`) refuses one without a prefix.
+pub fn validate_qualified_name(name: &str, prefix_required: bool) -> Result<(), ValueError> {
+    let error = |reason: String| ValueError::QualifiedName {
+        name: name.to_owned(),
+        reason,
+    };
+    let short = match name.split_once('/') {
+        Some((prefix, short)) => {
+            validate_dns_subdomain(prefix).map_err(|e| error(format!("its prefix {e}")))?;
+            short
+        }
+        None if prefix_required => {
+            return Err(error("needs a DNS prefix, e.g. example.com/".into()));
+        }
+        None => name,
+    };
+    if !is_qualified_name_part(short) {
+        return Err(error(
+            "the name must be 1 to 63 letters, digits, '-', '_' or '.', starting and ending with a letter or digit".into(),
+        ));
+    }
+    Ok(())
+}
+
+/// The name part of a qualified name, which is also the rule for a label value (when not empty).
+pub fn is_qualified_name_part(name: &str) -> bool {
+    let ok = |c: char| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.');
+    !name.is_empty()
+        && name.len() <= 63
+        && name.chars().all(ok)
+        && name.starts_with(|c: char| c.is_ascii_alphanumeric())
+        && name.ends_with(|c: char| c.is_ascii_alphanumeric())
+}
+
 /// A DNS-1123 subdomain: Pod names.
 pub fn validate_dns_subdomain(name: &str) -> Result<(), ValueError> {
     if name.is_empty() {
@@ -395,5 +440,37 @@ mod tests {
             message,
             Err("may contain only lowercase letters, digits and '-'".to_owned())
         );
+    }
+
+    #[test]
+    fn qualified_names() {
+        for ok in [
+            "app",
+            "app.kubernetes.io/name",
+            "example.com/Edge_1.x",
+            &"a".repeat(63),
+        ] {
+            assert!(validate_qualified_name(ok, false).is_ok(), "{ok}");
+        }
+        assert!(validate_qualified_name("tunnels.rstream.io/rstream", true).is_ok());
+        for bad in [
+            "",
+            "/a",
+            "a/",
+            "-a",
+            "a-",
+            "a b",
+            "Example.com/a",
+            "a..b/c",
+            &"a".repeat(64),
+        ] {
+            assert!(validate_qualified_name(bad, false).is_err(), "{bad}");
+        }
+        let message = validate_qualified_name("rstream", true).map_err(|e| e.to_string());
+        assert_eq!(
+            message,
+            Err("\"rstream\" is not a qualified name ([prefix/]name): needs a DNS prefix, e.g. example.com/".to_owned())
+        );
+        assert!(is_qualified_name_part("v1.2_x") && !is_qualified_name_part("_x"));
     }
 }

@@ -72,37 +72,12 @@ struct Args {
     log: LogArgs,
 }
 
-/// A load balancer class as the API server takes it (a name with a DNS prefix, `a.b/c`), or ""
-/// (off).
-fn load_balancer_class(value: &str) -> Result<String, String> {
+/// A load balancer class as the API server takes it (a qualified name with a DNS prefix, `a.b/c`),
+/// or "" (off).
+fn load_balancer_class(value: &str) -> Result<String, app::ValueError> {
     let value = value.trim();
-    if value.is_empty() {
-        return Ok(String::new());
-    }
-    let prefixed = value.split_once('/').is_some_and(|(prefix, name)| {
-        let label = |l: &str| {
-            !l.is_empty()
-                && l.len() <= 63
-                && l.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
-                && !l.starts_with('-')
-                && !l.ends_with('-')
-        };
-        let name_ok = !name.is_empty()
-            && name.len() <= 63
-            && name
-                .bytes()
-                .all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b))
-            && name.as_bytes()[0].is_ascii_alphanumeric()
-            && name.as_bytes()[name.len() - 1].is_ascii_alphanumeric();
-        prefix.len() <= 253
-            && prefix == prefix.to_ascii_lowercase()
-            && prefix.split('.').all(label)
-            && name_ok
-    });
-    if !prefixed {
-        return Err(format!(
-            "{value:?} is not a load balancer class: a name with a DNS prefix, e.g. example.com/tunnel"
-        ));
+    if !value.is_empty() {
+        app::validate_qualified_name(value, true)?;
     }
     Ok(value.to_owned())
 }

@@ -38,7 +38,7 @@ pub const CONNECTION_ANNOTATION: &str = "tunnels.rstream.io/connection";
 pub const SERVICE_LABEL: &str = "tunnels.rstream.io/service";
 /// The condition the manager keeps on such a Service.
 pub const CONDITION: &str = "tunnels.rstream.io/Tunnel";
-/// Name of the Service controller (metrics, field manager of the status).
+/// Name of the Service controller (its metrics and logs).
 pub const SERVICE_CONTROLLER: &str = "service";
 
 /// Reasons of [`CONDITION`].
@@ -116,14 +116,14 @@ pub fn desired_tunnel(svc: &Service) -> Result<RstreamTunnel, String> {
         None => None,
     };
     let connection_ref = match annotations.get(CONNECTION_ANNOTATION) {
-        Some(connection) if !is_dns_subdomain(connection) => {
-            return Err(format!(
-                "{CONNECTION_ANNOTATION}: {connection:?} is not an object name"
-            ));
+        Some(connection) => {
+            netkit_runtime::validate_dns_subdomain(connection).map_err(|e| {
+                format!("{CONNECTION_ANNOTATION}: {connection:?} is not an object name: {e}")
+            })?;
+            Some(ConnectionRef {
+                name: Some(connection.clone()),
+            })
         }
-        Some(connection) => Some(ConnectionRef {
-            name: Some(connection.clone()),
-        }),
         None => None,
     };
     // Through serde, so the tunnel's own defaults apply to everything not given here.
@@ -165,19 +165,6 @@ fn chosen_port<'a>(
                 )
             }),
     }
-}
-
-fn is_dns_subdomain(name: &str) -> bool {
-    !name.is_empty()
-        && name.len() <= 253
-        && name.split('.').all(|label| {
-            !label.is_empty()
-                && label
-                    .bytes()
-                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-                && !label.starts_with('-')
-                && !label.ends_with('-')
-        })
 }
 
 /// The ingress a tunnel's public address makes: host (a name, or an IP) and port, read from its
