@@ -618,10 +618,15 @@ async fn a_load_balancer_service_of_the_class_gets_a_tunnel_and_its_address() {
         .await
         .unwrap();
     let svc = wait_service("web", service_lb::reasons::INVALID_ANNOTATION).await;
-    let message = service_tunnel_state(&svc).0.unwrap().2;
+    let (condition, kept_ingress) = service_tunnel_state(&svc);
+    let message = condition.unwrap().2;
     assert!(
         message.contains("\"gopher\" is not a tunnel protocol"),
         "{message}"
+    );
+    assert_eq!(
+        kept_ingress, ingress,
+        "the address stays while the tunnel runs on"
     );
     let kept = tunnels.get("web").await.unwrap();
     assert_eq!(kept.spec, tunnel.spec);

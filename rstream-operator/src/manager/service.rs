@@ -238,14 +238,15 @@ impl Reconciler for ServiceReconciler {
                     Err(kube::Error::Api(s)) if s.code == 404 || s.code == 409 => {}
                     Err(e) => return Err(e.into()),
                 }
-                clear_status(&services, &svc).await?;
             }
+            clear_status(&services, &svc).await?;
             return Ok(Action::Done);
         }
         let desired = match desired_tunnel(&svc) {
             Ok(desired) => desired,
             Err(message) => {
-                set_status(&services, &svc, None, reasons::INVALID_ANNOTATION, &message).await?;
+                let kept = live_ingress(&svc);
+                set_status(&services, &svc, kept, reasons::INVALID_ANNOTATION, &message).await?;
                 return Ok(Action::Done);
             }
         };
@@ -263,14 +264,16 @@ impl Reconciler for ServiceReconciler {
                 "RstreamTunnel {namespace}/{} exists and is not this Service's; rename one of them",
                 svc.name_any()
             );
-            set_status(&services, &svc, None, reasons::NAME_TAKEN, &message).await?;
+            let kept = live_ingress(&svc);
+            set_status(&services, &svc, kept, reasons::NAME_TAKEN, &message).await?;
             return Ok(Action::Done);
         }
         let tunnel = match ctx.applier().apply(&desired).await {
             Ok(applied) => applied.into_inner(),
             Err(k8s_reconcile::Error::Kube(kube::Error::Api(s))) if s.code == 422 => {
                 let message = format!("the API server refused the tunnel: {}", s.message);
-                set_status(&services, &svc, None, reasons::TUNNEL_REFUSED, &message).await?;
+                let kept = live_ingress(&svc);
+                set_status(&services, &svc, kept, reasons::TUNNEL_REFUSED, &message).await?;
                 return Ok(Action::Done);
             }
             Err(e) => return Err(e.into()),
@@ -289,7 +292,7 @@ impl Reconciler for ServiceReconciler {
                 set_status(
                     &services,
                     &svc,
-                    Some(ingress),
+                    vec![ingress],
                     reasons::ADDRESS_ASSIGNED,
                     &message,
                 )
@@ -303,7 +306,7 @@ impl Reconciler for ServiceReconciler {
                 set_status(
                     &services,
                     &svc,
-                    None,
+                    Vec::new(),
                     reasons::WAITING_FOR_ADDRESS,
                     &message,
                 )
@@ -314,20 +317,25 @@ impl Reconciler for ServiceReconciler {
     }
 }
 
-/// Writes the ingress (or none) and [`CONDITION`], unless the Service already shows them.
+/// The ingress `svc`'s status shows now: what a refusal keeps (it changes only the condition).
+fn live_ingress(svc: &Service) -> Vec<LoadBalancerIngress> {
+    svc.status
+        .as_ref()
+        .and_then(|s| s.load_balancer.as_ref())
+        .and_then(|lb| lb.ingress.clone())
+        .unwrap_or_default()
+}
+
+/// Writes `wanted_ingress` and [`CONDITION`], unless the Service already shows them.
 async fn set_status(
     services: &Api<Service>,
     svc: &Service,
-    ingress: Option<LoadBalancerIngress>,
+    wanted_ingress: Vec<LoadBalancerIngress>,
     reason: &str,
     message: &str,
 ) -> Result<(), ManagerError> {
     let status = svc.status.as_ref();
-    let live_ingress = status
-        .and_then(|s| s.load_balancer.as_ref())
-        .and_then(|lb| lb.ingress.clone())
-        .unwrap_or_default();
-    let wanted_ingress: Vec<LoadBalancerIngress> = ingress.into_iter().collect();
+    let live_ingress = live_ingress(svc);
     let ready = if reason == reasons::ADDRESS_ASSIGNED {
         "True"
     } else {
@@ -375,17 +383,15 @@ async fn set_status(
     Ok(())
 }
 
-/// Removes the ingress and [`CONDITION`] this manager wrote.
+/// Removes the ingress and [`CONDITION`] this manager wrote, from a Service that carries that
+/// condition (no other Service's status is ever touched).
 async fn clear_status(services: &Api<Service>, svc: &Service) -> Result<(), ManagerError> {
-    let status = svc.status.as_ref();
-    let has_condition = status
+    let ours = svc
+        .status
+        .as_ref()
         .and_then(|s| s.conditions.as_ref())
         .is_some_and(|c| c.iter().any(|c| c.type_ == CONDITION));
-    let has_ingress = status
-        .and_then(|s| s.load_balancer.as_ref())
-        .and_then(|lb| lb.ingress.as_ref())
-        .is_some_and(|i| !i.is_empty());
-    if !has_condition && !has_ingress {
+    if !ours {
         return Ok(());
     }
     let patch = serde_json::json!({
