@@ -1,7 +1,8 @@
 //! The manager: the RstreamConnection and RstreamTunnel controllers, with the watches that make a
 //! change of a Secret, Service or connection re-reconcile what depends on it, and the Service
-//! controller that gives Services of the operator's load balancer class a tunnel ([`service`]). Secrets are read by
-//! name and watched one by one, only those the connections name ([`secrets`]).
+//! controller that gives Services of the operator's load balancer class a tunnel ([`service`]).
+//! Secrets are read by name and watched one by one, only those the connections name
+//! ([`secrets`]).
 
 pub mod children;
 pub mod connection;
