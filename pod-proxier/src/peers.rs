@@ -16,7 +16,7 @@
 //!   by its own kubelet, which restores the conditions it owns within its status sync (about
 //!   10 s).
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
 
 use futures::StreamExt as _;
@@ -85,6 +85,7 @@ pub async fn run(
     let mut ticks = tokio::time::interval(settings.check.interval);
     ticks.set_missed_tick_behavior(MissedTickBehavior::Delay);
     tracing::info!(selector = %settings.selector, port = settings.check.port, interval = ?settings.check.interval, failures = settings.check.failures.get(), "peer check: dialling the other replicas' health ports");
+    let mut patched = Patched::default();
     loop {
         tokio::select! {
             () = stop.cancelled() => return,
@@ -100,8 +101,9 @@ pub async fn run(
             changed = changes.changed() => if changed.is_err() { return },
         }
         for ip in check.down() {
-            mark_unready(&pods, &store, ip, &own_name, &metrics.marked).await;
+            mark_unready(&pods, &store, ip, &own_name, &metrics.marked, &mut patched).await;
         }
+        patched.forget_gone(&store);
     }
 }
 
@@ -125,6 +127,30 @@ fn is_ready(pod: &Pod) -> bool {
     })
 }
 
+/// The resource version of each Pod this replica marked, as the store showed it then: until the
+/// watch delivers the marked Pod, the store still shows it Ready, and it must not be patched
+/// twice. A newer version that is Ready again (its kubelet restored it) is marked anew.
+#[derive(Default)]
+struct Patched(BTreeMap<String, String>);
+
+impl Patched {
+    fn is_pending(&self, name: &str, version: Option<&str>) -> bool {
+        version.is_some() && self.0.get(name).map(String::as_str) == version
+    }
+
+    fn forget_gone(&mut self, store: &Store<Pod>) {
+        if self.0.is_empty() {
+            return;
+        }
+        let names: BTreeSet<String> = store
+            .state()
+            .iter()
+            .filter_map(|pod| pod.metadata.name.clone())
+            .collect();
+        self.0.retain(|name, _| names.contains(name));
+    }
+}
+
 /// Writes `Ready=False` on the Ready peer Pod at `ip`, if there still is one.
 async fn mark_unready(
     pods: &Api<Pod>,
@@ -132,6 +158,7 @@ async fn mark_unready(
     ip: IpAddr,
     own_name: &str,
     marked: &Counter,
+    patched: &mut Patched,
 ) {
     let ip_text = ip.to_string();
     let Some(pod) = store.state().into_iter().find(|pod| {
@@ -143,6 +170,10 @@ async fn mark_unready(
     let Some(name) = pod.metadata.name.clone() else {
         return;
     };
+    let version = pod.metadata.resource_version.clone();
+    if patched.is_pending(&name, version.as_deref()) {
+        return;
+    }
     // A strategic merge on the conditions' key, `type`: the other conditions stay.
     let patch = json!({ "status": { "conditions": [{
         "type": "Ready",
@@ -156,11 +187,36 @@ async fn mark_unready(
         .await
     {
         Ok(_) => {
+            if let Some(version) = version {
+                patched.0.insert(name.clone(), version);
+            }
             marked.inc();
             tracing::warn!(peer = %name, %ip, "peer unreachable: marked its Pod not Ready, so the Service stops routing to it");
         }
         Err(err) => {
             tracing::warn!(peer = %name, %ip, error = %err, "cannot mark the unreachable peer's Pod not Ready")
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Patched;
+
+    #[test]
+    fn a_marked_pod_is_not_marked_again_until_a_newer_version_shows_it_ready() {
+        let mut patched = Patched::default();
+        assert!(!patched.is_pending("lost", Some("10")));
+        patched.0.insert("lost".to_owned(), "10".to_owned());
+        assert!(
+            patched.is_pending("lost", Some("10")),
+            "the store has not caught up"
+        );
+        assert!(
+            !patched.is_pending("lost", Some("12")),
+            "Ready again: its kubelet restored it"
+        );
+        assert!(!patched.is_pending("other", Some("10")));
+        assert!(!patched.is_pending("lost", None));
     }
 }
