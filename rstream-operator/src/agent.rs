@@ -544,6 +544,14 @@ fn client_with_token(
     if let Some(address) = local_address {
         builder = builder.local_address(address);
     }
+    if let Some(seconds) = config
+        .connection
+        .transport
+        .as_ref()
+        .and_then(|t| t.heartbeat_interval_seconds)
+    {
+        builder = builder.heartbeat_interval(Some(Duration::from_secs(u64::from(seconds))));
+    }
     builder.tls(tls).build().map_err(bad)
 }
 
@@ -741,6 +749,41 @@ mod tests {
             Ok(channel) => channel.close().await.unwrap(),
             Err(e) => panic!("the engine's certificate was not accepted for its host: {e}"),
         }
+    }
+
+    /// `transport.heartbeatIntervalSeconds` is the interval the agent asks the engine for: the
+    /// local engine answers with three intervals as the channel's liveness timeout (15 s with the
+    /// client's default of 5 s).
+    #[tokio::test]
+    async fn the_heartbeat_interval_is_what_the_agent_negotiates() {
+        let engine = rstream_client::engine::LocalEngine::builder()
+            .token("t")
+            .start()
+            .await
+            .unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let ca = dir.path().join("engine-ca.pem");
+        std::fs::write(&ca, engine.ca_pem()).unwrap();
+        let config = AgentConfig {
+            connection: ConnectionConfig {
+                engine: engine.engine_address(),
+                ca_file: Some(ca.display().to_string()),
+                transport: Some(TransportConfig {
+                    heartbeat_interval_seconds: Some(2),
+                    ..TransportConfig::default()
+                }),
+                ..ConnectionConfig::default()
+            },
+            ..AgentConfig::default()
+        };
+        let client =
+            client_with_token(&config, &AgentOptions::default(), Some("t".into())).unwrap();
+        let channel = tokio::time::timeout(Duration::from_secs(30), client.connect())
+            .await
+            .expect("no answer from the engine in 30 s")
+            .unwrap();
+        assert_eq!(channel.liveness_timeout(), Some(Duration::from_secs(6)));
+        channel.close().await.unwrap();
     }
 
     #[test]

@@ -29,6 +29,10 @@ pub enum ConfigError {
     Invalid(String),
 }
 
+/// The longest heartbeat interval: the engine's liveness timeout, three intervals, stays within
+/// the protocol's 900 s.
+pub const MAX_HEARTBEAT_INTERVAL_SECONDS: u32 = 300;
+
 fn invalid(message: impl Into<String>) -> ConfigError {
     ConfigError::Invalid(message.into())
 }
@@ -106,6 +110,9 @@ pub struct TransportConfig {
     /// Deprecated QUIC switch.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub use_quic: Option<bool>,
+    /// Seconds between control-channel heartbeats (the client's default when absent).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub heartbeat_interval_seconds: Option<u32>,
 }
 
 /// Outbound proxy.
@@ -360,6 +367,17 @@ impl AgentConfig {
                 "kubernetes.enabled needs kubernetes.namespace and kubernetes.tunnelName",
             ));
         }
+        if let Some(seconds) = self
+            .connection
+            .transport
+            .as_ref()
+            .and_then(|t| t.heartbeat_interval_seconds)
+            && !(1..=MAX_HEARTBEAT_INTERVAL_SECONDS).contains(&seconds)
+        {
+            return Err(invalid(format!(
+                "connection.transport.heartbeatIntervalSeconds is {seconds}: it must be 1 to {MAX_HEARTBEAT_INTERVAL_SECONDS}"
+            )));
+        }
         let retry = self.retry()?;
         let tunnel = self.tunnel.options()?;
         let datagram = tunnel.tunnel_type == Some(TunnelType::Datagram);
@@ -461,6 +479,20 @@ mod tests {
             max: Some("1s".into()),
         });
         assert!(c.validate().unwrap_err().to_string().contains("retry.max"));
+        for (seconds, valid) in [(0, false), (1, true), (300, true), (301, false)] {
+            let mut c = sample();
+            c.connection.transport = Some(TransportConfig {
+                heartbeat_interval_seconds: Some(seconds),
+                ..TransportConfig::default()
+            });
+            match c.validate() {
+                Ok(_) => assert!(valid, "{seconds} s was accepted"),
+                Err(e) => {
+                    assert!(!valid, "{seconds} s was refused: {e}");
+                    assert!(e.to_string().contains("heartbeatIntervalSeconds"), "{e}");
+                }
+            }
+        }
     }
 
     #[test]

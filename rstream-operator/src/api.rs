@@ -204,6 +204,14 @@ pub struct TransportSpec {
     /// Deprecated: use `mode: quic`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub use_quic: Option<bool>,
+    /// Seconds between the agent's heartbeats on its control channel (default 5, at most 300).
+    /// The engine answers with the channel's liveness timeout (the local engine: three
+    /// intervals): an agent whose engine falls silent for that long reconnects, and an engine
+    /// that enforces it frees the tunnels of an agent lost with its node that much sooner. Less
+    /// is faster failover for more heartbeats.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 300))]
+    pub heartbeat_interval_seconds: Option<u32>,
 }
 
 /// Shared project, engine and credential settings for the tunnels of a namespace.

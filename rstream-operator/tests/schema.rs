@@ -113,6 +113,18 @@ fn invalid_specs() -> Vec<(&'static str, serde_json::Value, &'static str)> {
             "spec.engine",
         ),
         (
+            "RstreamConnection",
+            serde_json::json!({"engine": "e:443", "tokenSecretRef": token,
+            "transport": {"heartbeatIntervalSeconds": 0}}),
+            "spec.transport.heartbeatIntervalSeconds",
+        ),
+        (
+            "RstreamConnection",
+            serde_json::json!({"engine": "e:443", "tokenSecretRef": token,
+            "transport": {"heartbeatIntervalSeconds": 301}}),
+            "spec.transport.heartbeatIntervalSeconds",
+        ),
+        (
             "RstreamTunnel",
             serde_json::json!({"target": target, "tcpPort": 10042}),
             "tcpPort requires protocol tcp",

@@ -123,7 +123,8 @@ async fn transport_options_the_agent_cannot_honour_are_refused_by_name() {
     }
 
     // What the agent honours is accepted and reaches its configuration: the proxy (URL,
-    // credentials by reference, headers), ipFamily, bind.address, mptcp off, dns.serverName.
+    // credentials by reference, headers), ipFamily, bind.address, mptcp off, dns.serverName, the
+    // heartbeat interval.
     create(
         &env.admin,
         &env.ns,
@@ -138,6 +139,7 @@ async fn transport_options_the_agent_cannot_honour_are_refused_by_name() {
             serde_json::json!({"engine": "127.0.0.1:7443",
                 "tokenSecretRef": {"name": "creds", "key": "token"},
                 "transport": {"mode": "tls", "ipFamily": "ipv6", "mptcp": false, "useQuic": false,
+                    "heartbeatIntervalSeconds": 2,
                     "bind": {"address": "fd00::7"},
                     "dns": {"serverName": "engine.example.io"},
                     "proxy": {"http": "http://proxy.internal:3128",
@@ -179,6 +181,7 @@ async fn transport_options_the_agent_cannot_honour_are_refused_by_name() {
     );
     let config = AgentConfig::from_yaml(&yaml).unwrap();
     let transport = config.connection.transport.unwrap();
+    assert_eq!(transport.heartbeat_interval_seconds, Some(2));
     assert_eq!(transport.bind.unwrap().address.as_deref(), Some("fd00::7"));
     let proxy = transport.proxy.unwrap();
     assert_eq!(proxy.http.as_deref(), Some("http://proxy.internal:3128"));

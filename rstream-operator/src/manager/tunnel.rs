@@ -152,6 +152,7 @@ fn agent_config(
             headers: p.headers.clone(),
         }),
         use_quic: t.use_quic,
+        heartbeat_interval_seconds: t.heartbeat_interval_seconds,
     });
     AgentConfig {
         connection: ConnectionConfig {
