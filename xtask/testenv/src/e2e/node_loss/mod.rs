@@ -16,7 +16,8 @@
 //! - rstream-operator: 2 manager replicas, one per node, the leader on the lost node; a tunnel
 //!   with 2 agents, one per node, the one holding the tunnel on the lost node; a GET through the
 //!   engine every `PAUSE` (50 ms). The leader must move to the surviving node, the tunnel be
-//!   Ready and answer again.
+//!   Ready and answer again. The connection asks for heartbeats every `HEARTBEAT_SECONDS`, so
+//!   the engine frees the lost holder's hostname after three of them, not the default's 15 s.
 //!
 //! Every Pod the clients reach behind a chart (the `web` workloads) and the cluster's CoreDNS
 //! run on the surviving node: the scenarios are about the charts' replicas, not about the
@@ -78,6 +79,9 @@ const AFTERWARDS: Duration = Duration::from_secs(5);
 /// The tunnel of the operator's part, and its hostname at the engine.
 const TUNNEL: &str = "web";
 const HOSTNAME: &str = "web.node-loss.e2e.test";
+/// The connection's `transport.heartbeatIntervalSeconds`: the local engine closes a control
+/// channel silent for three intervals and frees its tunnels, and the standby takes over.
+const HEARTBEAT_SECONDS: u32 = 2;
 /// pod-proxier's leader election Lease (its `--lease-name` default).
 const POD_PROXIER_LEASE: &str = "pod-proxier";
 
@@ -375,7 +379,15 @@ async fn operator_side(env: &Env<'_>, kept: &str, lost: &str) -> anyhow::Result<
             "topologyKey": "kubernetes.io/hostname",
         }],
     }}});
-    operator_chart::quick_start(&client, &ns, &engine, &[(TUNNEL, spec)]).await?;
+    let transport = json!({ "heartbeatIntervalSeconds": HEARTBEAT_SECONDS });
+    operator_chart::quick_start_with_transport(
+        &client,
+        &ns,
+        &engine,
+        Some(transport),
+        &[(TUNNEL, spec)],
+    )
+    .await?;
     pin_web(env, &ns, kept).await?;
     let web = operator_chart::http_tunnel(env, &engine, &ns, TUNNEL).await?;
     if !web.passed() {
@@ -649,7 +661,7 @@ async fn scenarios(
         moved && tunnel_ready.is_ok() && tail(&op_seen),
         lost_at,
         format!(
-            "leader {} -> {}; tunnel holder was {} (standby {}); Ready {}{}; through {}: {}; the engine closed {} silent control channels, {} connections found no holder",
+            "leader {} -> {}; tunnel holder was {} (standby {}, heartbeats every {HEARTBEAT_SECONDS}s); Ready {}{}; through {}: {}; the engine closed {} silent control channels, {} connections found no holder",
             op.leader,
             recovered.operator_leader.as_ref().map_or_else(
                 || "none".to_owned(),

@@ -34,7 +34,7 @@ mod upgrade;
 
 pub use engine::{EngineProcess, EngineView, Login, start_engine};
 use faults::LIVE_END_LIMIT;
-pub use quick_start::{HttpTunnel, http_tunnel, quick_start};
+pub use quick_start::{HttpTunnel, http_tunnel, quick_start, quick_start_with_transport};
 use tunnels::tunnel_scenarios;
 use upgrade::{NEW_FIELD, SURVIVOR, crd_upgrade};
 

@@ -26,6 +26,17 @@ pub async fn quick_start(
     engine: &(impl EngineView + ?Sized),
     tunnel_specs: &[(&str, serde_json::Value)],
 ) -> anyhow::Result<()> {
+    quick_start_with_transport(client, ns, engine, None, tunnel_specs).await
+}
+
+/// [`quick_start`] with the connection's `spec.transport`.
+pub async fn quick_start_with_transport(
+    client: &kube::Client,
+    ns: &str,
+    engine: &(impl EngineView + ?Sized),
+    transport: Option<serde_json::Value>,
+    tunnel_specs: &[(&str, serde_json::Value)],
+) -> anyhow::Result<()> {
     let deployments: Api<Deployment> = Api::namespaced(client.clone(), ns);
     deployments
         .create(
@@ -56,20 +67,21 @@ pub async fn quick_start(
             }))?,
         )
         .await?;
+    let mut connection = json!({
+        "apiVersion": "tunnels.rstream.io/v1alpha1", "kind": "RstreamConnection",
+        "metadata": { "name": "default" },
+        "spec": {
+            "engine": engine.engine_address(),
+            "tokenSecretRef": { "name": "rstream-credentials", "key": "token" },
+            "caSecretRef": { "name": "rstream-credentials", "key": "ca.crt" },
+        },
+    });
+    if let Some(transport) = transport {
+        connection["spec"]["transport"] = transport;
+    }
     let connections: Api<RstreamConnection> = Api::namespaced(client.clone(), ns);
     connections
-        .create(
-            &PostParams::default(),
-            &serde_json::from_value(json!({
-                "apiVersion": "tunnels.rstream.io/v1alpha1", "kind": "RstreamConnection",
-                "metadata": { "name": "default" },
-                "spec": {
-                    "engine": engine.engine_address(),
-                    "tokenSecretRef": { "name": "rstream-credentials", "key": "token" },
-                    "caSecretRef": { "name": "rstream-credentials", "key": "ca.crt" },
-                },
-            }))?,
-        )
+        .create(&PostParams::default(), &serde_json::from_value(connection)?)
         .await?;
     let tunnels: Api<RstreamTunnel> = Api::namespaced(client.clone(), ns);
     for (name, spec) in tunnel_specs {
