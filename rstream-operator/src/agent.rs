@@ -712,11 +712,15 @@ mod tests {
     use crate::agent_config::{ConnectionConfig, TransportConfig};
     use crate::api::DnsSpec;
 
-    /// A connection setting only `transport.dns.serverName` (the DNS-over-TLS resolver's name in
-    /// the original) still checks the engine's certificate against the engine's host: the agent
-    /// connects to an engine whose certificate names `127.0.0.1`, not the resolver.
-    #[tokio::test]
-    async fn dns_server_name_does_not_change_the_engine_certificate_check() {
+    /// Connects to a local engine (token `t`, its CA by file) as an agent whose connection has
+    /// `transport`. The engine and the directory must outlive the channel.
+    async fn connect_with(
+        transport: TransportConfig,
+    ) -> (
+        rstream_client::engine::LocalEngine,
+        tempfile::TempDir,
+        Result<rstream_client::ControlChannel, rstream_client::Error>,
+    ) {
         let engine = rstream_client::engine::LocalEngine::builder()
             .token("t")
             .start()
@@ -729,13 +733,7 @@ mod tests {
             connection: ConnectionConfig {
                 engine: engine.engine_address(),
                 ca_file: Some(ca.display().to_string()),
-                transport: Some(TransportConfig {
-                    dns: Some(DnsSpec {
-                        server_name: Some("dns-resolver.example.invalid".into()),
-                        ..DnsSpec::default()
-                    }),
-                    ..TransportConfig::default()
-                }),
+                transport: Some(transport),
                 ..ConnectionConfig::default()
             },
             ..AgentConfig::default()
@@ -745,6 +743,22 @@ mod tests {
         let connected = tokio::time::timeout(Duration::from_secs(30), client.connect())
             .await
             .expect("no answer from the engine in 30 s");
+        (engine, dir, connected)
+    }
+
+    /// A connection setting only `transport.dns.serverName` (the DNS-over-TLS resolver's name in
+    /// the original) still checks the engine's certificate against the engine's host: the agent
+    /// connects to an engine whose certificate names `127.0.0.1`, not the resolver.
+    #[tokio::test]
+    async fn dns_server_name_does_not_change_the_engine_certificate_check() {
+        let (_engine, _dir, connected) = connect_with(TransportConfig {
+            dns: Some(DnsSpec {
+                server_name: Some("dns-resolver.example.invalid".into()),
+                ..DnsSpec::default()
+            }),
+            ..TransportConfig::default()
+        })
+        .await;
         match connected {
             Ok(channel) => channel.close().await.unwrap(),
             Err(e) => panic!("the engine's certificate was not accepted for its host: {e}"),
@@ -756,32 +770,12 @@ mod tests {
     /// client's default of 5 s).
     #[tokio::test]
     async fn the_heartbeat_interval_is_what_the_agent_negotiates() {
-        let engine = rstream_client::engine::LocalEngine::builder()
-            .token("t")
-            .start()
-            .await
-            .unwrap();
-        let dir = tempfile::tempdir().unwrap();
-        let ca = dir.path().join("engine-ca.pem");
-        std::fs::write(&ca, engine.ca_pem()).unwrap();
-        let config = AgentConfig {
-            connection: ConnectionConfig {
-                engine: engine.engine_address(),
-                ca_file: Some(ca.display().to_string()),
-                transport: Some(TransportConfig {
-                    heartbeat_interval_seconds: Some(2),
-                    ..TransportConfig::default()
-                }),
-                ..ConnectionConfig::default()
-            },
-            ..AgentConfig::default()
-        };
-        let client =
-            client_with_token(&config, &AgentOptions::default(), Some("t".into())).unwrap();
-        let channel = tokio::time::timeout(Duration::from_secs(30), client.connect())
-            .await
-            .expect("no answer from the engine in 30 s")
-            .unwrap();
+        let (_engine, _dir, connected) = connect_with(TransportConfig {
+            heartbeat_interval_seconds: Some(2),
+            ..TransportConfig::default()
+        })
+        .await;
+        let channel = connected.unwrap();
         assert_eq!(channel.liveness_timeout(), Some(Duration::from_secs(6)));
         channel.close().await.unwrap();
     }
