@@ -78,9 +78,12 @@ pub fn contenders(_: &Settings) -> Vec<(&'static str, String)> {
         ),
         (
             OPERATOR,
-            "2 managers and a tunnel's 2 agents, one per node, the leader and the tunnel's \
-             holder on the lost node; Lease 15 s / renew 10 s / retry 2 s"
-                .to_owned(),
+            format!(
+                "2 managers and a tunnel's 2 agents, one per node, the leader and the tunnel's \
+                 holder on the lost node; Lease 15 s / renew 10 s / retry 2 s; the agents' \
+                 heartbeats every {} s (the engine frees a silent holder's hostname after 3)",
+                crate::e2e::node_loss::HEARTBEAT_SECONDS
+            ),
         ),
     ]
 }

@@ -81,7 +81,7 @@ const TUNNEL: &str = "web";
 const HOSTNAME: &str = "web.node-loss.e2e.test";
 /// The connection's `transport.heartbeatIntervalSeconds`: the local engine closes a control
 /// channel silent for three intervals and frees its tunnels, and the standby takes over.
-const HEARTBEAT_SECONDS: u32 = 2;
+pub const HEARTBEAT_SECONDS: u32 = 2;
 /// pod-proxier's leader election Lease (its `--lease-name` default).
 const POD_PROXIER_LEASE: &str = "pod-proxier";
 
