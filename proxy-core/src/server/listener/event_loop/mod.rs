@@ -314,6 +314,8 @@ struct Leg {
     writable: bool,
     /// The peer's FIN was seen: read until EOF even after a short read.
     read_closed: bool,
+    /// An event reported an error: a short read after the FIN may hide it, so read on.
+    errored: bool,
     /// Registered for reading (dropped while the other leg cannot take this leg's bytes).
     read_interest: bool,
 }
@@ -325,6 +327,7 @@ impl Leg {
             readable: false,
             writable: false,
             read_closed: false,
+            errored: false,
             read_interest: true,
         }
     }
@@ -334,6 +337,7 @@ impl Leg {
         self.readable |= event.is_readable() || event.is_read_closed() || broken;
         self.writable |= event.is_writable() || event.is_write_closed() || broken;
         self.read_closed |= event.is_read_closed();
+        self.errored |= broken;
     }
 
     /// Registers or drops read interest; write interest stays (edge-triggered, it only fires
@@ -1285,7 +1289,12 @@ impl Copier<'_> {
                 Err(error) if error.kind() == io::ErrorKind::Interrupted => continue,
                 Err(error) => return Err(fail(error)),
             };
-            if read < want && !src.read_closed {
+            if read < want && src.read_closed && !src.errored {
+                // TCP takes a FIN only after every byte before it, and a read returns all it
+                // has: what came with the FIN was just read whole. The read that would return
+                // 0 is saved (HAProxy does the same).
+                flow.eof = true;
+            } else if read < want && !src.read_closed {
                 src.readable = false;
             }
             flow.streaming = read == want && want >= STREAMING_READ;
