@@ -8,7 +8,7 @@ use anyhow::Context as _;
 use super::relays::Contender;
 use super::{
     CLOSED_PHASE, CPU_PER_GIB, GIB, HAPROXY_AUTO, HAPROXY_FORCED, PROFILE_DIR, PROXY_CORE,
-    PROXY_CORE_BASELINE, Workload,
+    PROXY_CORE_BASELINE, PROXY_CORE_EVENT_LOOP, Workload,
 };
 use crate::bench::procs::Work;
 use crate::bench::report::Figure;
@@ -16,11 +16,14 @@ use crate::bench::report::Figure;
 mod reading;
 
 use reading::{
-    UNIT_COST_PREFIX, cost_table, cost_views, strace_per_connection, strace_per_mib, versus,
+    UNIT_COST_PREFIX, cost_table, cost_views, kernel_floor, strace_per_connection, strace_per_mib,
+    versus,
 };
 
-/// The relays whose profile files the bound notes read, in the order they list them.
-const PROFILED: [&str; 4] = [
+/// The relays whose profile files the bound notes read, in the order they list them: the
+/// event loop first, as it is proxy-core's data path on Linux.
+const PROFILED: [&str; 5] = [
+    PROXY_CORE_EVENT_LOOP,
     PROXY_CORE,
     PROXY_CORE_BASELINE,
     HAPROXY_FORCED,
@@ -51,6 +54,20 @@ pub(super) fn bounds(figures: &[Figure]) -> Vec<String> {
     };
     let mut notes = Vec::new();
     let closed_cpu = format!("{CLOSED_PHASE}: relay CPU per 1000 connections");
+    // Both of proxy-core's data paths against both HAProxy configurations, in one figure.
+    let this_run = |figure: &str| {
+        [PROXY_CORE_EVENT_LOOP, PROXY_CORE]
+            .iter()
+            .map(|ours| {
+                format!(
+                    "{ours} {} HAProxy forced splice, {} splice-auto",
+                    versus(figures, figure, ours, HAPROXY_FORCED),
+                    versus(figures, figure, ours, HAPROXY_AUTO)
+                )
+            })
+            .collect::<Vec<_>>()
+            .join("; ")
+    };
     let mut syscalls = Vec::new();
     for contender in PROFILED {
         if let Some((path, text)) = read(contender, "connections.strace")
@@ -69,9 +86,8 @@ pub(super) fn bounds(figures: &[Figure]) -> Vec<String> {
     }
     if !syscalls.is_empty() {
         notes.push(format!(
-            "Bound, CPU per connection (this run: proxy-core {} HAProxy forced splice, {} splice-auto): per connection the relays pay the kernel for their syscalls, each with its loopback delivery. {}.",
-            versus(figures, &closed_cpu, PROXY_CORE, HAPROXY_FORCED),
-            versus(figures, &closed_cpu, PROXY_CORE, HAPROXY_AUTO),
+            "Bound, CPU per connection (this run: {}): per connection the relays pay the kernel for their syscalls, each with its loopback delivery. {}.",
+            this_run(&closed_cpu),
             syscalls.join("; ")
         ));
     }
@@ -90,7 +106,7 @@ pub(super) fn bounds(figures: &[Figure]) -> Vec<String> {
     }
     if !wakeups.is_empty() {
         notes.push(format!(
-            "Bound, CPU per GiB, wake-ups: syscalls per MiB of a one-stream upload. Every `epoll_wait` is a wake-up of the relay; HAProxy drops a socket's read interest (`epoll_ctl`) while the other side cannot take more, tokio keeps every socket registered for both directions (edge-triggered), so each segment that arrives while the relay waits to write wakes it for nothing. {}.",
+            "Bound, CPU per GiB, wake-ups: syscalls per MiB of a one-stream upload. Every `epoll_wait` is a wake-up of the relay; HAProxy and proxy-core's event loop drop a socket's read interest (`epoll_ctl`) while the other side cannot take more, tokio keeps every socket registered for both directions (edge-triggered), so each segment that arrives while the relay waits to write wakes it for nothing. {}.",
             wakeups.join("; ")
         ));
     }
@@ -105,10 +121,17 @@ pub(super) fn bounds(figures: &[Figure]) -> Vec<String> {
         if let Some(table) = cost_table(kind, &PROFILED, &read) {
             let indented: String = table.lines().map(|line| format!("\n  {line}")).collect();
             notes.push(format!(
-                "Bound, {what}, line by line (this run: proxy-core {} HAProxy forced splice, {} splice-auto): each relay's CPU per unit in its profiled window, split by where perf found it (user-space objects; kernel time by syscall, inclusive of the loopback delivery it does):\n{indented}",
-                versus(figures, figure, PROXY_CORE, HAPROXY_FORCED),
-                versus(figures, figure, PROXY_CORE, HAPROXY_AUTO),
+                "Bound, {what}, line by line (this run: {}): each relay's CPU per unit in its profiled window, split by where perf found it (user-space objects; kernel time by syscall, inclusive of the loopback delivery it does):\n{indented}",
+                this_run(figure),
             ));
+        }
+        if let Some(floor) = kernel_floor(
+            kind,
+            &[PROXY_CORE_EVENT_LOOP, PROXY_CORE],
+            &[HAPROXY_FORCED, HAPROXY_AUTO],
+            &read,
+        ) {
+            notes.push(format!("Bound, {what}, the kernel's floor: {floor}"));
         }
     }
     notes

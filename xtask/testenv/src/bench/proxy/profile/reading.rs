@@ -57,6 +57,8 @@ pub(super) fn cost_views(data: &std::path::Path) -> anyhow::Result<String> {
 struct CostSplit {
     unit: String,
     total: f64,
+    /// The kernel's part of `total`, in syscalls or not.
+    kernel: f64,
     lines: Vec<(String, f64)>,
 }
 
@@ -99,7 +101,12 @@ fn cost_split(text: &str) -> Option<CostSplit> {
         "kernel, outside syscalls".to_owned(),
         (kernel - syscalls).max(0.0),
     ));
-    Some(CostSplit { unit, total, lines })
+    Some(CostSplit {
+        unit,
+        total,
+        kernel,
+        lines,
+    })
 }
 
 /// Reads a contender's profile file of one kind: (its path, its text).
@@ -188,6 +195,64 @@ pub(super) fn cost_table(
     let sources: Vec<String> = splits.iter().map(|(_, path, _)| path.clone()).collect();
     table.push_str(&format!("\nFrom {}.\n", sources.join(", ")));
     Some(table)
+}
+
+/// What each of `ours` would cost with no user-space work at all, the same kernel calls kept:
+/// its kernel share, against each of `references`' whole cost, all from the perf files of
+/// `kind` (their profiled windows). A ratio here is the lowest any user-space change can reach.
+pub(super) fn kernel_floor(
+    kind: &str,
+    ours: &[&str],
+    references: &[&str],
+    read: &ReadProfile<'_>,
+) -> Option<String> {
+    let split = |contender: &str| {
+        let (path, text) = read(contender, kind)?;
+        Some((path, cost_split(&text)?))
+    };
+    let references: Vec<(&str, String, CostSplit)> = references
+        .iter()
+        .filter_map(|name| split(name).map(|(path, split)| (*name, path, split)))
+        .collect();
+    let mut parts = Vec::new();
+    let mut sources = Vec::new();
+    for name in ours {
+        let Some((path, own)) = split(name) else {
+            continue;
+        };
+        let against: Vec<String> = references
+            .iter()
+            .filter(|(_, _, reference)| reference.total > 0.0)
+            .map(|(reference_name, _, reference)| {
+                format!(
+                    "{:.2}x {reference_name}'s {:.3}",
+                    own.kernel / reference.total,
+                    reference.total
+                )
+            })
+            .collect();
+        if against.is_empty() {
+            continue;
+        }
+        parts.push(format!(
+            "{name} {:.3} of its {:.3} {} in the kernel ({:.0} %): {}",
+            own.kernel,
+            own.total,
+            own.unit,
+            100.0 * own.kernel / own.total.max(f64::MIN_POSITIVE),
+            against.join(", ")
+        ));
+        sources.push(path);
+    }
+    if parts.is_empty() {
+        return None;
+    }
+    sources.extend(references.into_iter().map(|(_, path, _)| path));
+    Some(format!(
+        "the kernel's part of a relay's CPU (its syscalls with the loopback deliveries they do, and what runs outside them) against the whole CPU of the other relay, in the profiled windows; a relay that makes the same kernel calls cannot go below this ratio by spending less in user space. {}. From {}.",
+        parts.join("; "),
+        sources.join(", ")
+    ))
 }
 
 /// Syscalls per MiB moved from a bulk `--profile` strace file, most frequent first; the bytes
@@ -397,6 +462,38 @@ mod tests {
         );
         assert!(table.contains("From ours.txt, theirs.txt."), "{table}");
         assert!(cost_table("connections.perf", &[HAPROXY_AUTO], &read).is_none());
+    }
+
+    #[test]
+    fn the_kernel_floor_sets_each_relays_kernel_share_against_the_others_whole_cost() {
+        let ours = "# relay CPU per unit: 100.0 CPU us per connection\ncost object 90.00% [kernel.kallsyms]\ncost object 10.00% tcp_relay\ncost syscall 60.00% connect\n";
+        let theirs = "# relay CPU per unit: 120.0 CPU us per connection\ncost object 80.00% [kernel.kallsyms]\ncost object 20.00% haproxy\ncost syscall 70.00% connect\n";
+        let read = |contender: &str, _kind: &str| match contender {
+            PROXY_CORE => Some(("ours.txt".to_owned(), ours.to_owned())),
+            HAPROXY_FORCED => Some(("theirs.txt".to_owned(), theirs.to_owned())),
+            _ => None,
+        };
+        let Some(floor) = kernel_floor(
+            "connections.perf",
+            &[PROXY_CORE, DIRECT],
+            &[HAPROXY_FORCED, HAPROXY_AUTO],
+            &read,
+        ) else {
+            panic!("no floor");
+        };
+        // 90 of 100 in the kernel, against HAProxy's whole 120.
+        assert!(
+            floor.contains(
+                "proxy-core 90.000 of its 100.000 CPU us per connection in the kernel (90 %): 0.75x haproxy forced splice's 120.000"
+            ),
+            "{floor}"
+        );
+        assert!(!floor.contains("splice-auto"), "{floor}");
+        assert!(floor.ends_with("From ours.txt, theirs.txt."), "{floor}");
+        assert!(
+            kernel_floor("connections.perf", &[PROXY_CORE], &[HAPROXY_AUTO], &read).is_none(),
+            "no reference measured"
+        );
     }
 
     #[test]
