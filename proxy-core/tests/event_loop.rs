@@ -1,7 +1,7 @@
 //! What only the event-loop data path does (Linux): plain routes relayed on the server's loop
-//! thread, other upstreams handed to the runtime per connection, and a source's read interest
-//! dropped while its destination is full. Every other server test runs on this path too with
-//! `PROXY_CORE_TEST_DATA_PATH=event-loop`.
+//! thread, other upstreams handed to the runtime per connection, a source's read interest
+//! dropped while its destination is full, and a FIN read with the last bytes. Every other
+//! server test runs on this path too with `PROXY_CORE_TEST_DATA_PATH=event-loop`.
 #![cfg(target_os = "linux")]
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -299,5 +299,49 @@ async fn a_connect_that_never_completes_times_out() {
     .await;
     assert_eq!(CountingObserver::get(&observer.connect_timeouts), 1);
     assert_eq!(observer.endings(), [Ending::ConnectFailed]);
+    server.shutdown(Duration::from_secs(1)).await;
+}
+
+/// A FIN that comes with the last bytes ends the stream without another read: every byte before
+/// it still arrives, in both directions, also when the bytes before came in several pieces.
+#[tokio::test(flavor = "current_thread")]
+async fn bytes_that_come_with_the_fin_arrive_whole_and_end_the_stream() {
+    let upstream = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let upstream_addr = upstream.local_addr().unwrap();
+    let answer = random_payload(5 * 3_000);
+    let answering = {
+        let answer = answer.clone();
+        tokio::spawn(async move {
+            let (mut socket, _) = upstream.accept().await.unwrap();
+            let mut request = Vec::new();
+            socket.read_to_end(&mut request).await.unwrap();
+            // Pieces apart, so the relay reads short before the FIN comes; the last one and
+            // the FIN leave together.
+            for piece in answer.chunks(3_000) {
+                socket.write_all(piece).await.unwrap();
+                tokio::time::sleep(Duration::from_millis(30)).await;
+            }
+            socket.shutdown().await.unwrap();
+            request
+        })
+    };
+    let server = event_loop_server(Arc::new(CountingObserver::default()));
+    let addr = server
+        .add_listener(ListenerConfig::new(
+            "127.0.0.1:0".parse().unwrap(),
+            Route::new("t", upstream_addr),
+        ))
+        .unwrap();
+    let mut client = TcpStream::connect(addr).await.unwrap();
+    client.write_all(b"request").await.unwrap();
+    client.shutdown().await.unwrap();
+    let mut received = Vec::new();
+    tokio::time::timeout(Duration::from_secs(30), client.read_to_end(&mut received))
+        .await
+        .expect("the answer ends within 30 s")
+        .unwrap();
+    assert_eq!(received.len(), answer.len());
+    assert!(received == answer, "the answer arrived changed");
+    assert_eq!(answering.await.unwrap(), b"request");
     server.shutdown(Duration::from_secs(1)).await;
 }
