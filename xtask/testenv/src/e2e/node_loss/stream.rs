@@ -51,19 +51,31 @@ impl Seen {
         }
     }
 
-    /// [`Self::tally_since`] in one line, with the first failure's reason.
+    /// [`Self::tally_since`] in one line, with the first failure's reason, and the last one's
+    /// when there were more (a late failure's reason is what tells its cause).
     pub(super) fn describe_since(&self, lost_at: Instant) -> String {
         let tally = self.tally_since(lost_at);
+        let failed = self.failures_since(lost_at);
+        let why = |failure: Option<&&(Instant, Option<String>)>| {
+            let (at, why) = failure?;
+            Some((at.duration_since(lost_at), why.clone()?))
+        };
+        let reasons = match (
+            why(failed.first()),
+            why(failed.get(1..).and_then(<[_]>::last)),
+        ) {
+            (Some((_, first)), Some((at, last))) => format!(
+                " (first: {first}; last, sent {:.1}s after the loss: {last})",
+                at.as_secs_f64()
+            ),
+            (Some((_, first)), None) => format!(" (first: {first})"),
+            _ => String::new(),
+        };
         format!(
-            "{} of {} requests from the loss on failed, recovered {:.1}s after the loss{}",
+            "{} of {} requests from the loss on failed, recovered {:.1}s after the loss{reasons}",
             tally.failed,
             tally.sent,
             tally.recovery.as_secs_f64(),
-            self.failures_since(lost_at)
-                .first()
-                .and_then(|(_, why)| why.as_deref())
-                .map(|why| format!(" (first: {why})"))
-                .unwrap_or_default()
         )
     }
 }
@@ -125,7 +137,14 @@ mod tests {
         assert_eq!(seen.sent_since(lost_at), 4);
         assert_eq!(
             seen.describe_since(lost_at),
-            "2 of 4 requests from the loss on failed, recovered 1.1s after the loss (first: dead)"
+            "2 of 4 requests from the loss on failed, recovered 1.1s after the loss (first: dead; last, sent 1.1s after the loss: dead again)"
+        );
+        let one = Seen {
+            requests: vec![(at(200), Some("dead".to_owned()))],
+        };
+        assert_eq!(
+            one.describe_since(lost_at),
+            "1 of 1 requests from the loss on failed, recovered 0.1s after the loss (first: dead)"
         );
     }
 }
