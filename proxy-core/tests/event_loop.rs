@@ -43,6 +43,13 @@ fn event_loop_server(observer: Arc<dyn RelayObserver>) -> ProxyServer {
     ProxyServer::new(config, observer).unwrap()
 }
 
+/// A listener of `server` on a free loopback port with `route`; its address.
+fn listen(server: &ProxyServer, route: Route) -> SocketAddr {
+    server
+        .add_listener(ListenerConfig::new("127.0.0.1:0".parse().unwrap(), route))
+        .unwrap()
+}
+
 async fn roundtrip(addr: SocketAddr) {
     let payload = Arc::new(random_payload(100_000));
     let client = TcpStream::connect(addr).await.unwrap();
@@ -57,12 +64,7 @@ async fn socket_routes_run_on_the_loop_thread_and_other_upstreams_on_the_runtime
     let echo = echo_server().await;
     let observer = Arc::new(ThreadsObserver::default());
     let server = event_loop_server(observer.clone());
-    let addr = server
-        .add_listener(ListenerConfig::new(
-            "127.0.0.1:0".parse().unwrap(),
-            Route::new("echo", echo.addr),
-        ))
-        .unwrap();
+    let addr = listen(&server, Route::new("echo", echo.addr));
     roundtrip(addr).await;
     assert_eq!(
         observer.opened_on.lock().unwrap().clone(),
@@ -135,12 +137,7 @@ async fn a_full_upstream_drops_the_clients_read_interest_until_the_client_runs_d
     let upstream = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let upstream_addr = upstream.local_addr().unwrap();
     let server = event_loop_server(Arc::new(CountingObserver::default()));
-    let addr = server
-        .add_listener(ListenerConfig::new(
-            "127.0.0.1:0".parse().unwrap(),
-            Route::new("stalled", upstream_addr),
-        ))
-        .unwrap();
+    let addr = listen(&server, Route::new("stalled", upstream_addr));
 
     let mut client = TcpStream::connect(addr).await.unwrap();
     let (mut accepted, _) = upstream.accept().await.unwrap();
@@ -195,9 +192,7 @@ async fn the_proxy_header_comes_first_with_the_clients_addresses() {
     let upstream = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let server = event_loop_server(Arc::new(CountingObserver::default()));
     let route = Route::new("pp", upstream.local_addr().unwrap()).with_proxy_protocol(true);
-    let addr = server
-        .add_listener(ListenerConfig::new("127.0.0.1:0".parse().unwrap(), route))
-        .unwrap();
+    let addr = listen(&server, route);
     let mut client = TcpStream::connect(addr).await.unwrap();
     client.write_all(b"hello").await.unwrap();
     let (mut accepted, _) = upstream.accept().await.unwrap();
@@ -326,12 +321,7 @@ async fn bytes_that_come_with_the_fin_arrive_whole_and_end_the_stream() {
         })
     };
     let server = event_loop_server(Arc::new(CountingObserver::default()));
-    let addr = server
-        .add_listener(ListenerConfig::new(
-            "127.0.0.1:0".parse().unwrap(),
-            Route::new("t", upstream_addr),
-        ))
-        .unwrap();
+    let addr = listen(&server, Route::new("t", upstream_addr));
     let mut client = TcpStream::connect(addr).await.unwrap();
     client.write_all(b"request").await.unwrap();
     client.shutdown().await.unwrap();
