@@ -1,6 +1,7 @@
 //! What only the event-loop data path does (Linux): plain routes relayed on the server's loop
 //! thread, other upstreams handed to the runtime per connection, a source's read interest
-//! dropped while its destination is full, and a FIN read with the last bytes. Every other
+//! dropped while its destination is full, a client watched for writing only once it is full,
+//! and a FIN read with the last bytes. Every other
 //! server test runs on this path too with `PROXY_CORE_TEST_DATA_PATH=event-loop`.
 #![cfg(target_os = "linux")]
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -96,13 +97,12 @@ async fn socket_routes_run_on_the_loop_thread_and_other_upstreams_on_the_runtime
     assert_eq!(report.forced, 0);
 }
 
-/// The epoll registrations of this process that watch for writing but not for reading, from
-/// `/proc/self/fdinfo` of every epoll descriptor (`tfd: N events: MASK ...`). Tokio registers
-/// every socket for both; only the event loop drops reading.
-fn write_only_registrations() -> usize {
-    const EPOLLIN: u32 = 0x1;
-    const EPOLLOUT: u32 = 0x4;
-    let mut count = 0;
+const EPOLLIN: u32 = 0x1;
+const EPOLLOUT: u32 = 0x4;
+
+/// The event mask descriptor `fd` is registered with in one of this process's epoll
+/// descriptors, from their `/proc/self/fdinfo` (`tfd: N events: MASK ...`).
+fn epoll_mask_of(fd: &str) -> Option<u32> {
     for entry in std::fs::read_dir("/proc/self/fd").unwrap().flatten() {
         let Ok(target) = std::fs::read_link(entry.path()) else {
             continue;
@@ -110,25 +110,55 @@ fn write_only_registrations() -> usize {
         if target.to_string_lossy() != "anon_inode:[eventpoll]" {
             continue;
         }
-        let fd = entry.file_name();
-        let Ok(info) =
-            std::fs::read_to_string(format!("/proc/self/fdinfo/{}", fd.to_string_lossy()))
-        else {
+        let path = format!("/proc/self/fdinfo/{}", entry.file_name().to_string_lossy());
+        let Ok(info) = std::fs::read_to_string(path) else {
             continue;
         };
         for line in info.lines().filter(|line| line.starts_with("tfd:")) {
-            let mask = line
-                .split_whitespace()
+            let mut words = line.split_whitespace();
+            if words.nth(1) != Some(fd) {
+                continue;
+            }
+            return words
                 .skip_while(|word| *word != "events:")
                 .nth(1)
-                .and_then(|hex| u32::from_str_radix(hex, 16).ok())
-                .unwrap_or(0);
-            if mask & EPOLLOUT != 0 && mask & EPOLLIN == 0 {
-                count += 1;
-            }
+                .and_then(|hex| u32::from_str_radix(hex, 16).ok());
         }
     }
-    count
+    None
+}
+
+/// The epoll event mask this process registered the socket `local` ↔ `remote` with (IPv4): its
+/// inode from `/proc/net/tcp`, its descriptor from `/proc/self/fd`, its mask from the epoll
+/// descriptors' `fdinfo`.
+fn registered_mask(local: SocketAddr, remote: SocketAddr) -> Option<u32> {
+    let hex = |addr: SocketAddr| match addr {
+        SocketAddr::V4(v4) => format!(
+            "{:08X}:{:04X}",
+            u32::from_ne_bytes(v4.ip().octets()),
+            v4.port()
+        ),
+        SocketAddr::V6(_) => unreachable!("IPv4 only"),
+    };
+    let (local, remote) = (hex(local), hex(remote));
+    let table = std::fs::read_to_string("/proc/net/tcp").unwrap();
+    let inode = table.lines().skip(1).find_map(|line| {
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        (fields.get(1) == Some(&local.as_str()) && fields.get(2) == Some(&remote.as_str()))
+            .then(|| fields.get(9).map(|inode| inode.to_string()))
+            .flatten()
+    })?;
+    let socket = format!("socket:[{inode}]");
+    let fd = std::fs::read_dir("/proc/self/fd")
+        .unwrap()
+        .flatten()
+        .find(|entry| {
+            std::fs::read_link(entry.path()).is_ok_and(|target| target.to_string_lossy() == socket)
+        })?
+        .file_name()
+        .to_string_lossy()
+        .into_owned();
+    epoll_mask_of(&fd)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -140,6 +170,8 @@ async fn a_full_upstream_drops_the_clients_read_interest_until_the_client_runs_d
     let addr = listen(&server, Route::new("stalled", upstream_addr));
 
     let mut client = TcpStream::connect(addr).await.unwrap();
+    // The relay's socket of this client: local `addr`, remote the client's address.
+    let relay_leg = (addr, client.local_addr().unwrap());
     let (mut accepted, _) = upstream.accept().await.unwrap();
     let chunk = vec![7u8; 64 << 10];
     let mut sent = 0usize;
@@ -152,7 +184,7 @@ async fn a_full_upstream_drops_the_clients_read_interest_until_the_client_runs_d
     eventually(
         Duration::from_secs(30),
         "the client's registration without read interest",
-        || write_only_registrations() == 1,
+        || registered_mask(relay_leg.0, relay_leg.1).is_some_and(|mask| mask & EPOLLIN == 0),
     )
     .await;
 
@@ -167,7 +199,7 @@ async fn a_full_upstream_drops_the_clients_read_interest_until_the_client_runs_d
     eventually(
         Duration::from_secs(30),
         "read interest back once the client ran dry",
-        || write_only_registrations() == 0,
+        || registered_mask(relay_leg.0, relay_leg.1).is_some_and(|mask| mask & EPOLLIN != 0),
     )
     .await;
     // And it works: bytes the client sends now wake the loop and arrive, then its FIN.
@@ -181,7 +213,7 @@ async fn a_full_upstream_drops_the_clients_read_interest_until_the_client_runs_d
     assert_eq!(rest, b"more");
     drop(accepted);
     eventually(Duration::from_secs(30), "connection closed", || {
-        write_only_registrations() == 0
+        registered_mask(relay_leg.0, relay_leg.1).is_none()
     })
     .await;
     server.shutdown(Duration::from_secs(5)).await;
@@ -334,4 +366,60 @@ async fn bytes_that_come_with_the_fin_arrive_whole_and_end_the_stream() {
     assert!(received == answer, "the answer arrived changed");
     assert_eq!(answering.await.unwrap(), b"request");
     server.shutdown(Duration::from_secs(1)).await;
+}
+
+/// A client is watched for writing only once a write to it found its send buffer full (until
+/// then its ACKs and the ACK of a FIN wake nobody); from then on, its reading lets the held
+/// bytes go on, to the last.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_is_watched_for_writing_only_once_it_is_full() {
+    let upstream = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let upstream_addr = upstream.local_addr().unwrap();
+    let server = event_loop_server(Arc::new(CountingObserver::default()));
+    let addr = listen(&server, Route::new("download", upstream_addr));
+
+    let mut client = TcpStream::connect(addr).await.unwrap();
+    let (mut accepted, _) = upstream.accept().await.unwrap();
+    // One exchange each way: the relay has connected and written to both legs.
+    let mut word = [0u8; 5];
+    client.write_all(b"hello").await.unwrap();
+    accepted.read_exact(&mut word).await.unwrap();
+    accepted.write_all(b"world").await.unwrap();
+    client.read_exact(&mut word).await.unwrap();
+    assert_eq!(&word, b"world");
+    // The relay's socket of this client: local `addr`, remote the client's address.
+    let relay_leg = (addr, client.local_addr().unwrap());
+    let mask = registered_mask(relay_leg.0, relay_leg.1).expect("the client's registration");
+    assert_eq!(
+        (mask & EPOLLIN, mask & EPOLLOUT),
+        (EPOLLIN, 0),
+        "the client is registered for reading only"
+    );
+
+    // The upstream writes until it blocks: the client reads nothing, so every buffer on the
+    // way is full by then.
+    let chunk = vec![9u8; 64 << 10];
+    let mut sent = 0usize;
+    while let Ok(written) =
+        tokio::time::timeout(Duration::from_millis(500), accepted.write(&chunk)).await
+    {
+        sent += written.unwrap();
+    }
+    eventually(
+        Duration::from_secs(30),
+        "the full client registered for writing too",
+        || registered_mask(relay_leg.0, relay_leg.1).is_some_and(|mask| mask & EPOLLOUT != 0),
+    )
+    .await;
+
+    // Reading now wakes the loop for the held bytes: all of them arrive, then the FIN.
+    accepted.shutdown().await.unwrap();
+    let mut received = Vec::new();
+    tokio::time::timeout(Duration::from_secs(30), client.read_to_end(&mut received))
+        .await
+        .expect("the held bytes and the FIN arrive")
+        .unwrap();
+    assert_eq!(received.len(), sent);
+    assert!(received.iter().all(|byte| *byte == 9));
+    server.shutdown(Duration::from_secs(5)).await;
 }

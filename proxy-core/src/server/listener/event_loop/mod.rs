@@ -38,8 +38,11 @@
 //!   event ends the connect, `SO_ERROR` is read only on an error or hang-up event. The PROXY v2
 //!   header is written then, in one `send` on the fresh socket (a short write fails the
 //!   connection as a header error, which a socket with an empty send buffer never does).
-//! * **Relay**: each socket is registered edge-triggered once, for reading and writing; the
-//!   loop keeps its own readiness flags, cleared by `EAGAIN` or a short transfer. A direction
+//! * **Relay**: each socket is registered edge-triggered once, the client for reading, the
+//!   upstream for writing too (which ends its connect). The client gets write interest only
+//!   when a write finds its send buffer full, so its ACKs and the ACK of our FIN do not wake
+//!   the loop for nothing (HAProxy asks for writes only while one is pending, too). The loop
+//!   keeps its own readiness flags, cleared by `EAGAIN` or a short transfer. A direction
 //!   copies while its source is readable and its destination writable: through the per-thread
 //!   scratch buffer, or, once a read fills 16 KiB and the copy mode allows it, through a pipe
 //!   from the process-wide [pool](crate::pipe) (same budget, same hand-back when the source
@@ -318,17 +321,32 @@ struct Leg {
     errored: bool,
     /// Registered for reading (dropped while the other leg cannot take this leg's bytes).
     read_interest: bool,
+    /// Registered for writing: from the first write that found the send buffer full (or the
+    /// connect) on. Without it, no event comes for the peer's ACKs and state changes (the ACK
+    /// of a FIN would wake the loop for nothing to do).
+    write_interest: bool,
 }
 
 impl Leg {
-    fn new(socket: StdStream) -> Self {
+    /// A connected leg: writable until a write says otherwise, registered for reading only.
+    fn connected(socket: StdStream) -> Self {
         Self {
             socket,
             readable: false,
-            writable: false,
+            writable: true,
             read_closed: false,
             errored: false,
             read_interest: true,
+            write_interest: false,
+        }
+    }
+
+    /// A leg still connecting: registered for writing too, which ends the connect.
+    fn connecting(socket: StdStream) -> Self {
+        Self {
+            writable: false,
+            write_interest: true,
+            ..Self::connected(socket)
         }
     }
 
@@ -340,20 +358,43 @@ impl Leg {
         self.errored |= broken;
     }
 
-    /// Registers or drops read interest; write interest stays (edge-triggered, it only fires
-    /// after a write found the send buffer full).
+    /// The interest this leg is registered with.
+    fn interest(&self) -> Interest {
+        match (self.read_interest, self.write_interest) {
+            (true, true) => Interest::READABLE | Interest::WRITABLE,
+            (true, false) => Interest::READABLE,
+            _ => Interest::WRITABLE,
+        }
+    }
+
+    /// Registers or drops read interest. Write interest stays, and comes with a dropped read
+    /// interest (a registration cannot be empty; edge-triggered, it fires only after a write
+    /// found the send buffer full or on a state change).
     fn want_read(&mut self, want: bool, registry: &Registry, token: Token) -> io::Result<()> {
         if self.read_interest == want {
             return Ok(());
         }
-        let interest = if want {
-            Interest::READABLE | Interest::WRITABLE
-        } else {
-            Interest::WRITABLE
-        };
-        registry.reregister(&mut SourceFd(&self.socket.as_raw_fd()), token, interest)?;
         self.read_interest = want;
-        Ok(())
+        self.write_interest |= !want;
+        registry.reregister(
+            &mut SourceFd(&self.socket.as_raw_fd()),
+            token,
+            self.interest(),
+        )
+    }
+
+    /// Registers write interest once a write found the send buffer full; it stays (one
+    /// `epoll_ctl` per connection that ever stalls, not one per stall).
+    fn want_write(&mut self, registry: &Registry, token: Token) -> io::Result<()> {
+        if self.write_interest {
+            return Ok(());
+        }
+        self.write_interest = true;
+        registry.reregister(
+            &mut SourceFd(&self.socket.as_raw_fd()),
+            token,
+            self.interest(),
+        )
     }
 }
 
@@ -711,7 +752,7 @@ impl Loop {
             id,
             peer,
             counters: Arc::new(RelayCounters::new()),
-            client: Leg::new(client),
+            client: Leg::connected(client),
             upstream: None,
             connecting: Some(Connecting { target, deadline }),
             flows: Default::default(),
@@ -734,7 +775,7 @@ impl Loop {
                 self.poll.registry().register(
                     &mut SourceFd(&conn.client.socket.as_raw_fd()),
                     Token(key << 1),
-                    Interest::READABLE | Interest::WRITABLE,
+                    conn.client.interest(),
                 )
             });
         if let Some(Err(error)) = registered {
@@ -759,7 +800,7 @@ impl Loop {
         match upstream {
             Ok(upstream) => {
                 if let Some(Some(conn)) = self.conns.get_mut(key) {
-                    conn.upstream = Some(Leg::new(upstream));
+                    conn.upstream = Some(Leg::connecting(upstream));
                 }
                 self.arm(key);
             }
@@ -1223,6 +1264,8 @@ impl Copier<'_> {
             // Held bytes first.
             if flow.in_pipe > 0 || flow.held_from < flow.held.len() {
                 if !dst.writable {
+                    dst.want_write(self.registry, Token(src_token.0 ^ 1))
+                        .map_err(fail)?;
                     if !flow.blocked && !flow.eof {
                         src.want_read(false, self.registry, src_token)
                             .map_err(fail)?;
