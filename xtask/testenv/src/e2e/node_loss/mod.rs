@@ -486,7 +486,7 @@ async fn scenarios(
     );
     let testbox = |addr: SocketAddr| {
         move || async move {
-            let body = check::http_get(addr, "/").await?;
+            let body = stream::staged_get(addr, "/").await?;
             if body.contains("\"pod\":\"web-") {
                 Ok(())
             } else {
