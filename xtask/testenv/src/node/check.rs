@@ -549,30 +549,39 @@ pub async fn reach_all(
 /// A one-shot HTTP/1.0 GET; returns the body of a 200 answer.
 pub async fn http_get(addr: SocketAddr, path: &str) -> Result<String, String> {
     let exchange = async {
-        let mut stream = tokio::net::TcpStream::connect(addr)
+        let stream = tokio::net::TcpStream::connect(addr)
             .await
             .map_err(|e| format!("connect: {e}"))?;
-        let request = format!("GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n");
-        stream
-            .write_all(request.as_bytes())
-            .await
-            .map_err(|e| format!("write: {e}"))?;
-        let mut response = Vec::new();
-        stream
-            .read_to_end(&mut response)
-            .await
-            .map_err(|e| format!("read: {e}"))?;
-        let text = String::from_utf8_lossy(&response).into_owned();
-        let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
-        if !head.starts_with("HTTP/1.1 200") && !head.starts_with("HTTP/1.0 200") {
-            return Err(format!("answer: {head}"));
-        }
-        Ok(body.to_owned())
+        http_get_on(stream, addr, path).await
     };
     // Generous: a busy node answers late, and a late answer is still an answer.
     tokio::time::timeout(Duration::from_secs(10), exchange)
         .await
         .map_err(|_| "timed out after 10 s".to_owned())?
+}
+
+/// `GET path` (HTTP/1.0, `Host: addr`) on the connected `stream`: the body of a 200 answer.
+pub async fn http_get_on(
+    mut stream: tokio::net::TcpStream,
+    addr: SocketAddr,
+    path: &str,
+) -> Result<String, String> {
+    let request = format!("GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n");
+    stream
+        .write_all(request.as_bytes())
+        .await
+        .map_err(|e| format!("write: {e}"))?;
+    let mut response = Vec::new();
+    stream
+        .read_to_end(&mut response)
+        .await
+        .map_err(|e| format!("read: {e}"))?;
+    let text = String::from_utf8_lossy(&response).into_owned();
+    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    if !head.starts_with("HTTP/1.1 200") && !head.starts_with("HTTP/1.0 200") {
+        return Err(format!("answer: {head}"));
+    }
+    Ok(body.to_owned())
 }
 
 async fn node_ready(plane: &ControlPlane, name: &str) -> Result<bool, TestingError> {

@@ -7,8 +7,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::TcpStream;
+
+use crate::node::check;
 
 /// The pause between two requests.
 pub(super) const PAUSE: Duration = Duration::from_millis(50);
@@ -95,38 +96,22 @@ pub struct Tally {
     pub recovery: Duration,
 }
 
-/// `GET path` through `addr` over HTTP/1.0, the body of a 200 answer; a failure says how far
-/// the request got: no connection (the way in, e.g. a Service's routing, lost the SYN) or
-/// connected from a given port without a whole answer (what relays behind it hung). Bounded just
-/// under [`REQUEST_LIMIT`], so the step is told before [`steady`] gives up on the request.
+/// `GET path` through `addr` ([`check::http_get_on`]); a failure says how far the request got:
+/// no connection (the way in, e.g. a Service's routing, lost the SYN) or connected from a given
+/// port without a whole answer (what relays behind it hung). Bounded just under
+/// [`REQUEST_LIMIT`], so the step is told before [`steady`] gives up on the request.
 pub(super) async fn staged_get(addr: SocketAddr, path: &str) -> Result<String, String> {
     let limit = REQUEST_LIMIT.mul_f64(0.95);
     let deadline = tokio::time::Instant::now() + limit;
-    let mut stream = tokio::time::timeout_at(deadline, TcpStream::connect(addr))
+    let stream = tokio::time::timeout_at(deadline, TcpStream::connect(addr))
         .await
         .map_err(|_| format!("no connection to {addr} within {limit:?}"))?
         .map_err(|e| format!("connect: {e}"))?;
     let from = stream.local_addr().map_or(0, |local| local.port());
-    let exchange = async {
-        let request = format!("GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n");
-        stream
-            .write_all(request.as_bytes())
-            .await
-            .map_err(|e| format!("write: {e}"))?;
-        let mut response = Vec::new();
-        let read = stream.read_to_end(&mut response).await;
-        Ok::<_, String>((response, read))
-    };
-    let (response, read) = tokio::time::timeout_at(deadline, exchange)
+    tokio::time::timeout_at(deadline, check::http_get_on(stream, addr, path))
         .await
-        .map_err(|_| format!("connected from port {from}, no whole answer within {limit:?}"))??;
-    read.map_err(|e| format!("connected from port {from}, read: {e}"))?;
-    let text = String::from_utf8_lossy(&response).into_owned();
-    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
-    if !head.starts_with("HTTP/1.1 200") && !head.starts_with("HTTP/1.0 200") {
-        return Err(format!("answer: {head}"));
-    }
-    Ok(body.to_owned())
+        .map_err(|_| format!("connected from port {from}, no whole answer within {limit:?}"))?
+        .map_err(|why| format!("connected from port {from}, {why}"))
 }
 
 /// Runs `request` every [`PAUSE`] until `stop`; a request that errs or takes longer than
