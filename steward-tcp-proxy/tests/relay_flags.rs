@@ -31,8 +31,10 @@ async fn relay_unready(upstream: &str, extra: &[&str]) -> Proxy {
     let mut args = vec!["--service-namespace=default", "--service-name=absent"];
     args.extend_from_slice(extra);
     let proxy = Proxy::start(plane.kubeconfig_path(), upstream, &args);
+    // The health server comes up before the relay's listener: wait for the line steward logs
+    // once the listener is bound (a probe connection would take a slot of the relay's own).
     eventually("steward listens", Duration::from_secs(30), || async {
-        proxy.readyz().await.is_some()
+        proxy.readyz().await.is_some() && proxy.logs().contains("relaying")
     })
     .await;
     proxy
