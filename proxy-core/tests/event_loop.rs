@@ -161,6 +161,19 @@ fn registered_mask(local: SocketAddr, remote: SocketAddr) -> Option<u32> {
     epoll_mask_of(&fd)
 }
 
+/// Writes `byte`s to `stream` until a write stays pending for half a second (every buffer on
+/// the way is full); returns how many it wrote.
+async fn write_until_blocked(stream: &mut TcpStream, byte: u8) -> usize {
+    let chunk = vec![byte; 64 << 10];
+    let mut sent = 0;
+    while let Ok(written) =
+        tokio::time::timeout(Duration::from_millis(500), stream.write(&chunk)).await
+    {
+        sent += written.unwrap();
+    }
+    sent
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_upstream_drops_the_clients_read_interest_until_the_client_runs_dry() {
     // An upstream that accepts and reads nothing until told to.
@@ -173,14 +186,8 @@ async fn a_full_upstream_drops_the_clients_read_interest_until_the_client_runs_d
     // The relay's socket of this client: local `addr`, remote the client's address.
     let relay_leg = (addr, client.local_addr().unwrap());
     let (mut accepted, _) = upstream.accept().await.unwrap();
-    let chunk = vec![7u8; 64 << 10];
-    let mut sent = 0usize;
     // Write until the client blocks: every buffer on the way is full by then.
-    while let Ok(written) =
-        tokio::time::timeout(Duration::from_millis(500), client.write(&chunk)).await
-    {
-        sent += written.unwrap();
-    }
+    let sent = write_until_blocked(&mut client, 7).await;
     eventually(
         Duration::from_secs(30),
         "the client's registration without read interest",
@@ -398,13 +405,7 @@ async fn a_client_is_watched_for_writing_only_once_it_is_full() {
 
     // The upstream writes until it blocks: the client reads nothing, so every buffer on the
     // way is full by then.
-    let chunk = vec![9u8; 64 << 10];
-    let mut sent = 0usize;
-    while let Ok(written) =
-        tokio::time::timeout(Duration::from_millis(500), accepted.write(&chunk)).await
-    {
-        sent += written.unwrap();
-    }
+    let sent = write_until_blocked(&mut accepted, 9).await;
     eventually(
         Duration::from_secs(30),
         "the full client registered for writing too",
