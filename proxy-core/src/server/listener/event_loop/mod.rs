@@ -50,7 +50,10 @@
 //!   (`epoll_ctl` MOD) until the destination drains, so segments arriving meanwhile do not
 //!   wake the thread: HAProxy's way to few wake-ups per MiB.
 //! * **End**: the FIN follows the last byte in the same turn (`shutdown(SHUT_WR)` right after
-//!   the final write); the direction that finishes second leaves it to the close. A reset or
+//!   the final write); the direction that finishes second leaves it to the close. Bytes read
+//!   together with the FIN are sent with `MSG_MORE`, so they and the FIN leave in one
+//!   segment, which the peer acknowledges with its own FIN: a short request/answer connection
+//!   costs 18 segments through the relay instead of 20. A reset or
 //!   error on one leg resets the other (`SO_LINGER` 0). Closing the descriptors removes them
 //!   from epoll; there is no `EPOLL_CTL_DEL`. A slab slot freed during a turn is reused only in
 //!   the next, so late events of the turn cannot reach a new connection.
@@ -100,7 +103,7 @@ use mio::event::Event;
 use mio::unix::SourceFd;
 use mio::{Events, Interest, Registry, Token};
 use rustix::io::Errno;
-use rustix::net::{AddressFamily, SocketFlags, SocketType, ipproto};
+use rustix::net::{AddressFamily, SendFlags, SocketFlags, SocketType, ipproto};
 use rustix::pipe::{SpliceFlags, splice};
 use socket2::SockRef;
 use tokio::runtime::Handle;
@@ -1343,7 +1346,7 @@ impl Copier<'_> {
             flow.streaming = read == want && want >= STREAMING_READ;
             let mut written = 0;
             while written < read && dst.writable {
-                match (&dst.socket).write(&self.scratch[written..read]) {
+                match send_before_fin(&dst.socket, &self.scratch[written..read], flow.eof) {
                     Ok(0) => return Err(fail(io::ErrorKind::WriteZero.into())),
                     Ok(n) => {
                         written += n;
@@ -1352,11 +1355,9 @@ impl Copier<'_> {
                             dst.writable = false;
                         }
                     }
-                    Err(error) if error.kind() == io::ErrorKind::WouldBlock => {
-                        dst.writable = false;
-                    }
-                    Err(error) if error.kind() == io::ErrorKind::Interrupted => {}
-                    Err(error) => return Err(fail(error)),
+                    Err(Errno::AGAIN) => dst.writable = false,
+                    Err(Errno::INTR) => {}
+                    Err(errno) => return Err(fail(errno.into())),
                 }
             }
             if written < read {
@@ -1380,7 +1381,9 @@ impl Copier<'_> {
                 .map(|out| (out, wanted))
         } else {
             let rest = &flow.held[flow.held_from..];
-            (&dst.socket).write(rest).map(|out| (out, rest.len()))
+            send_before_fin(&dst.socket, rest, flow.eof)
+                .map_err(io::Error::from)
+                .map(|out| (out, rest.len()))
         };
         match result {
             Ok((0, _)) => Err(io::ErrorKind::WriteZero.into()),
@@ -1409,4 +1412,17 @@ impl Copier<'_> {
             Err(error) => Err(error),
         }
     }
+}
+
+/// Sends `bytes` to `socket`; `last`: they are the last before the FIN, which the shutdown or
+/// close right after sends. Those go with `MSG_MORE`: queued rather than pushed, they leave
+/// with the FIN in one segment, and the peer acknowledges both with one (two segments fewer
+/// per short connection; HAProxy's buffered path does the same).
+fn send_before_fin(socket: &StdStream, bytes: &[u8], last: bool) -> Result<usize, Errno> {
+    let flags = if last {
+        SendFlags::NOSIGNAL | SendFlags::MORE
+    } else {
+        SendFlags::NOSIGNAL
+    };
+    rustix::net::send(socket, bytes, flags)
 }
