@@ -20,6 +20,8 @@ mod report;
 mod rstream;
 mod steward;
 mod system;
+#[allow(unsafe_code)]
+mod uring_probe;
 
 use std::path::PathBuf;
 use std::time::Instant;

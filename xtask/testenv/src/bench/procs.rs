@@ -29,6 +29,8 @@ pub const ROLE_ENV: &str = "NETKIT_BENCH_ROLE";
 const JOB_ENV: &str = "NETKIT_BENCH_JOB";
 const SINK_PORT_ENV: &str = "NETKIT_BENCH_SINK_PORT";
 const CPU_ENV: &str = "NETKIT_BENCH_CPU";
+/// The io_uring probe's listening and upstream addresses: `<listen> <upstream>`.
+pub const PROBE_ENV: &str = "NETKIT_BENCH_PROBE";
 
 const UPLOAD: u8 = b'U';
 const DOWNLOAD: u8 = b'D';
@@ -125,6 +127,13 @@ pub fn run_role() -> anyhow::Result<bool> {
             let job: Job = serde_json::from_str(&std::env::var(JOB_ENV).context("no job")?)?;
             let measured = runtime.block_on(generate(&job))?;
             println!("result {}", serde_json::to_string(&measured)?);
+        }
+        "uring-probe" => {
+            let addresses = std::env::var(PROBE_ENV).context("a probe without addresses")?;
+            let (listen, upstream) = addresses
+                .split_once(' ')
+                .context("the probe's addresses are not '<listen> <upstream>'")?;
+            super::uring_probe::serve(listen.parse()?, upstream.parse()?)?;
         }
         other => bail!("unknown bench role {other}"),
     }

@@ -45,8 +45,12 @@ const PROXY_CORE_2T: &str = "proxy-core 2 threads";
 /// The third one-thread contender: proxy-core's connection state machines on its own event loop
 /// (`tcp_relay --data-path event-loop`), measured whenever the `tcp_relay` built here has that
 /// flag (see [`relays::Relays::data_path`]); the goals judge it as they judge [`PROXY_CORE`],
-/// which then runs with `--data-path tokio`. An io_uring path would be a fourth entry alike.
+/// which then runs with `--data-path tokio`.
 const PROXY_CORE_EVENT_LOOP: &str = "proxy-core event loop";
+/// The bench's io_uring probe ([`crate::bench::uring_probe`]): a featureless relay that shows
+/// the kernel's share of a connection. Measured in the connection phases only, where the
+/// kernel allows rings; no goal judges it.
+const URING_PROBE: &str = "io_uring probe (featureless)";
 /// Two event loops with a listening socket each (`SO_REUSEPORT`), against [`PROXY_CORE_2T`]'s
 /// one runtime whose two workers share a listener.
 const PROXY_CORE_2L: &str = "proxy-core 2 threads, listener per thread";
@@ -134,8 +138,15 @@ pub fn run(settings: &Settings) -> anyhow::Result<Outcome> {
         .tempdir()?;
     let baseline = std::env::var_os(BASELINE_ENV).map(PathBuf::from);
     let data_path = relays::has_data_path_flag(&tcp_relay);
+    let probe = crate::bench::uring_probe::available();
+    if !probe {
+        notes.push(format!(
+            "This process cannot make an io_uring here: the {URING_PROBE} is not measured."
+        ));
+    }
     let relays = Relays {
         data_path,
+        probe,
         tcp_relay,
         baseline,
         haproxy,
@@ -170,6 +181,10 @@ pub fn run(settings: &Settings) -> anyhow::Result<Outcome> {
         for rate in workload.open_rates {
             phases.push((open_phase(rate), Work::Open { rate }));
         }
+        let probed = relays.probe && {
+            contenders.push(relays.start(URING_PROBE, &sinks)?);
+            true
+        };
         connections(
             settings,
             &workload,
@@ -178,6 +193,9 @@ pub fn run(settings: &Settings) -> anyhow::Result<Outcome> {
             &mut recorder,
             (&mut busy, epoll.as_ref()),
         )?;
+        if probed {
+            contenders.pop();
+        }
         latency(
             settings,
             &workload,

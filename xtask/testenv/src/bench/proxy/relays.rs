@@ -12,7 +12,7 @@ use anyhow::Context as _;
 use super::{
     BASELINE_ENV, DIRECT, HAPROXY_AUTO, HAPROXY_AUTO_2T, HAPROXY_FORCED, HAPROXY_FORCED_2T,
     PIPE_SIZE, PROXY_CORE, PROXY_CORE_2L, PROXY_CORE_2T, PROXY_CORE_BASELINE,
-    PROXY_CORE_EVENT_LOOP, Workload,
+    PROXY_CORE_EVENT_LOOP, URING_PROBE, Workload,
 };
 use crate::bench::Settings;
 use crate::bench::cgroup::{CpuClock, CpuMeter};
@@ -119,6 +119,8 @@ pub(super) struct Relays {
     /// Whether `tcp_relay` has `--data-path` (tokio tasks or proxy-core's event loop): then
     /// [`PROXY_CORE`] names the tokio path and [`PROXY_CORE_EVENT_LOOP`] is measured too.
     pub(super) data_path: bool,
+    /// Whether io_uring works here: then the connection phases measure [`URING_PROBE`] too.
+    pub(super) probe: bool,
     pub(super) tcp_relay: PathBuf,
     pub(super) baseline: Option<PathBuf>,
     pub(super) haproxy: Option<PathBuf>,
@@ -141,6 +143,7 @@ enum Kind {
         threads: usize,
         forced: bool,
     },
+    UringProbe,
 }
 
 fn kind(name: &str) -> Kind {
@@ -191,6 +194,7 @@ fn kind(name: &str) -> Kind {
             threads: 2,
             forced: true,
         },
+        URING_PROBE => Kind::UringProbe,
         _ => Kind::Direct,
     }
 }
@@ -284,6 +288,14 @@ impl Relays {
             }
             Kind::Haproxy { threads, forced } => {
                 self.start_haproxy(addr, upstream, threads, forced, idle_only)?
+            }
+            Kind::UringProbe => {
+                let this = std::env::current_exe().context("finding this executable")?;
+                let mut cmd = system::pinned_command(RELAY_CPU, &this);
+                cmd.args(std::env::args_os().skip(1))
+                    .env(procs::ROLE_ENV, "uring-probe")
+                    .env(procs::PROBE_ENV, format!("{addr} {upstream}"));
+                Service::spawn("uring-probe", cmd, &self.dir)?
             }
         };
         service.wait_listening(addr, Duration::from_secs(10))?;
@@ -460,6 +472,12 @@ pub fn contenders(_settings: &Settings) -> Vec<(&'static str, String)> {
         (
             PROXY_CORE_EVENT_LOOP,
             "examples/tcp_relay --data-path event-loop: proxy-core's connection state machines on its own edge-triggered epoll loop, otherwise as proxy-core (which then runs --data-path tokio); present only when tcp_relay has the flag".to_owned(),
+        ),
+        (
+            URING_PROBE,
+            format!(
+                "not a product path: xtask's own io_uring relay (bench/uring_probe.rs) pinned to CPU {RELAY_CPU}, one ring: multishot accept, connect, recv and send through a 16 KiB buffer per direction, shutdown(2) for the half-close, close by the ring; no metrics, limits, timers or splice. Connection phases only, where io_uring works: what is left of a connection's CPU without user-space work and epoll"
+            ),
         ),
         (
             PROXY_CORE_BASELINE,
