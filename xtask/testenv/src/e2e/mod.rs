@@ -389,20 +389,32 @@ pub async fn helm_test_scenario(
     probe: &str,
 ) {
     let started = Instant::now();
+    // `--logs`: a failed test Pod's output says why (its HTTP client's error).
     let tested = env
-        .helm(&["test", release, "-n", ns, "--timeout", "90s"])
+        .helm(&["test", release, "-n", ns, "--timeout", "90s", "--logs"])
         .await;
     let notes = install_output.contains("Check next");
+    let phases = |text: &str| {
+        text.lines()
+            .filter(|l| l.contains("TEST SUITE") || l.contains("Phase"))
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
     let detail = format!(
         "NOTES {}; helm test: {}",
         if notes { "printed" } else { "missing" },
         match &tested {
-            Ok(t) => t
-                .lines()
-                .filter(|l| l.contains("TEST SUITE") || l.contains("Phase"))
-                .collect::<Vec<_>>()
-                .join(" "),
-            Err(e) => format!("{e:#}").chars().take(300).collect(),
+            Ok(t) => phases(t),
+            Err(e) => {
+                // The phase and the Pod's last lines, not the release header before them.
+                let text = format!("{e:#}");
+                let lines: Vec<&str> = text.lines().collect();
+                let tail = lines[lines.len().saturating_sub(8)..].join(" | ");
+                format!("{} ... {}", phases(&text), tail)
+                    .chars()
+                    .take(1200)
+                    .collect()
+            }
         }
     );
     report.record(
