@@ -389,9 +389,8 @@ pub async fn helm_test_scenario(
     probe: &str,
 ) {
     let started = Instant::now();
-    // `--logs`: a failed test Pod's output says why (its HTTP client's error).
     let tested = env
-        .helm(&["test", release, "-n", ns, "--timeout", "90s", "--logs"])
+        .helm(&["test", release, "-n", ns, "--timeout", "90s"])
         .await;
     let notes = install_output.contains("Check next");
     let phases = |text: &str| {
