@@ -9,7 +9,7 @@ use std::io;
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
 use std::time::Duration;
 
-use std::io::{Read as _, Write as _};
+use std::io::Read as _;
 
 use futures::FutureExt;
 use socket2::SockRef;
@@ -233,6 +233,8 @@ pub(crate) const STREAMING_READ: usize = 16 * 1024;
 /// Copies `src` to `dst` until EOF, then half-closes `dst`, unless `one_done` says the other
 /// direction has finished already: then both sockets are about to be closed, and the close
 /// sends the FIN (`dst` has nothing left to read, so the close cannot turn into a reset).
+/// Bytes read once the FIN is in are sent with `MSG_MORE`, so they and the FIN leave in one
+/// segment.
 ///
 /// Works on shared references, so both directions of a connection run concurrently without
 /// splitting the streams. With [`CopyMode::Splice`], the first bytes go through the adaptive
@@ -253,7 +255,7 @@ pub(crate) async fn copy_tcp(
     let mut buffer = AdaptiveBuffer::default();
     let mut streaming = false;
     loop {
-        src.readable().await?;
+        let ready = src.ready(Interest::READABLE).await?;
         #[cfg(target_os = "linux")]
         if let Some(size) = splice_pipe.filter(|_| streaming)
             && let Some(pipe) = crate::pipe::take(size)
@@ -278,12 +280,16 @@ pub(crate) async fn copy_tcp(
             Err(error) if error.kind() == io::ErrorKind::WouldBlock => continue,
             Err(error) => return Err(error),
         };
+        // TCP takes a FIN only after every byte before it, and a read returns all it has: a
+        // read short of the buffer after the FIN was seen took the last bytes. They go out with
+        // the FIN, and the read that would return 0 is saved (as on the event loop).
+        let last = read < capacity && ready.is_read_closed() && !ready.is_error();
         let mut written = 0;
         while written < read {
             dst.writable().await?;
             let rest = &buffer.filled(read)[written..];
             match try_io_short(dst, Interest::WRITABLE, rest.len(), || {
-                (&*SockRef::from(dst)).write(rest)
+                socket::send_before_fin(dst, rest, last)
             }) {
                 Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
                 Ok(n) => {
@@ -295,6 +301,9 @@ pub(crate) async fn copy_tcp(
             }
         }
         buffer.advance(read);
+        if last {
+            break;
+        }
         streaming = read == capacity && capacity >= STREAMING_READ;
     }
     if one_done.swap(true, Ordering::Relaxed) {

@@ -250,6 +250,33 @@ pub(crate) fn shutdown_write(stream: &TcpStream) -> io::Result<()> {
     SockRef::from(stream).shutdown(Shutdown::Write)
 }
 
+/// Sends `bytes` on `socket` (never raising `SIGPIPE`). `last`: they are the last before the
+/// FIN, which the shutdown or close right after sends. On Linux those go with `MSG_MORE`:
+/// queued rather than pushed, they leave with the FIN in one segment, and the peer acknowledges
+/// both with one (two segments fewer per short connection; HAProxy's buffered path does the
+/// same). Takes tokio's and the standard library's sockets alike.
+pub(crate) fn send_before_fin<S>(socket: &S, bytes: &[u8], last: bool) -> io::Result<usize>
+where
+    for<'s> SockRef<'s>: From<&'s S>,
+{
+    let socket = SockRef::from(socket);
+    #[cfg(target_os = "linux")]
+    {
+        use rustix::net::SendFlags;
+        let flags = if last {
+            SendFlags::NOSIGNAL | SendFlags::MORE
+        } else {
+            SendFlags::NOSIGNAL
+        };
+        Ok(rustix::net::send(&*socket, bytes, flags)?)
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        let _ = last;
+        socket.send(bytes)
+    }
+}
+
 /// Makes the next close send RST instead of FIN, so that a peer learns the other side aborted
 /// rather than finished. `SO_LINGER` with a zero timeout never blocks on close. Takes tokio's
 /// and the standard library's sockets alike (the event loop holds the latter).

@@ -212,11 +212,7 @@ async fn a_full_upstream_drops_the_clients_read_interest_until_the_client_runs_d
     // And it works: bytes the client sends now wake the loop and arrive, then its FIN.
     client.write_all(b"more").await.unwrap();
     client.shutdown().await.unwrap();
-    let mut rest = Vec::new();
-    tokio::time::timeout(Duration::from_secs(30), accepted.read_to_end(&mut rest))
-        .await
-        .expect("the later bytes and the FIN arrive")
-        .unwrap();
+    let rest = read_to_end_within_30s(&mut accepted, "the later bytes and the FIN").await;
     assert_eq!(rest, b"more");
     drop(accepted);
     eventually(Duration::from_secs(30), "connection closed", || {
@@ -364,11 +360,7 @@ async fn bytes_that_come_with_the_fin_arrive_whole_and_end_the_stream() {
     let mut client = TcpStream::connect(addr).await.unwrap();
     client.write_all(b"request").await.unwrap();
     client.shutdown().await.unwrap();
-    let mut received = Vec::new();
-    tokio::time::timeout(Duration::from_secs(30), client.read_to_end(&mut received))
-        .await
-        .expect("the answer ends within 30 s")
-        .unwrap();
+    let received = read_to_end_within_30s(&mut client, "the end of the answer").await;
     assert_eq!(received.len(), answer.len());
     assert!(received == answer, "the answer arrived changed");
     assert_eq!(answering.await.unwrap(), b"request");
@@ -415,36 +407,10 @@ async fn a_client_is_watched_for_writing_only_once_it_is_full() {
 
     // Reading now wakes the loop for the held bytes: all of them arrive, then the FIN.
     accepted.shutdown().await.unwrap();
-    let mut received = Vec::new();
-    tokio::time::timeout(Duration::from_secs(30), client.read_to_end(&mut received))
-        .await
-        .expect("the held bytes and the FIN arrive")
-        .unwrap();
+    let received = read_to_end_within_30s(&mut client, "the held bytes and the FIN").await;
     assert_eq!(received.len(), sent);
     assert!(received.iter().all(|byte| *byte == 9));
     server.shutdown(Duration::from_secs(5)).await;
-}
-
-/// The counters `ss -ti` shows for the TCP socket from `local` to `remote` (`segs_in`,
-/// `bytes_acked`, ...).
-fn tcp_counters(local: SocketAddr, remote: SocketAddr) -> BTreeMap<String, u64> {
-    let output = std::process::Command::new("ss")
-        .args([
-            "-tinH",
-            "src",
-            &local.to_string(),
-            "dst",
-            &remote.to_string(),
-        ])
-        .output()
-        .expect("ss (iproute2) runs");
-    String::from_utf8_lossy(&output.stdout)
-        .split_whitespace()
-        .filter_map(|field| {
-            let (name, value) = field.split_once(':')?;
-            Some((name.to_owned(), value.parse().ok()?))
-        })
-        .collect()
 }
 
 #[tokio::test]
@@ -453,36 +419,11 @@ async fn the_last_bytes_and_the_fin_reach_the_client_in_one_segment() {
     let server = event_loop_server(Arc::new(CountingObserver::default()));
     let addr = listen(&server, Route::new("last", upstream.local_addr().unwrap()));
     let mut client = TcpStream::connect(addr).await.unwrap();
-    let leg = (client.local_addr().unwrap(), addr);
     client.write_all(b"P").await.unwrap();
     let (accepted, _) = upstream.accept().await.unwrap();
-    let accepted = accepted.into_std().unwrap();
-    accepted.set_nonblocking(false).unwrap();
-    let mut request = [0u8; 1];
-    std::io::Read::read_exact(&mut &accepted, &mut request).unwrap();
-    // The relay's ACK of the request (the SYN counts as one byte) is in before counting.
-    eventually(
-        Duration::from_secs(30),
-        "the relay acknowledged the request",
-        || tcp_counters(leg.0, leg.1).get("bytes_acked") >= Some(&2),
-    )
-    .await;
-    let before = tcp_counters(leg.0, leg.1)["segs_in"];
-
-    // The upstream answers and closes in one segment: the relay reads the answer with the FIN.
-    rustix::net::send(&accepted, b"Q", rustix::net::SendFlags::MORE).unwrap();
-    accepted.shutdown(std::net::Shutdown::Write).unwrap();
-    let mut answer = Vec::new();
-    tokio::time::timeout(Duration::from_secs(30), client.read_to_end(&mut answer))
-        .await
-        .expect("the answer and the FIN arrive")
-        .unwrap();
-    assert_eq!(answer, b"Q");
-    let after = tcp_counters(leg.0, leg.1)["segs_in"];
+    let segments = segments_of_an_answer_with_fin(&mut client, accepted).await;
     assert_eq!(
-        after - before,
-        1,
-        "the last byte and the FIN came in one segment, not in {}",
-        after - before
+        segments, 1,
+        "the last byte and the FIN came in one segment, not in {segments}"
     );
 }

@@ -353,3 +353,22 @@ async fn huge_timeouts_never_expire_and_never_overflow() {
     assert_eq!(back, b"still here");
     assert_eq!(relay.task.await.unwrap().unwrap().ending, Ending::Completed);
 }
+
+#[cfg(target_os = "linux")]
+#[tokio::test]
+async fn the_last_bytes_and_the_fin_reach_the_client_in_one_segment() {
+    for mode in MODES {
+        let upstream = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let route = Route::new("last", upstream.local_addr().unwrap());
+        let mut relay = relay_once(route, config(mode)).await;
+        relay.client.write_all(b"P").await.unwrap();
+        let (accepted, _) = upstream.accept().await.unwrap();
+        let segments = segments_of_an_answer_with_fin(&mut relay.client, accepted).await;
+        assert_eq!(
+            segments, 1,
+            "{mode:?}: the last byte and the FIN came in one segment, not in {segments}"
+        );
+        relay.client.shutdown().await.unwrap();
+        assert_eq!(relay.task.await.unwrap().unwrap().ending, Ending::Completed);
+    }
+}

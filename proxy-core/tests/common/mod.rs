@@ -2,6 +2,7 @@
 //! that counts events.
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
 
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -269,6 +270,16 @@ pub async fn eventually(within: Duration, what: &str, mut condition: impl FnMut(
     }
 }
 
+/// Reads `stream` to its end, which must come within 30 s; `what` names what should arrive.
+pub async fn read_to_end_within_30s(stream: &mut TcpStream, what: &str) -> Vec<u8> {
+    let mut received = Vec::new();
+    tokio::time::timeout(Duration::from_secs(30), stream.read_to_end(&mut received))
+        .await
+        .unwrap_or_else(|_| panic!("{what} did not arrive within 30 s"))
+        .unwrap();
+    received
+}
+
 /// Reads until EOF or error; true when the connection ended (EOF or reset) within `within`.
 pub async fn closes_within(stream: &mut TcpStream, within: Duration) -> bool {
     let mut buf = [0u8; 1024];
@@ -281,4 +292,52 @@ pub async fn closes_within(stream: &mut TcpStream, within: Duration) -> bool {
         }
     };
     tokio::time::timeout(within, read_to_end).await.is_ok()
+}
+
+/// The counters `ss -ti` shows for the TCP socket from `local` to `remote` (`segs_in`,
+/// `bytes_acked`, ...).
+pub fn tcp_counters(local: SocketAddr, remote: SocketAddr) -> BTreeMap<String, u64> {
+    let output = std::process::Command::new("ss")
+        .args([
+            "-tinH",
+            "src",
+            &local.to_string(),
+            "dst",
+            &remote.to_string(),
+        ])
+        .output()
+        .expect("ss (iproute2) runs");
+    String::from_utf8_lossy(&output.stdout)
+        .split_whitespace()
+        .filter_map(|field| {
+            let (name, value) = field.split_once(':')?;
+            Some((name.to_owned(), value.parse().ok()?))
+        })
+        .collect()
+}
+
+/// `client` has sent one byte through a relay and `upstream` is the relay's connection to the
+/// upstream: the upstream reads the byte, then answers one byte and closes, in one segment, so
+/// the relay reads the answer together with the FIN. Returns how many segments the client's
+/// socket received for the answer and the FIN (1 when the relay sends them together).
+#[cfg(target_os = "linux")]
+pub async fn segments_of_an_answer_with_fin(client: &mut TcpStream, upstream: TcpStream) -> u64 {
+    let leg = (client.local_addr().unwrap(), client.peer_addr().unwrap());
+    let mut upstream = upstream;
+    let mut request = [0u8; 1];
+    upstream.read_exact(&mut request).await.unwrap();
+    let upstream = upstream.into_std().unwrap();
+    // The relay's ACK of the request (the SYN counts as one byte) is in before counting.
+    eventually(
+        Duration::from_secs(30),
+        "the relay acknowledged the request",
+        || tcp_counters(leg.0, leg.1).get("bytes_acked") >= Some(&2),
+    )
+    .await;
+    let before = tcp_counters(leg.0, leg.1)["segs_in"];
+    rustix::net::send(&upstream, b"Q", rustix::net::SendFlags::MORE).unwrap();
+    upstream.shutdown(std::net::Shutdown::Write).unwrap();
+    let answer = read_to_end_within_30s(client, "the answer and the FIN").await;
+    assert_eq!(answer, b"Q");
+    tcp_counters(leg.0, leg.1)["segs_in"] - before
 }

@@ -181,10 +181,9 @@ pub fn run(settings: &Settings) -> anyhow::Result<Outcome> {
         for rate in workload.open_rates {
             phases.push((open_phase(rate), Work::Open { rate }));
         }
-        let probed = relays.probe && {
+        if relays.probe {
             contenders.push(relays.start(URING_PROBE, &sinks)?);
-            true
-        };
+        }
         connections(
             settings,
             &workload,
@@ -193,7 +192,7 @@ pub fn run(settings: &Settings) -> anyhow::Result<Outcome> {
             &mut recorder,
             (&mut busy, epoll.as_ref()),
         )?;
-        if probed {
+        if relays.probe {
             contenders.pop();
         }
         latency(
