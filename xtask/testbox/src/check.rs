@@ -55,18 +55,55 @@ pub struct GetArgs {
     /// Succeed only on this status [default: any 2xx].
     #[arg(long)]
     pub expect_status: Option<u16>,
-    /// Give up after this many seconds.
+    /// Give up on an attempt after this many seconds.
     #[arg(long, default_value_t = 10.0)]
     pub timeout_seconds: f64,
+    /// Try again, a second apart, while this many seconds have not passed since the first
+    /// attempt: a readiness check through a Service whose endpoints may still be on their way
+    /// to kube-proxy [default: one attempt].
+    #[arg(long, default_value_t = 0.0)]
+    pub retry_for_seconds: f64,
 }
 
 pub async fn get(args: GetArgs) -> anyhow::Result<()> {
     let timeout = seconds(args.timeout_seconds)?;
-    let (status, body) = tokio::time::timeout(timeout, fetch(&args.url, args.ca_file.as_deref()))
-        .await
-        .with_context(|| format!("GET {} timed out after {timeout:?}", args.url))??;
-    std::io::stdout().write_all(&body)?;
-    eprintln!("GET {} -> {status}", args.url);
+    let retry_for = seconds(args.retry_for_seconds)?;
+    let started = Instant::now();
+    let mut attempts = 1u32;
+    loop {
+        let fetched = tokio::time::timeout(timeout, fetch(&args.url, args.ca_file.as_deref()))
+            .await
+            .with_context(|| format!("GET {} timed out after {timeout:?}", args.url))
+            .and_then(|fetched| fetched);
+        let (verdict, answer) = match fetched {
+            Ok((status, body)) => (judge(&args, status), Some((status, body))),
+            Err(error) => (Err(error), None),
+        };
+        if let Err(error) = &verdict
+            && started.elapsed() < retry_for
+        {
+            eprintln!("attempt {attempts}: {error:#}; trying again");
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            attempts += 1;
+            continue;
+        }
+        // The last answer's body, a failed one's too (a /readyz says which check failed).
+        if let Some((status, body)) = answer {
+            std::io::stdout().write_all(&body)?;
+            eprintln!("GET {} -> {status}", args.url);
+        }
+        return match verdict {
+            Err(error) if attempts > 1 => Err(error.context(format!(
+                "{attempts} attempts in {:.1} s",
+                started.elapsed().as_secs_f64()
+            ))),
+            verdict => verdict,
+        };
+    }
+}
+
+/// Whether `status` is the one asked for (any 2xx when none was).
+fn judge(args: &GetArgs, status: hyper::StatusCode) -> anyhow::Result<()> {
     match args.expect_status {
         Some(expected) if status.as_u16() != expected => {
             bail!("GET {}: status {status}, expected {expected}", args.url)

@@ -44,8 +44,8 @@ use crate::ControlPlane;
 use crate::node::{self, TESTBOX_IMAGE, check};
 use anyhow::{Context as _, bail};
 use k8s_openapi::api::apps::v1::Deployment;
-use k8s_openapi::api::core::v1::PodSpec;
-use kube::api::Api;
+use k8s_openapi::api::core::v1::{Pod, PodSpec};
+use kube::api::{Api, ListParams, LogParams};
 
 use crate::charts::REPO_NAME;
 use crate::images::Built;
@@ -204,11 +204,13 @@ impl Env<'_> {
             ns,
         ];
         let tests = format!("tests.image={TESTBOX_IMAGE},tests.pullPolicy=Never");
-        for value in [tests.as_str(), "tests.command={/testbox,get}"]
-            .into_iter()
-            .chain(values.iter().map(String::as_str))
-        {
-            args.extend(["--set", value]);
+        // The test Pod asks through the Service, whose endpoints may reach kube-proxy after
+        // the Pods turned Ready (a user's `helm test` right after an install meets the same).
+        // `--set-string`: the schema wants the command's "60" as a string.
+        let command = "tests.command={/testbox,get,--retry-for-seconds,60}";
+        args.extend(["--set", tests.as_str(), "--set-string", command]);
+        for value in values {
+            args.extend(["--set", value.as_str()]);
         }
         self.helm(&args).await
     }
@@ -390,7 +392,7 @@ pub async fn helm_test_scenario(
 ) {
     let started = Instant::now();
     let tested = env
-        .helm(&["test", release, "-n", ns, "--timeout", "90s"])
+        .helm(&["test", release, "-n", ns, "--timeout", "120s"])
         .await;
     let notes = install_output.contains("Check next");
     let phases = |text: &str| {
@@ -409,10 +411,15 @@ pub async fn helm_test_scenario(
                 let text = format!("{e:#}");
                 let lines: Vec<&str> = text.lines().collect();
                 let tail = lines[lines.len().saturating_sub(8)..].join(" | ");
-                format!("{} ... {}", phases(&text), tail)
-                    .chars()
-                    .take(1200)
-                    .collect()
+                format!(
+                    "{}; test Pod log: {} ... helm: {}",
+                    phases(&text),
+                    test_pod_logs(env, ns).await,
+                    tail
+                )
+                .chars()
+                .take(2000)
+                .collect()
             }
         }
     );
@@ -422,6 +429,39 @@ pub async fn helm_test_scenario(
         started,
         format!("the test Pod GETs {probe}; {detail}"),
     );
+}
+
+/// The last log lines of the release's `helm test` Pods in `ns`: a failed one is kept (its
+/// hook is deleted only on success), so its log says why it failed.
+async fn test_pod_logs(env: &Env<'_>, ns: &str) -> String {
+    let Ok(client) = env.plane.client().await else {
+        return "no client".to_owned();
+    };
+    let pods = Api::<Pod>::namespaced(client, ns);
+    let Ok(list) = pods.list(&ListParams::default()).await else {
+        return "cannot list the Pods".to_owned();
+    };
+    let params = LogParams {
+        tail_lines: Some(8),
+        ..LogParams::default()
+    };
+    let mut logs = Vec::new();
+    for pod in list.items {
+        let name = pod.metadata.name.unwrap_or_default();
+        if !name.contains("-test-") {
+            continue;
+        }
+        let log = match pods.logs(&name, &params).await {
+            Ok(log) => log.lines().collect::<Vec<_>>().join(" | "),
+            Err(e) => format!("no log: {e}"),
+        };
+        logs.push(format!("{name}: {log}"));
+    }
+    if logs.is_empty() {
+        "no test Pod left".to_owned()
+    } else {
+        logs.join("; ")
+    }
 }
 
 /// A chart's report once its scenarios ended: their error, if any, and the restart counts its

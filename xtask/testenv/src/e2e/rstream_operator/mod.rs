@@ -201,11 +201,19 @@ async fn scenarios(env: &Env<'_>, report: &mut ChartReport) -> anyhow::Result<()
     .await?;
     let pods_api: Api<Pod> = Api::namespaced(client.clone(), &ns);
     let deadline = Instant::now() + Duration::from_secs(90);
-    while !pods_api
+    // A failed `helm test` Pod stays (its hook is deleted on success only) and carries the
+    // release's labels: it is not the manager.
+    while pods_api
         .list(&ListParams::default().labels(SELECTOR))
         .await?
         .items
-        .is_empty()
+        .iter()
+        .any(|pod| {
+            pod.metadata
+                .annotations
+                .as_ref()
+                .is_none_or(|a| !a.contains_key("helm.sh/hook"))
+        })
     {
         if Instant::now() > deadline {
             bail!("the manager Pod outlived the uninstall by 90 s");
